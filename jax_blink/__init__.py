@@ -1,0 +1,11 @@
+"""jax_blink: topology-aware collectives for JAX (Blink, MLSys 2020).
+
+Pipeline: topology -> packing (plan) -> schedule -> lowering -> API.
+"""
+
+from .errors import BlinkError, PlanError, ScheduleError, TopologyError
+from .topology import Topology
+
+__version__ = "0.1.0"
+
+__all__ = ["BlinkError", "PlanError", "ScheduleError", "Topology", "TopologyError", "__version__"]

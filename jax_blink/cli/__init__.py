@@ -1,0 +1,59 @@
+"""The ``jax-blink`` command line: one module per subcommand, imported only when used.
+
+Each subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..errors import BlinkError
+
+# subcommand -> (module, one-line help)
+COMMANDS = {
+    "topology": ("jax_blink.cli.topology_cmd", "show a topology (preset, nvidia-smi topo -m file, or JSON)"),
+    "plan": ("jax_blink.cli.plan_cmd", "plan a tree packing for a collective"),
+    "bench": ("jax_blink.cli.bench_cmd", "simulated (and measured) time, algbw, busbw: blink vs ring vs tree"),
+    "show": ("jax_blink.cli.show_cmd", "draw the trees of a plan to a PNG"),
+    "demo": ("jax_blink.cli.demo_cmd", "plan + data-parallel Flax training with jax_blink.psum"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; ``only`` imports just that subcommand's module."""
+    p = argparse.ArgumentParser(prog="jax-blink", description="Topology-aware collectives for JAX (Blink).")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (mod, help_) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_)
+        if only is None or only == name:
+            try:
+                module = importlib.import_module(mod)
+            except ModuleNotFoundError as err:
+                if err.name != mod:
+                    raise
+                continue
+            module.add_arguments(sp)
+            sp.set_defaults(_run=module.run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``jax-blink`` console script. Returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    only = next((a for a in argv if a in COMMANDS), None)
+    parser = build_parser(only)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except BlinkError as err:
+        print(f"jax-blink {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

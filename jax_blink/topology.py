@@ -1,0 +1,225 @@
+"""The interconnect model: a directed graph of GPUs, switches and links.
+
+GPU nodes are integer device indices; shared resources (an NVSwitch, a PCIe switch, a CPU root
+complex, a NIC, host memory) are string nodes, so flows through one switch share its capacity
+(Blink, MLSys 2020, section 3: "hybrid" PCIe + NVLink transfers and shared PCIe switches).
+Every directed edge carries ``bandwidth_gbps`` (GB/s = 1e9 B/s, per direction, all links of the
+edge together), ``kind`` (one of :data:`LINK_KINDS`) and ``links`` (how many physical links).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Iterable
+
+import networkx as nx
+
+from .errors import TopologyError
+
+LINK_KINDS = ("nvlink", "nvswitch", "pcie", "host", "net")
+NODE_KINDS = ("gpu", "nvswitch", "pcie-switch", "cpu", "nic", "host")
+
+
+class Topology:
+    """A machine's (or a job's) interconnect as a ``networkx.DiGraph``.
+
+    Attributes:
+      graph: the directed graph. Node attribute ``kind`` in :data:`NODE_KINDS`; edge attributes
+        ``bandwidth_gbps`` (float, GB/s per direction), ``kind`` (str), ``links`` (int).
+      name: a short human name ("dgx1v", "custom", ...).
+
+    Build one with :meth:`add_gpu` / :meth:`add_switch` / :meth:`add_link`, a preset
+    (:meth:`preset`), a parser (:meth:`from_nvidia_smi`, :meth:`from_json`), or :meth:`detect`.
+    """
+
+    def __init__(self, name: str = "custom"):
+        self.graph = nx.DiGraph()
+        self.name = name
+
+    # ----------------------------------------------------------------- building
+    def add_gpu(self, index: int, **attrs) -> None:
+        """Add GPU ``index`` (a non-negative int). Raises TopologyError on a bad index."""
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise TopologyError(f"GPU ids are non-negative ints, got {index!r}")
+        self.graph.add_node(index, kind="gpu", **attrs)
+
+    def add_switch(self, node_id: str, kind: str, **attrs) -> None:
+        """Add a shared resource node (string id, kind in NODE_KINDS minus 'gpu')."""
+        if not isinstance(node_id, str) or not node_id:
+            raise TopologyError(f"switch/host node ids are non-empty strings, got {node_id!r}")
+        if kind not in NODE_KINDS or kind == "gpu":
+            raise TopologyError(f"unknown node kind {kind!r}; expected one of {NODE_KINDS[1:]}")
+        self.graph.add_node(node_id, kind=kind, **attrs)
+
+    def add_link(self, u, v, per_link_gbps: float, kind: str, links: int = 1,
+                 bidirectional: bool = True) -> None:
+        """Add ``links`` links of ``per_link_gbps`` GB/s (per direction) between u and v.
+
+        Adding to an existing edge adds links and bandwidth (parallel links aggregate).
+        Both endpoints must already exist. Raises TopologyError on unknown nodes, a self loop,
+        a non-positive bandwidth or count, or an unknown kind.
+        """
+        for n in (u, v):
+            if n not in self.graph:
+                raise TopologyError(f"link {u!r}-{v!r}: node {n!r} is not in the topology; add it first")
+        if u == v:
+            raise TopologyError(f"link {u!r}-{v!r}: self loops are not links")
+        if kind not in LINK_KINDS:
+            raise TopologyError(f"link {u!r}-{v!r}: unknown kind {kind!r}; expected one of {LINK_KINDS}")
+        if not (per_link_gbps > 0) or int(links) != links or links < 1:
+            raise TopologyError(f"link {u!r}-{v!r}: bandwidth must be > 0 and links >= 1, "
+                                f"got {per_link_gbps!r} GB/s x {links!r}")
+        pairs = [(u, v), (v, u)] if bidirectional else [(u, v)]
+        for a, b in pairs:
+            if self.graph.has_edge(a, b):
+                d = self.graph.edges[a, b]
+                d["bandwidth_gbps"] += float(per_link_gbps) * links
+                d["links"] += int(links)
+            else:
+                self.graph.add_edge(a, b, bandwidth_gbps=float(per_link_gbps) * links,
+                                    kind=kind, links=int(links))
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def gpus(self) -> list[int]:
+        """Sorted GPU ids."""
+        return sorted(n for n, k in self.graph.nodes(data="kind") if k == "gpu")
+
+    @property
+    def switches(self) -> list[str]:
+        """Sorted ids of the non-GPU (shared resource) nodes."""
+        return sorted(n for n, k in self.graph.nodes(data="kind") if k != "gpu")
+
+    def kind(self, node) -> str:
+        """Node kind of ``node``; TopologyError if absent."""
+        if node not in self.graph:
+            raise TopologyError(f"node {node!r} is not in topology {self.name!r}")
+        return self.graph.nodes[node]["kind"]
+
+    def bandwidth(self, u, v) -> float:
+        """GB/s per direction from u to v over the direct edge (0.0 when there is none)."""
+        d = self.graph.get_edge_data(u, v)
+        return 0.0 if d is None else d["bandwidth_gbps"]
+
+    def links(self) -> list[tuple]:
+        """All directed edges as (u, v, bandwidth_gbps, kind, links), in a stable order."""
+        out = [(u, v, d["bandwidth_gbps"], d["kind"], d["links"]) for u, v, d in self.graph.edges(data=True)]
+        return sorted(out, key=lambda e: (_key(e[0]), _key(e[1])))
+
+    def check_devices(self, devices: Iterable[int]) -> list[int]:
+        """Validate a device list: ints, unique, all GPUs of this topology. Returns it as a list."""
+        devices = list(devices)
+        gpus = set(self.gpus)
+        bad = [d for d in devices if d not in gpus]
+        if bad:
+            raise TopologyError(f"devices {bad} are not GPUs of topology {self.name!r} (GPUs: {sorted(gpus)})")
+        if len(set(devices)) != len(devices):
+            raise TopologyError(f"duplicate devices in {devices}")
+        return devices
+
+    def subset(self, devices: Iterable[int]) -> "Topology":
+        """The part of the machine a job got: the given GPUs plus every switch node on a path
+        between two of them through switch nodes only (so shared switches stay shared)."""
+        devices = self.check_devices(devices)
+        keep = set(devices)
+        sw = [n for n in self.graph if self.graph.nodes[n]["kind"] != "gpu"]
+        swg = self.graph.subgraph(sw + devices).to_undirected(as_view=True)
+        for comp in nx.connected_components(swg.subgraph(sw)):
+            touching = {g for s in comp for g in swg.neighbors(s) if g in keep}
+            if len(touching) >= 2:
+                keep |= comp
+        t = Topology(f"{self.name}[{','.join(map(str, devices))}]")
+        t.graph = self.graph.subgraph(keep).copy()
+        return t
+
+    # ----------------------------------------------------------------- serialisation
+    def to_dict(self) -> dict:
+        """JSON-ready dict: {"name", "nodes": [{"id", "kind"}], "links": [{"src", "dst",
+        "bandwidth_gbps", "kind", "links"}]} in a stable order."""
+        nodes = [{"id": n, "kind": self.graph.nodes[n]["kind"]} for n in sorted(self.graph, key=_key)]
+        links = [{"src": u, "dst": v, "bandwidth_gbps": bw, "kind": k, "links": c}
+                 for u, v, bw, k, c in self.links()]
+        return {"name": self.name, "nodes": nodes, "links": links}
+
+    def to_json(self, **kw) -> str:
+        """Serialise with :meth:`to_dict`; round-trips through :meth:`from_json`."""
+        return json.dumps(self.to_dict(), **kw)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Topology":
+        """Inverse of :meth:`to_dict`. Raises TopologyError naming the bad entry."""
+        if not isinstance(data, dict) or "nodes" not in data or "links" not in data:
+            raise TopologyError("topology JSON must be an object with 'nodes' and 'links'")
+        t = cls(str(data.get("name", "custom")))
+        for i, n in enumerate(data["nodes"]):
+            try:
+                nid, kind = n["id"], n["kind"]
+            except (TypeError, KeyError):
+                raise TopologyError(f"nodes[{i}]: expected {{'id': ..., 'kind': ...}}, got {n!r}") from None
+            if nid in t.graph:
+                raise TopologyError(f"nodes[{i}]: duplicate node id {nid!r}")
+            if kind == "gpu":
+                t.add_gpu(nid)
+            else:
+                t.add_switch(nid, kind)
+        for i, e in enumerate(data["links"]):
+            try:
+                u, v, bw, k, c = e["src"], e["dst"], e["bandwidth_gbps"], e["kind"], e.get("links", 1)
+            except (TypeError, KeyError):
+                raise TopologyError(f"links[{i}]: expected src, dst, bandwidth_gbps, kind; got {e!r}") from None
+            if t.graph.has_edge(u, v):
+                raise TopologyError(f"links[{i}]: duplicate link {u!r}->{v!r}")
+            try:
+                t.add_link(u, v, float(bw) / int(c), k, links=int(c), bidirectional=False)
+            except (TypeError, ValueError) as err:
+                if isinstance(err, TopologyError):
+                    raise TopologyError(f"links[{i}]: {err}") from None
+                raise TopologyError(f"links[{i}]: bad numbers in {e!r}") from None
+        return t
+
+    @classmethod
+    def from_json(cls, text: str) -> "Topology":
+        """Parse :meth:`to_json` output. Raises TopologyError on malformed JSON."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise TopologyError(f"not valid JSON: {err}") from None
+        return cls.from_dict(data)
+
+    def fingerprint(self) -> str:
+        """Stable hex digest of nodes, kinds and links (not the name): a cache key for plans."""
+        d = self.to_dict()
+        d.pop("name")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Topology) and self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint())
+
+    def __repr__(self) -> str:
+        return (f"Topology({self.name!r}, gpus={len(self.gpus)}, switches={len(self.switches)}, "
+                f"edges={self.graph.number_of_edges()})")
+
+    # ----------------------------------------------------------------- constructors
+    @classmethod
+    def host(cls, n: int, gbps: float = 10.0) -> "Topology":
+        """n CPU devices sharing host memory: each joined to one "host" node at ``gbps`` GB/s.
+
+        The embedded default on machines without GPUs (``--xla_force_host_platform_device_count``).
+        """
+        if int(n) != n or n < 1:
+            raise TopologyError(f"Topology.host needs n >= 1 devices, got {n!r}")
+        t = cls(f"host{n}")
+        t.add_switch("host", "host")
+        for i in range(n):
+            t.add_gpu(i)
+            t.add_link(i, "host", gbps, "host")
+        return t
+
+
+def _key(n):
+    """Sort key putting GPUs (ints) before switch ids (strings)."""
+    return (0, n, "") if isinstance(n, int) else (1, 0, str(n))
