@@ -18,7 +18,7 @@ import networkx as nx
 from .errors import TopologyError
 
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "host", "net")
-NODE_KINDS = ("gpu", "nvswitch", "pcie-switch", "cpu", "nic", "host")
+NODE_KINDS = ("gpu", "nvswitch", "pcie-switch", "cpu", "nic", "host", "network")
 
 
 class Topology:
