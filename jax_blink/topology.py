@@ -220,6 +220,35 @@ class Topology:
         return t
 
 
+    @classmethod
+    def preset(cls, name: str) -> "Topology":
+        """A machine preset by name (see :data:`jax_blink.presets.PRESETS`; ``host<N>`` too).
+        Raises TopologyError for an unknown name, listing the known ones."""
+        from .presets import preset
+        return preset(name)
+
+    @classmethod
+    def from_nvidia_smi(cls, text: str, **kw) -> "Topology":
+        """Parse ``nvidia-smi topo -m`` output (optionally followed by ``topo -p2p``); see
+        :func:`jax_blink.nvsmi.parse_topo` for keywords (``nvlink_gbps``, ``pcie_gbps``, ...)."""
+        from .nvsmi import parse_topo
+        return parse_topo(text, **kw)
+
+    @classmethod
+    def detect(cls, **kw) -> "Topology":
+        """This machine's topology: NVML, else ``nvidia-smi topo -m``; see
+        :func:`jax_blink.discovery.detect`. Raises TopologyError saying how to pass one instead."""
+        from .discovery import detect
+        return detect(**kw)
+
+    @classmethod
+    def load(cls, source, **kw) -> "Topology":
+        """A Topology from a preset name, a ``topo -m`` text file, a JSON file, or a Topology;
+        see :func:`jax_blink.discovery.load_topology`."""
+        from .discovery import load_topology
+        return load_topology(source, **kw)
+
+
 def _key(n):
     """Sort key putting GPUs (ints) before switch ids (strings)."""
     return (0, n, "") if isinstance(n, int) else (1, 0, str(n))
