@@ -1,0 +1,154 @@
+"""``jax-blink demo``: plan the all-reduce for this machine, then train the digits CNN with it.
+
+The training code is the example ``examples/flax_digits/train.py`` itself, loaded from the source
+checkout (the README's main command is ``pip install -e ".[examples]" && jax-blink demo`` in the
+repository). Keeping one copy there means the demo runs exactly what a user reads and copies, and the
+package itself never imports flax, optax or scikit-learn.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import sys
+
+from ..errors import BlinkError
+
+HOST_FLAG = "--xla_force_host_platform_device_count"
+HOST_DEVICES = 8
+EXAMPLE = pathlib.Path("examples") / "flax_digits" / "train.py"
+_MODULE = "jax_blink_example_flax_digits"
+
+
+def add_arguments(p) -> None:
+    """Options: the example's training options plus topology and the accuracy target."""
+    p.add_argument("--epochs", type=int, default=8, help="passes over the training split (default 8)")
+    p.add_argument("--mode", choices=("pmap", "shard_map"), default="shard_map",
+                   help="train step: jax.pmap or jax.jit(jax.shard_map) on a mesh (default shard_map)")
+    p.add_argument("--batch-size", type=int, default=64, help="global batch over all devices (default 64)")
+    p.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate (default 5e-3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--topology", default=None,
+                   help="preset name, nvidia-smi topo -m file or JSON (default: detected GPUs, else the "
+                        "dgx1v preset mapped onto 8 host CPU devices)")
+    p.add_argument("--impl", default=None, help="jax_blink lowering (default: jax_blink's choice)")
+    p.add_argument("--min-accuracy", type=float, default=0.95,
+                   help="exit status 1 when the held-out accuracy ends below this (default 0.95)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def load_example():
+    """Import ``examples/flax_digits/train.py`` from the source tree next to this package.
+
+    Raises BlinkError when the file is absent (a non-editable install) or the examples extra
+    (flax, optax, scikit-learn) is missing, saying what to install.
+    """
+    if _MODULE in sys.modules:
+        return sys.modules[_MODULE]
+    root = pathlib.Path(__file__).resolve().parents[2]
+    path = root / EXAMPLE
+    if not path.is_file():
+        raise BlinkError(f"the demo runs {EXAMPLE} from a source checkout, and {path} does not exist: "
+                         "clone the jax_blink repository and run `pip install -e \".[examples]\"` in it")
+    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_MODULE] = module  # dataclasses look their module up while the file executes
+    try:
+        spec.loader.exec_module(module)
+    except ModuleNotFoundError as err:
+        del sys.modules[_MODULE]
+        raise BlinkError(f"{err} (install the examples extra: pip install -e \".[examples]\")") from None
+    return module
+
+
+def _force_host_devices() -> None:
+    # Only shapes the host (CPU) platform, so it is harmless on a GPU machine; it must be in the
+    # environment before JAX starts its backends (importing jax alone does not start them).
+    flags = os.environ.get("XLA_FLAGS", "")
+    if HOST_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {HOST_FLAG}={HOST_DEVICES}".strip()
+
+
+def choose_devices(topology_source: str | None):
+    """Pick (devices, topology, sentence saying why).
+
+    Two or more GPUs: all of them (up to 8) with the detected topology (or ``topology_source``).
+    Otherwise 8 host CPU devices with ``topology_source`` or the dgx1v preset, device i playing
+    GPU i. Raises BlinkError when JAX started with fewer host devices than needed.
+    """
+    import jax
+
+    from ..topology import Topology
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if len(gpus) >= 2:
+        devices = gpus[:8]
+        if topology_source:
+            topo, how = Topology.load(topology_source), f"topology {topology_source!r}"
+        else:
+            topo, how = Topology.detect(), "topology detected from NVML / nvidia-smi"
+        return devices, topo, f"{len(devices)} GPUs detected; {how}"
+    cpus = jax.devices("cpu")
+    if len(cpus) < HOST_DEVICES:
+        raise BlinkError(f"JAX has {len(cpus)} host CPU devices, the demo needs {HOST_DEVICES}: JAX was "
+                         f"started before the demo could set XLA_FLAGS={HOST_FLAG}={HOST_DEVICES}; "
+                         "run `jax-blink demo` in a fresh process")
+    name = topology_source or "dgx1v"
+    topo = Topology.load(name)
+    why = "no GPU detected" if not gpus else "only 1 GPU detected (nothing to all-reduce across)"
+    return cpus[:HOST_DEVICES], topo, (
+        f"{why}: topology {name!r} ({len(topo.gpus)} GPUs) mapped onto {HOST_DEVICES} host CPU devices "
+        f"(CPU device i plays GPU i); the plan is {name}'s, the timings are this CPU's")
+
+
+def _plan_lines(topo, ndevices: int) -> list[str]:
+    from ..packing import plan
+
+    gpus = tuple(topo.gpus[:ndevices])
+    pl = plan(topo, "allreduce", devices=gpus)
+    lines = [pl.describe().rstrip()]
+    summary = (f"plan: {len(pl.trees)} trees, rate {pl.rate_gbps:.2f} GB/s, "
+               f"bound {pl.bound_gbps:.2f} GB/s ({pl.algorithm})")
+    try:
+        from ..packing import ring_rate
+        summary += f", ring rate {ring_rate(topo, gpus):.2f} GB/s"
+    except ImportError:
+        pass
+    lines.append(summary)
+    return lines
+
+
+def run(args) -> int:
+    """Choose the topology, print the plan, train with jax_blink and lax, print the summary."""
+    _force_host_devices()
+    ex = load_example()
+    try:
+        config = ex.config_from_args(args, ndevices=HOST_DEVICES)
+    except ValueError as err:
+        raise BlinkError(str(err)) from None
+    devices, topo, why = choose_devices(args.topology)
+    config.ndevices = len(devices)
+    if config.batch_size % len(devices):
+        raise BlinkError(f"--batch-size {config.batch_size} does not split over {len(devices)} devices: "
+                         f"use a multiple of {len(devices)}")
+    print(f"devices: {why}")
+    for line in _plan_lines(topo, len(devices)):
+        print(line)
+    print(f"training: Flax CNN on scikit-learn digits, {config.mode}, {config.epochs} epochs, "
+          f"global batch {config.batch_size} over {len(devices)} devices", flush=True)
+    c = ex.compare(config, ex.blink_collectives(topo, args.impl), devices=devices)
+    print(ex.report(c.blink))
+    print(ex.report(c.lax))
+    print(ex.report_comparison(c))
+    acc_ok = c.blink.test_accuracy >= args.min_accuracy
+    diff_ok = c.max_rel_diff <= 1e-5
+    print(f"summary: held-out accuracy {c.blink.test_accuracy:.4f} "
+          f"(lax.psum run {c.lax.test_accuracy:.4f}; target {args.min_accuracy:.2f} "
+          f"{'reached' if acc_ok else 'NOT reached'}); "
+          f"psum {c.blink.step_time * 1e3:.2f} ms/step vs lax.psum {c.lax.step_time * 1e3:.2f} ms/step; "
+          f"loss difference {c.max_rel_diff:.1e} rel ({'ok' if diff_ok else 'TOO LARGE'})")
+    return 0 if acc_ok and diff_ok else 1
