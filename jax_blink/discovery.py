@@ -1,0 +1,240 @@
+"""Find the machine's topology (NVML, then ``nvidia-smi topo -m``) or load one a user names.
+
+:func:`detect` reads NVML through nvidia-ml-py (``pip install jax-blink[nvml]``): every active
+NVLink's remote PCI bus id (a GPU, or an NVSwitch), the NVLink version (-> per-link GB/s), the PCIe
+common ancestor of each GPU pair (the same PIX/PXB/PHB/NODE/SYS levels nvidia-smi prints), the
+peer-to-peer read status and the NUMA node. The pairwise relations go through the same model builder
+as the ``nvidia-smi topo -m`` parser (:func:`jax_blink.nvsmi.build_topology`), so both readings of a
+machine agree. GPU ids are NVML indices (PCI bus order); an integer ``CUDA_VISIBLE_DEVICES`` list is
+applied (those GPUs, renumbered 0..k-1 in the listed order), as CUDA numbers them with
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+
+import networkx as nx
+
+from .errors import TopologyError
+from .nvsmi import build_topology, parse_topo
+from .presets import is_preset, preset
+from .topology import Topology
+
+HOW_TO_PASS = ("pass a topology explicitly instead: a preset name (e.g. 'dgx1v', 'dgx-a100', 'host8'), "
+               "the path of a saved `nvidia-smi topo -m` output (.txt), or a JSON file written by "
+               "Topology.to_json(); e.g. jax_blink.Topology.load('topo.txt') or "
+               "`jax-blink topology topo.txt`")
+
+# NVLink version -> GB/s per link per direction (P100 NVLink1 20; NVLink2-4 25; NVLink5 50).
+NVLINK_VERSION_GBPS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
+# GPU model substring -> GB/s per link per direction, when NVML does not report the version.
+NVLINK_MODEL_GBPS = (("P100", 20.0), ("V100", 25.0), ("A100", 25.0), ("A800", 25.0), ("H100", 25.0),
+                     ("H200", 25.0), ("H800", 25.0), ("GH200", 25.0), ("B100", 50.0), ("B200", 50.0),
+                     ("GB200", 50.0), ("B300", 50.0))
+_NVML_LEVEL = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+
+
+def detect(*, nvlink_gbps: float | None = None, pcie_gbps: float = 12.0, inter_socket_gbps: float = 20.0,
+           use_nvml: bool = True, use_nvidia_smi: bool = True) -> Topology:
+    """This machine's GPU topology.
+
+    Tries NVML (nvidia-ml-py), then ``nvidia-smi topo -m`` (+ ``topo -p2p r``). ``nvlink_gbps``
+    overrides the per-link rate (default: from the NVLink version / GPU model; 25 for nvidia-smi).
+    Raises TopologyError when neither works, saying why each failed and how to pass a topology.
+    """
+    reasons = []
+    if use_nvml:
+        try:
+            import pynvml  # nvidia-ml-py
+        except ImportError:
+            reasons.append("NVML: nvidia-ml-py is not installed (pip install 'jax-blink[nvml]')")
+        else:
+            try:
+                pynvml.nvmlInit()
+            except Exception as err:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+                reasons.append(f"NVML: cannot initialise ({err})")
+            else:
+                try:
+                    return _apply_visible_devices(
+                        from_nvml(pynvml, nvlink_gbps=nvlink_gbps, pcie_gbps=pcie_gbps,
+                                  inter_socket_gbps=inter_socket_gbps))
+                except TopologyError as err:
+                    reasons.append(f"NVML: {err}")
+                finally:
+                    try:
+                        pynvml.nvmlShutdown()
+                    except Exception:
+                        pass
+    if use_nvidia_smi:
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            reasons.append("nvidia-smi: not on PATH")
+        else:
+            try:
+                text = _run([exe, "topo", "-m"])
+                try:
+                    text += "\n$ nvidia-smi topo -p2p r\n" + _run([exe, "topo", "-p2p", "r"])
+                except TopologyError:
+                    pass  # older drivers lack -p2p: assume peer-to-peer works
+                kw = {} if nvlink_gbps is None else {"nvlink_gbps": nvlink_gbps}
+                return _apply_visible_devices(parse_topo(text, pcie_gbps=pcie_gbps,
+                                                         inter_socket_gbps=inter_socket_gbps,
+                                                         name="detected", **kw))
+            except TopologyError as err:
+                reasons.append(f"nvidia-smi: {err}")
+    raise TopologyError("could not detect the GPU topology (" + "; ".join(reasons or ["detection disabled"])
+                        + "); " + HOW_TO_PASS)
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise TopologyError(f"`{' '.join(cmd)}` failed: {err}") from None
+    if out.returncode != 0:
+        raise TopologyError(f"`{' '.join(cmd)}` exited {out.returncode}: {out.stderr.strip()[:200]}")
+    return out.stdout
+
+
+def _bus_key(bus) -> tuple[int, int, str]:
+    """Normalise a PCI bus id ('00000000:07:00.0' or b'0000:07:00.0') to (domain, bus, dev.fn)."""
+    if isinstance(bus, bytes):
+        bus = bus.decode(errors="replace")
+    parts = str(bus).strip().lower().split(":")
+    try:
+        if len(parts) == 3:
+            return int(parts[0], 16), int(parts[1], 16), parts[2]
+        if len(parts) == 2:
+            return 0, int(parts[0], 16), parts[1]
+    except ValueError:
+        pass
+    raise TopologyError(f"unrecognised PCI bus id {bus!r}")
+
+
+def from_nvml(nvml, *, nvlink_gbps: float | None = None, pcie_gbps: float = 12.0,
+              inter_socket_gbps: float = 20.0) -> Topology:
+    """Build the topology from an initialised NVML module (``pynvml``; any object with its API).
+
+    Raises TopologyError when NVML reports no GPUs or a query fails.
+    """
+    Err = getattr(nvml, "NVMLError", Exception)
+    try:
+        n = int(nvml.nvmlDeviceGetCount())
+        if n < 1:
+            raise TopologyError("NVML reports no GPUs")
+        hs = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+        names = [nvml.nvmlDeviceGetName(h) for h in hs]
+        names = [x.decode(errors="replace") if isinstance(x, bytes) else str(x) for x in names]
+        bus = {_bus_key(nvml.nvmlDeviceGetPciInfo(h).busId): i for i, h in enumerate(hs)}
+        pcie, no_p2p, affinity = {}, set(), {}
+        read = nvml.NVML_P2P_CAPS_INDEX_READ
+        read = read[0] if isinstance(read, tuple) else read  # pynvml defines it as (0,)
+        for i in range(n):
+            for j in range(i + 1, n):
+                level = int(nvml.nvmlDeviceGetTopologyCommonAncestor(hs[i], hs[j]))
+                pcie[frozenset((i, j))] = _NVML_LEVEL.get(level, "SYS")
+                try:
+                    if nvml.nvmlDeviceGetP2PStatus(hs[i], hs[j], read) != nvml.NVML_P2P_STATUS_OK:
+                        no_p2p.add(frozenset((i, j)))
+                except Err:
+                    pass  # unknown: assume peer-to-peer works, as nvidia-smi without -p2p does
+        for i, h in enumerate(hs):
+            try:
+                affinity[i] = ("NUMA", int(nvml.nvmlDeviceGetNumaNodeId(h)))
+            except (Err, AttributeError):
+                pass
+        nvlinks, to_switch, versions = {}, {}, set()
+        for i, h in enumerate(hs):
+            for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18))):
+                try:
+                    if nvml.nvmlDeviceGetNvLinkState(h, link) != nvml.NVML_FEATURE_ENABLED:
+                        continue
+                    remote = _bus_key(nvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId)
+                except Err:
+                    continue  # link absent on this GPU
+                try:
+                    versions.add(int(nvml.nvmlDeviceGetNvLinkVersion(h, link)))
+                except Err:
+                    pass
+                j = bus.get(remote)
+                if j is not None and j != i:
+                    if i < j:  # count each pair from its lower end; the other end sees the same links
+                        key = frozenset((i, j))
+                        nvlinks[key] = nvlinks.get(key, 0) + 1
+                else:
+                    to_switch[i] = to_switch.get(i, 0) + 1
+    except Err as err:
+        raise TopologyError(f"NVML query failed: {err}") from None
+    if nvlink_gbps is None:
+        nvlink_gbps = _link_gbps(versions, names)
+    return build_topology(n, [], pcie, nvlinks, no_p2p=no_p2p, affinity=affinity, nvlink_gbps=nvlink_gbps,
+                          pcie_gbps=pcie_gbps, inter_socket_gbps=inter_socket_gbps,
+                          nvswitch_links=to_switch, nvswitch=False, name="detected")
+
+
+def _link_gbps(versions: set[int], names: list[str]) -> float:
+    """Per-link GB/s per direction from NVLink versions, else the GPU model name, else 25."""
+    if versions:
+        return min(NVLINK_VERSION_GBPS.get(v, 25.0) for v in versions)
+    for sub, gbps in NVLINK_MODEL_GBPS:
+        if any(sub in nm for nm in names):
+            return gbps
+    return 25.0
+
+
+def _apply_visible_devices(t: Topology) -> Topology:
+    """Restrict to an integer ``CUDA_VISIBLE_DEVICES`` list, renumbered in the listed order."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None or not env.strip():
+        return t
+    try:
+        ids = [int(x) for x in env.split(",") if x.strip()]
+    except ValueError:
+        return t  # UUID / MIG forms: keep NVML numbering
+    if ids and all(0 <= i < len(t.gpus) for i in ids) and len(set(ids)) == len(ids):
+        sub = t.subset(ids)
+        sub.graph = nx.relabel_nodes(sub.graph, {g: r for r, g in enumerate(ids)})
+        sub.name = t.name
+        return sub
+    return t
+
+
+def load_topology(source, **kw) -> Topology:
+    """A Topology from what a user names.
+
+    Args:
+      source: a Topology (returned as is); a preset name (``dgx1v``, ``dgx-a100``, ``host8``...);
+        ``"detect"`` (:func:`detect`); a path to a ``.json`` file (``Topology.to_json``) or to a text
+        file with ``nvidia-smi topo -m`` output; or a dict (``Topology.to_dict``).
+      **kw: forwarded to the ``topo -m`` parser (``nvlink_gbps``, ``pcie_gbps``, ...) or to
+        :func:`detect`.
+
+    Raises TopologyError when the source is none of these or does not parse.
+    """
+    if isinstance(source, Topology):
+        return source
+    if isinstance(source, dict):
+        return Topology.from_dict(source)
+    if isinstance(source, str) and source.strip().lower() == "detect":
+        return detect(**kw)
+    if isinstance(source, str) and is_preset(source):
+        return preset(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise TopologyError(f"cannot load a topology from {type(source).__name__}; " + HOW_TO_PASS)
+    path = pathlib.Path(source)
+    if not path.is_file():
+        raise TopologyError(f"{str(source)!r} is not a preset name or an existing file; " + HOW_TO_PASS)
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as err:
+        raise TopologyError(f"cannot read {str(path)!r}: {err}") from None
+    try:
+        if path.suffix.lower() == ".json" or text.lstrip().startswith("{"):
+            return Topology.from_json(text)
+        return parse_topo(text, name=path.stem, **kw)
+    except TopologyError as err:
+        raise TopologyError(f"{path}: {err}") from None
