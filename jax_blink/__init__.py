@@ -10,5 +10,17 @@ from .discovery import detect, load_topology
 
 __version__ = "0.1.0"
 
+# JAX-facing API, imported lazily so the CLI and planners load without importing jax.
+_LAZY = {"psum": "api", "pmean": "api", "broadcast": "api", "reduce": "api", "set_device_map": "mapping"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["BlinkError", "PlanError", "ScheduleError", "Topology", "TopologyError", "__version__",
-           "PRESETS", "multi_node", "detect", "load_topology"]
+           "PRESETS", "multi_node", "detect", "load_topology",
+           "psum", "pmean", "broadcast", "reduce", "set_device_map"]

@@ -1,0 +1,199 @@
+"""Public collectives: ``psum``, ``pmean``, ``broadcast``, ``reduce`` (drop-ins for ``jax.lax``).
+
+Inside ``jax.pmap`` / ``jax.shard_map`` (check_vma on or off) / ``vmap(axis_name=...)``. The data
+moves along a tree packing of the machine's topology (Blink, Wang et al., MLSys 2020, sections 3-4):
+``jax_blink.packing.plan`` -> ``jax_blink.schedule.build_schedule`` -> a lowering from
+``jax_blink.lowering`` ("ppermute": rounds of collective_permute; "ffi": native custom call).
+
+Leaves of one dtype (and one varying-axes type) are packed into one flat buffer per call, like a
+gradient bucket, so a parameter tree costs one collective per dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import config, core, dtypes
+from jax._src.lax import lax as _lax
+from jax._src.lax import parallel as _parallel
+
+from . import mapping
+from . import primitives as P
+from .lowering import LOWERINGS
+from .lowering import ppermute as _ppermute  # noqa: F401  (registers impl "ppermute")
+
+_SUPPORTED = {np.dtype(t) for t in (
+    np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+    np.float16, np.float32, np.float64, np.complex64, np.complex128)} | {np.dtype(dtypes.bfloat16)}
+
+IMPLS = ("auto", "ppermute", "ffi")
+
+
+def _axes(axis_name) -> tuple:
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if any(isinstance(a, int) for a in axes):
+        raise TypeError(f"jax_blink collectives take named axes only, got positional axis in {axes}")
+    return axes
+
+
+def _impl(impl) -> str:
+    impl = "auto" if impl is None else impl
+    if impl not in IMPLS and impl not in LOWERINGS:
+        raise ValueError(f"impl must be one of {sorted(set(IMPLS) | set(LOWERINGS))} or None, got {impl!r}")
+    return impl
+
+
+def _check_dtype(dtype, api) -> None:
+    if np.dtype(dtype) not in _SUPPORTED:
+        raise TypeError(f"{api} does not support dtype {np.dtype(dtype).name}; supported: bool, int8..int64, "
+                        "uint8..uint64, float16, bfloat16, float32, float64, complex64, complex128")
+
+
+def _prepare(x, axes, api):
+    """Flatten the pytree, bool -> int32, check dtypes; (leaves, treedef, all_constant)."""
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    out = []
+    for leaf in leaves:
+        dt = dtypes.dtype(leaf)
+        if dt == np.bool_:
+            leaf = lax.convert_element_type(leaf, np.int32)
+        else:
+            _check_dtype(dt, api)
+        out.append(leaf)
+    return out, treedef, all(not isinstance(leaf, core.Tracer) for leaf in out)
+
+
+def _vary(leaf, axes):
+    """Under check_vma, make ``leaf`` varying over ``axes`` (lax.psum does the same via pvary)."""
+    if not config._check_vma.value:
+        return leaf
+    missing = tuple(a for a in axes if a not in core.typeof(leaf).mat.varying)
+    return core.pvary(leaf, axis_name=missing) if missing else leaf
+
+
+def _bucketed(leaves, axes, bind):
+    """Apply ``bind`` (flat array -> flat array) once per (dtype, vma) bucket of leaves."""
+    leaves = [_vary(jnp.asarray(leaf), axes) for leaf in leaves]
+    buckets: dict = {}
+    for i, leaf in enumerate(leaves):
+        aval = core.typeof(leaf)
+        buckets.setdefault((aval.dtype, frozenset(aval.mat.varying)), []).append(i)
+    out = [None] * len(leaves)
+    for idx in buckets.values():
+        if len(idx) == 1:
+            out[idx[0]] = bind(leaves[idx[0]])
+            continue
+        flat = bind(jnp.concatenate([leaves[i].reshape(-1) for i in idx]))
+        off = 0
+        for i in idx:
+            n = math.prod(leaves[i].shape)
+            out[i] = flat[off:off + n].reshape(leaves[i].shape)
+            off += n
+    return out
+
+
+def _groups(axis_index_groups):
+    if axis_index_groups is None:
+        return None
+    _parallel._validate_reduce_axis_index_groups(axis_index_groups)
+    return tuple(tuple(int(i) for i in g) for g in axis_index_groups)
+
+
+def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, device_map=None,
+         chunk_elems=None):
+    """All-reduce sum of ``x`` over mapped axis ``axis_name`` along a tree packing (drop-in for ``lax.psum``).
+
+    Args:
+      x: pytree of arrays (any shape, including zero-size) or Python scalars. bool becomes int32;
+        integer sums wrap like lax. Dtypes: bool, int8..int64, uint8..uint64, float16, bfloat16,
+        float32, float64, complex64, complex128.
+      axis_name: a mesh / pmap / vmap axis name or a tuple of them (size-1 axes are skipped as lax does).
+      axis_index_groups: like ``lax.psum`` (not with ``check_vma=True``, as lax).
+      topology: a ``Topology``, preset name or file path; default ``$JAX_BLINK_TOPOLOGY``, else
+        detected (GPU) or ``Topology.host(n)`` (CPU). See ``jax_blink.mapping``.
+      impl: "auto" (default: "ffi" where registered, else "ppermute"), "ppermute" or "ffi".
+      device_map: ``{device.id: topology GPU}`` or callable; default ``jax_blink.set_device_map``'s or ids.
+      chunk_elems: fixed pipeline chunk in elements (default: the schedule's cost model).
+
+    Returns: same structure/shapes as ``x``; every device holds bitwise-identical sums (all receive
+    the tree roots' results). Source: Blink (MLSys 2020) section 4: reduce then broadcast on the same
+    packed spanning trees.
+    Raises NameError for an unbound axis, TypeError for an unsupported dtype, TopologyError /
+    PlanError / BlinkError (at trace/lower time) when the topology does not cover the mesh devices.
+    """
+    axes = _parallel._maybe_skip_one_sized_axes(_axes(axis_name))
+    if not axes:
+        return x
+    P.check_axis_names(axes, "jax_blink.psum")
+    groups = _groups(axis_index_groups)
+    impl = _impl(impl)
+    key = mapping.make_plan_key(topology, device_map, chunk_elems)
+    leaves, treedef, constant = _prepare(x, axes, "jax_blink.psum")
+    if constant:
+        size = len(groups[0]) if groups is not None else math.prod(P.axis_sizes(axes))
+        return jax.tree_util.tree_unflatten(treedef, [_lax._const(leaf, size) * leaf for leaf in leaves])
+    if config._check_vma.value:
+        if groups is not None:
+            raise NotImplementedError("axis_index_groups is not supported with shard_map(check_vma=True) "
+                                      "(as lax.psum); use check_vma=False")
+        bind = lambda v: P.blink_psum_invariant_p.bind(v, axes=axes, impl=impl, key=key)
+    else:
+        bind = lambda v: P.blink_psum_p.bind(v, axes=axes, impl=impl, key=key, axis_index_groups=groups)
+    return jax.tree_util.tree_unflatten(treedef, _bucketed(leaves, axes, bind))
+
+
+def pmean(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, device_map=None,
+          chunk_elems=None):
+    """Mean over ``axis_name``: ``psum(x) / axis size`` (like ``lax.pmean``; ints become floats).
+
+    Same arguments and errors as :func:`psum`.
+    """
+    s = psum(x, axis_name, axis_index_groups=axis_index_groups, topology=topology, impl=impl,
+             device_map=device_map, chunk_elems=chunk_elems)
+    axes = _axes(axis_name)
+    n = len(axis_index_groups[0]) if axis_index_groups is not None else math.prod(P.axis_sizes(axes))
+    return jax.tree_util.tree_map(lambda v: v / n, s)
+
+
+def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_elems):
+    axes = _parallel._maybe_skip_one_sized_axes(_axes(axis_name))
+    api = f"jax_blink.{prim_name}"
+    if not axes:
+        return x
+    P.check_axis_names(axes, api)
+    size = math.prod(P.axis_sizes(axes))
+    if int(root) != root or not 0 <= root < size:
+        raise ValueError(f"{api}: root must be a rank in [0, {size}) over axes {axes}, got {root!r}")
+    root = int(root)
+    impl = _impl(impl)
+    key = mapping.make_plan_key(topology, device_map, chunk_elems)
+    leaves, treedef, constant = _prepare(x, axes, api)
+    prim = P.blink_broadcast_p if prim_name == "broadcast" else P.blink_reduce_p
+    vma = bool(config._check_vma.value)
+    if constant and prim_name == "broadcast":
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+    bind = lambda v: prim.bind(v, axes=axes, root=root, impl=impl, key=key, vma=vma)
+    return jax.tree_util.tree_unflatten(treedef, _bucketed(leaves, axes, bind))
+
+
+def broadcast(x, axis_name, root=0, *, topology=None, impl=None, device_map=None, chunk_elems=None):
+    """Every device along ``axis_name`` gets the operand of rank ``root`` (Blink section 3, broadcast trees).
+
+    Args: ``x`` pytree; ``root`` rank over ``axis_name`` (row-major over a tuple, as
+    ``lax.axis_index``); other arguments as :func:`psum`. Under ``check_vma=True`` the result is
+    invariant over ``axis_name``. Raises ValueError for a root out of range, plus :func:`psum`'s errors.
+    """
+    return _rooted("broadcast", x, axis_name, root, topology, impl, device_map, chunk_elems)
+
+
+def reduce(x, axis_name, root=0, *, topology=None, impl=None, device_map=None, chunk_elems=None):
+    """Sum over ``axis_name`` on rank ``root``, zeros on every other device (Blink reduce trees).
+
+    Arguments and errors as :func:`broadcast`. bool becomes int32; integer sums wrap.
+    """
+    return _rooted("reduce", x, axis_name, root, topology, impl, device_map, chunk_elems)

@@ -1,0 +1,134 @@
+"""Portable lowering: a schedule as rounds of ``stablehlo.collective_permute``.
+
+Every group (one per combination of the mesh axes the collective does not run over) has its own
+schedule; round ``r`` of all groups is one ``collective_permute`` whose source-target pairs are mesh
+positions (partition ids), so groups may follow different trees. Per round each device:
+
+1. slices the chunk it sends at its own offset from a zero-padded copy of its flat buffer (a fixed
+   length ``L_r`` = the round's longest chunk, so one permute carries every chunk of the round);
+2. receives ``L_r`` elements (zeros when it receives nothing, masked out by its length 0);
+3. adds (REDUCE) or copies (COPY) the first ``recv_len`` elements into its buffer at its offset.
+
+The per-device offsets, lengths and ops come from constant tables indexed by the partition id, so
+the program is the same on every device (SPMD). For ``reduce`` the non-root devices zero their
+buffer at the end. Bitwise identity: every device's final all-reduce values are COPYs of the root's.
+Works across processes wherever XLA's collective_permute does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir.dialects import hlo
+from jax._src.lib.mlir import ir
+from jax._src.sharding_impls import SPMDAxisContext
+
+from . import LoweringRequest, register_lowering
+
+# ----------------------------------------------------------------- tiny internal primitives
+# A raw collective_permute over mesh positions and the device's mesh position; only ever bound
+# inside this lowering (no AD / batching rules needed).
+_cperm_p = core.Primitive("blink_collective_permute")
+_cperm_p.def_abstract_eval(lambda x, *, pairs: core.ShapedArray(x.shape, x.dtype))
+
+
+def _cperm_lowering(ctx, x, *, pairs):
+    axis_ctx = ctx.module_context.axis_context
+    kw = {}
+    if isinstance(axis_ctx, SPMDAxisContext) and axis_ctx.manual_axes:
+        kw["channel_handle"] = hlo.ChannelHandle.get(mlir.COLLECTIVE_CHANNEL_ID,
+                                                     mlir.DEVICE_TO_DEVICE_TYPE)
+    return hlo.CollectivePermuteOp(x, mlir.dense_int_elements(np.asarray(pairs, np.int64).reshape(-1, 2)),
+                                   **kw).results
+
+
+mlir.register_lowering(_cperm_p, _cperm_lowering)
+
+_position_p = core.Primitive("blink_mesh_position")
+_position_p.def_abstract_eval(lambda: core.ShapedArray((), np.int32))
+
+
+def _position_lowering(ctx):
+    pid = hlo.partition_id() if isinstance(ctx.module_context.axis_context, SPMDAxisContext) else hlo.replica_id()
+    return [hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)), pid)]
+
+
+mlir.register_lowering(_position_p, _position_lowering)
+
+
+# ----------------------------------------------------------------- round tables
+def round_tables(request: LoweringRequest, ndevices: int):
+    """Per round: (pairs, table int32 [ndevices, 4] = send_off, recv_off, recv_len, op, length L_r).
+
+    Round r of every group's schedule goes into the same round (groups are disjoint device sets,
+    so the union of their partial permutations is one). Also returns ``keep`` int32 [ndevices]: 1
+    where a device keeps its buffer at the end (0 on non-roots of a reduce).
+    """
+    nrounds = max((s.num_rounds for s in request.schedules), default=0)
+    rounds = []
+    per_sched = [s.rounds() for s in request.schedules]
+    for r in range(nrounds):
+        table = np.zeros((ndevices, 4), np.int32)
+        pairs, length = [], 0
+        for members, sched, rs in zip(request.groups, request.schedules, per_sched):
+            if r >= len(rs):
+                continue
+            for _, op, src, dst, c in rs[r]:
+                ps, pd = members[src], members[dst]
+                off, ln = int(sched.chunk_offset[c]), int(sched.chunk_length[c])
+                table[ps, 0] = off
+                table[pd, 1:] = (off, ln, op)
+                pairs.append((ps, pd))
+                length = max(length, ln)
+        rounds.append((tuple(pairs), table, length))
+    keep = np.ones(ndevices, np.int32)
+    if request.collective == "reduce":
+        for members, sched in zip(request.groups, request.schedules):
+            if len(sched.seg_root):
+                root = int(sched.seg_root[0])
+                for rank, p in enumerate(members):
+                    keep[p] = int(rank == root)
+    return rounds, keep
+
+
+def _execute(flat, rounds, keep, nelems):
+    """The per-device program (traced with jnp, lowered in place): flat [nelems] -> [nelems]."""
+    pad = max((ln for _, _, ln in rounds), default=0)
+    buf = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)]) if pad else flat
+    me = _position_p.bind()
+    for pairs, table, length in rounds:
+        row = lax.dynamic_index_in_dim(jnp.asarray(table), me, 0, keepdims=False)
+        send_off, recv_off, recv_len, op = row[0], row[1], row[2], row[3]
+        got = _cperm_p.bind(lax.dynamic_slice(buf, (send_off,), (length,)), pairs=pairs)
+        cur = lax.dynamic_slice(buf, (recv_off,), (length,))
+        new = jnp.where(op == 0, cur + got, got)
+        new = jnp.where(lax.iota(np.int32, length) < recv_len, new, cur)
+        buf = lax.dynamic_update_slice(buf, new, (recv_off,))
+    out = buf[:nelems]
+    if not keep.all():
+        out = jnp.where(jnp.asarray(keep)[me] != 0, out, jnp.zeros_like(out))
+    return out
+
+
+def ppermute_lowering(ctx, x, request: LoweringRequest):
+    """Registry rule (impl "ppermute", every platform): lower ``request`` as collective_permutes."""
+    aval = ctx.avals_in[0]
+    nelems = int(np.prod(aval.shape))
+    ndevices = ctx.module_context.axis_context.mesh.size
+    rounds, keep = round_tables(request, ndevices)
+    plain = core.ShapedArray(aval.shape, aval.dtype)
+
+    def body(v):
+        return _execute(v.reshape(-1), rounds, keep, nelems).reshape(aval.shape)
+
+    sub = ctx.replace(primitive=None, avals_in=[plain], avals_out=[plain])
+    out, = mlir.lower_fun(body, multiple_results=False)(sub, x)
+    return out
+
+
+register_lowering("ppermute", None, ppermute_lowering)

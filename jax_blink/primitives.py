@@ -1,0 +1,278 @@
+"""JAX primitives for tree all-reduce, broadcast and reduce, with rules written like ``lax.psum``'s.
+
+Modelled on ``jax/_src/lax/parallel.py`` (jax 0.10):
+
+- ``blink_psum_p``: ``psum_p`` semantics (``shard_map(check_vma=False)`` and ``pmap``): each
+  device's output cotangent is its own, so the transpose is again a psum.
+- ``blink_psum_invariant_p``: ``psum_invariant_p`` semantics (``check_vma=True``): the output is
+  invariant over ``axes`` (its vma drops them) and the transpose is ``pvary`` (no communication).
+- ``blink_broadcast_p``: every device gets the root's operand. With ``vma=True`` the output is
+  invariant over ``axes`` and the transpose is "cotangent on the root, zeros elsewhere"; otherwise the
+  transpose is a reduce to the root.
+- ``blink_reduce_p``: sum on the root, zeros elsewhere (output keeps the operand's vma); transpose is
+  a broadcast from the root.
+
+All are linear (JVP applies the primitive to the tangent). Batching: a vmapped axis named in
+``axes`` is reduced / selected locally on the batch dimension and the rest runs as a collective.
+Lowering: the schedule for each group (``jax_blink.schedule``) through the registry
+``jax_blink.lowering`` (``impl``: "auto" | "ppermute" | "ffi" | any registered name).
+Params: ``axes`` (tuple of mesh axis names), ``impl`` (str), ``key`` (:class:`mapping.PlanKey`),
+``root`` (rank over ``axes``, broadcast/reduce), ``axis_index_groups`` (``blink_psum_p`` only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+import jax.numpy as jnp
+from jax import lax
+from jax._src import config, core, dispatch
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.lax import lax as _lax
+from jax._src.mesh import AbstractMesh
+from jax._src.sharding_impls import SPMDAxisContext
+
+from . import lowering as _lowering
+from . import mapping
+from .errors import BlinkError
+from .schedule import build_schedule
+
+# -------------------------------------------------------------------------------- helpers
+
+
+def check_axis_names(axes, api_name: str) -> None:
+    """Raise NameError (like lax) for an axis name not bound by pmap / shard_map / vmap."""
+    env = core.get_axis_env()
+    for name in axes:
+        if not env.axis_exists(name):
+            raise NameError(f"Found an unbound axis name: {name}. To fix this, please call "
+                            f"{api_name} under `jax.shard_map` or `jax.pmap` with that axis name.")
+
+
+def axis_sizes(axes) -> list[int]:
+    """Sizes of bound named axes (from the current axis environment)."""
+    env = core.get_axis_env()
+    return [env.axis_size(a) for a in axes]
+
+
+def _effects(axes):
+    return {core.NamedAxisEffect(a) for a in axes}
+
+
+def _plain(aval):
+    # check_vma off: no varying-axes typing (as lax's _allreduce_effectful_abstract_eval).
+    return core.ShapedArray(aval.shape, aval.dtype, sharding=aval.sharding)
+
+
+def _drop_vma(aval, axes):
+    vma = frozenset(a for a in aval.mat.varying if a not in axes)
+    return aval.update(manual_axis_type=aval.mat.update(varying=vma))
+
+
+def _require_varying(aval, axes, name):
+    if not set(axes) <= set(aval.mat.varying):
+        raise ValueError(f"{name} with check_vma=True needs an operand varying over {axes}; got "
+                         f"varying={set(aval.mat.varying)} (jax_blink's public API inserts pvary)")
+
+
+# -------------------------------------------------------------------------------- primitives
+
+blink_psum_p = core.Primitive("blink_psum")
+blink_psum_invariant_p = core.Primitive("blink_psum_invariant")
+blink_broadcast_p = core.Primitive("blink_broadcast")
+blink_reduce_p = core.Primitive("blink_reduce")
+
+for _p in (blink_psum_p, blink_psum_invariant_p, blink_broadcast_p, blink_reduce_p):
+    _p.def_impl(functools.partial(dispatch.apply_primitive, _p))
+
+
+def _psum_abstract(aval, *, axes, impl, key, axis_index_groups):
+    check_axis_names(axes, "jax_blink.psum")
+    return _plain(aval), _effects(axes)
+
+
+def _psum_invariant_abstract(aval, *, axes, impl, key):
+    check_axis_names(axes, "jax_blink.psum")
+    _require_varying(aval, axes, "jax_blink.psum")
+    return _drop_vma(aval, axes), _effects(axes)
+
+
+def _broadcast_abstract(aval, *, axes, root, impl, key, vma):
+    check_axis_names(axes, "jax_blink.broadcast")
+    if vma:
+        _require_varying(aval, axes, "jax_blink.broadcast")
+        return _drop_vma(aval, axes), _effects(axes)
+    return _plain(aval), _effects(axes)
+
+
+def _reduce_abstract(aval, *, axes, root, impl, key, vma):
+    check_axis_names(axes, "jax_blink.reduce")
+    if vma:
+        _require_varying(aval, axes, "jax_blink.reduce")
+        return aval, _effects(axes)
+    return _plain(aval), _effects(axes)
+
+
+blink_psum_p.def_effectful_abstract_eval(_psum_abstract)
+blink_psum_invariant_p.def_effectful_abstract_eval(_psum_invariant_abstract)
+blink_broadcast_p.def_effectful_abstract_eval(_broadcast_abstract)
+blink_reduce_p.def_effectful_abstract_eval(_reduce_abstract)
+
+
+# -------------------------------------------------------------------------------- transposes
+def _psum_transpose(ct, x, *, axes, impl, key, axis_index_groups):
+    # psum = psum + pbroadcast (lax's view), so its transpose sums the cotangents again.
+    return (blink_psum_p.bind(ct, axes=axes, impl=impl, key=key, axis_index_groups=axis_index_groups),)
+
+
+def _psum_invariant_transpose(ct, x, *, axes, impl, key):
+    return (core.pvary(ct, axis_name=axes),)
+
+
+def _root_mask(v, axes, root):
+    """v on the device of rank ``root`` over ``axes``, zeros elsewhere (no communication)."""
+    return jnp.where(lax.axis_index(axes) == root, v, jnp.zeros_like(v))
+
+
+def _broadcast_transpose(ct, x, *, axes, root, impl, key, vma):
+    if vma:  # one invariant cotangent: it flows to the root's operand only
+        return (_root_mask(core.pvary(ct, axis_name=axes), axes, root),)
+    return (blink_reduce_p.bind(ct, axes=axes, root=root, impl=impl, key=key, vma=False),)
+
+
+def _reduce_transpose(ct, x, *, axes, root, impl, key, vma):
+    out = blink_broadcast_p.bind(ct, axes=axes, root=root, impl=impl, key=key, vma=vma)
+    return (core.pvary(out, axis_name=axes) if vma else out,)
+
+
+ad.deflinear2(blink_psum_p, _psum_transpose)
+ad.deflinear2(blink_psum_invariant_p, _psum_invariant_transpose)
+ad.deflinear2(blink_broadcast_p, _broadcast_transpose)
+ad.deflinear2(blink_reduce_p, _reduce_transpose)
+
+
+# -------------------------------------------------------------------------------- batching
+def _split_root(axes, root, name, size):
+    """(batch index of the root, remaining axes, root rank over them) when ``name`` is vmapped."""
+    sizes = [size if a == name else s for a, s in zip(axes, axis_sizes(axes))]
+    coords = list(np.unravel_index(root, sizes)) if sizes else []
+    k = axes.index(name)
+    rest = tuple(a for a in axes if a != name)
+    rest_sizes = [s for a, s in zip(axes, sizes) if a != name]
+    rest_coords = [c for i, c in enumerate(coords) if i != k]
+    rest_root = int(np.ravel_multi_index(rest_coords, rest_sizes)) if rest else 0
+    return int(coords[k]), rest, rest_root
+
+
+def _psum_batcher(prim, axis_data, vals_in, dims_in, **params):
+    (v,), (d,) = vals_in, dims_in
+    axes = params["axes"]
+    if axis_data.name not in axes:
+        return prim.bind(v, **params), d
+    if params.get("axis_index_groups") is not None:
+        raise NotImplementedError("axis_index_groups not supported in vmap collectives (as lax.psum)")
+    rest = tuple(a for a in axes if a != axis_data.name)
+    if d is None:
+        v = _lax._const(v, axis_data.size) * v
+    else:
+        v = lax.reduce_sum(v, (d,))
+    if rest:
+        v = prim.bind(v, **{**params, "axes": rest})
+    return v, None
+
+
+def _broadcast_batcher(axis_data, vals_in, dims_in, *, axes, root, **params):
+    (v,), (d,) = vals_in, dims_in
+    if axis_data.name not in axes:
+        return blink_broadcast_p.bind(v, axes=axes, root=root, **params), d
+    b, rest, rest_root = _split_root(axes, root, axis_data.name, axis_data.size)
+    if d is not None:
+        v = lax.index_in_dim(v, b, d, keepdims=False)
+    if rest:
+        v = blink_broadcast_p.bind(v, axes=rest, root=rest_root, **params)
+    return v, None
+
+
+def _reduce_batcher(axis_data, vals_in, dims_in, *, axes, root, **params):
+    (v,), (d,) = vals_in, dims_in
+    if axis_data.name not in axes:
+        return blink_reduce_p.bind(v, axes=axes, root=root, **params), d
+    b, rest, rest_root = _split_root(axes, root, axis_data.name, axis_data.size)
+    s = _lax._const(v, axis_data.size) * v if d is None else lax.reduce_sum(v, (d,))
+    if rest:
+        s = blink_reduce_p.bind(s, axes=rest, root=rest_root, **params)
+    here = (lax.iota(np.int32, axis_data.size) == b).reshape((axis_data.size,) + (1,) * s.ndim)
+    return jnp.where(here, s[None], jnp.zeros_like(s)[None]), 0
+
+
+batching.fancy_primitive_batchers[blink_psum_p] = functools.partial(_psum_batcher, blink_psum_p)
+batching.fancy_primitive_batchers[blink_psum_invariant_p] = functools.partial(_psum_batcher, blink_psum_invariant_p)
+batching.fancy_primitive_batchers[blink_broadcast_p] = _broadcast_batcher
+batching.fancy_primitive_batchers[blink_reduce_p] = _reduce_batcher
+
+
+# -------------------------------------------------------------------------------- lowering
+def choose_lowering(impl: str, platforms) -> tuple[str, object]:
+    """(impl name, rule) for ``impl`` on the module's platforms. Raises BlinkError if unavailable.
+
+    "auto" = "ffi" when registered for every platform of the module, else "ppermute".
+    """
+    platforms = list(platforms)
+    if impl == "auto":
+        rules = [_lowering.find_lowering("ffi", p) for p in platforms]
+        if all(r is not None for r in rules) and len(set(rules)) == 1:
+            return "ffi", rules[0]
+        impl = "ppermute"
+    rules = [_lowering.find_lowering(impl, p) for p in platforms]
+    if any(r is None for r in rules) or len(set(rules)) != 1:
+        have = sorted(_lowering.LOWERINGS)
+        raise BlinkError(f"jax_blink impl={impl!r} has no lowering registered for platform(s) {platforms} "
+                         f"(registered impls: {have}). Build/install the native extension for the "
+                         "'ffi' impl, or use impl='ppermute' (portable) or impl='auto'")
+    return impl, rules[0]
+
+
+@functools.lru_cache(maxsize=256)
+def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, key,
+                  nelems: int, itemsize: int, platform: str) -> _lowering.LoweringRequest:
+    """The LoweringRequest for one call site: groups, device table, one schedule per group."""
+    groups = mapping.mesh_groups(tuple(mesh.devices.shape), tuple(mesh.axis_names), axes,
+                                 axis_index_groups)
+    flat = list(mesh.devices.flat)
+    table = mapping.device_table(flat, groups)
+    all_ids = mapping.map_devices(flat, key)
+    topo = mapping.resolve_topology(key.topology, platform, all_ids)
+    schedules, cache = [], {}
+    for members in groups:
+        gpus = tuple(all_ids[p] for p in members)
+        if gpus not in cache:
+            plan = mapping.plan_group(topo, collective, list(gpus), root)
+            cache[gpus] = build_schedule(plan, nelems, itemsize=itemsize, chunk_elems=key.chunk_elems)
+        schedules.append(cache[gpus])
+    return _lowering.LoweringRequest(collective=collective, schedules=tuple(schedules), device_table=table,
+                                     groups=tuple(tuple(g) for g in groups), axis_names=tuple(axes))
+
+
+def _lower(collective, ctx, x, *, axes, impl, key, root=None, axis_index_groups=None, vma=None):
+    aval = ctx.avals_in[0]
+    nelems = math.prod(aval.shape)
+    axis_ctx = ctx.module_context.axis_context
+    if not isinstance(axis_ctx, SPMDAxisContext) or isinstance(axis_ctx.mesh, AbstractMesh):
+        raise BlinkError(f"jax_blink.{collective} needs a concrete device mesh at lowering (jax.pmap or "
+                         f"jax.shard_map with a jax.sharding.Mesh); got axis context {type(axis_ctx).__name__}")
+    platforms = ctx.module_context.platforms
+    _, rule = choose_lowering(impl, platforms)
+    if nelems == 0:
+        return [x]
+    request = build_request(collective, axis_ctx.mesh, tuple(axes), axis_index_groups, root, key,
+                            nelems, np.dtype(aval.dtype).itemsize, platforms[0])
+    return [rule(ctx, x, request)]
+
+
+mlir.register_lowering(blink_psum_p, functools.partial(_lower, "allreduce"))
+mlir.register_lowering(blink_psum_invariant_p, functools.partial(_lower, "allreduce"))
+mlir.register_lowering(blink_broadcast_p, functools.partial(_lower, "broadcast"))
+mlir.register_lowering(blink_reduce_p, functools.partial(_lower, "reduce"))
