@@ -1,0 +1,210 @@
+"""Certificates and baselines for tree packings: max-flow bounds, the Nash-Williams value, ring rate.
+
+- :func:`broadcast_bound` / :func:`reduce_bound`: Edmonds' branching theorem (Edmonds 1973, "Edge-disjoint
+  branchings"; capacities as link multiplicities): the best fractional packing of ``root``-rooted
+  spanning arborescences has rate min over v of maxflow(root -> v). With switch nodes whose in- and
+  out-capacity are equal, directed splitting-off (Mader 1982; Bang-Jensen, Frank, Jackson 1995)
+  keeps the bound reachable with GPU-level trees routed through non-replicating switches.
+- :func:`nash_williams_value`: Nash-Williams / Tutte (1961): the best fractional packing of undirected
+  spanning trees is min over partitions P of cap(edges crossing P) / (|P| - 1). Brute force.
+- :func:`allreduce_bound`: an undirected tree packing can be oriented from any GPU, so its rate is at
+  most the minimum max-flow between any two job GPUs.
+- :func:`ring_rate`: the best packing of directed Hamiltonian cycles (NCCL-style rings), by column
+  generation with exact pricing (all cycles) for up to 9 GPUs, a 2-opt heuristic above that.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import networkx as nx
+import numpy as np
+from scipy.optimize import linprog
+
+from .errors import PlanError
+from .routes import RouteTable, _pair_costs
+from .topology import Topology
+
+EXACT_RING_MAX_GPUS = 9
+
+
+def _job_graph(topology: Topology, devices) -> nx.DiGraph:
+    try:
+        return topology.subset(list(devices)).graph
+    except Exception as err:  # TopologyError names the bad device
+        raise PlanError(str(err)) from None
+
+
+def broadcast_bound(topology: Topology, devices, root: int) -> float:
+    """Upper bound (and, by Edmonds, the optimum) of broadcast rate from ``root``, GB/s.
+
+    min over v in ``devices`` minus root of maxflow(root -> v) in the job's physical graph
+    (``topology.subset(devices)``; capacities ``bandwidth_gbps``). inf for one device.
+    """
+    g = _job_graph(topology, devices)
+    vals = [nx.maximum_flow_value(g, root, v, capacity="bandwidth_gbps") for v in devices if v != root]
+    return float(min(vals)) if vals else float("inf")
+
+
+def reduce_bound(topology: Topology, devices, root: int) -> float:
+    """Reduce-to-``root`` rate bound, GB/s: :func:`broadcast_bound` on the reversed graph."""
+    g = _job_graph(topology, devices)
+    vals = [nx.maximum_flow_value(g, v, root, capacity="bandwidth_gbps") for v in devices if v != root]
+    return float(min(vals)) if vals else float("inf")
+
+
+def allreduce_bound(topology: Topology, devices) -> float:
+    """min over ordered GPU pairs of maxflow(u -> v), GB/s: bounds any all-reduce tree packing
+    (each undirected tree is a broadcast arborescence from any of its GPUs). Uses 2(n-1) flows from a
+    fixed GPU (a minimum directed cut separates that GPU from some v, one way or the other)."""
+    devices = list(devices)
+    if len(devices) < 2:
+        return float("inf")
+    return min(broadcast_bound(topology, devices, devices[0]), reduce_bound(topology, devices, devices[0]))
+
+
+def _partitions(items):
+    """All set partitions of a list (Bell(n) of them)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for p in _partitions(rest):
+        yield [[first]] + p
+        for i in range(len(p)):
+            yield p[:i] + [[first] + p[i]] + p[i + 1:]
+
+
+def nash_williams_value(topology: Topology, devices) -> float:
+    """Undirected fractional spanning-tree packing optimum over the direct GPU-GPU links, GB/s.
+
+    min over partitions P of ``devices`` with |P| >= 2 of sum of min(cap(u->v), cap(v->u)) over direct
+    links crossing P, divided by |P| - 1 (Nash-Williams 1961, Tutte 1961; each all-reduce tree uses
+    both directions of a link). Ignores switch nodes: it is the all-reduce optimum on direct-link
+    topologies only. Brute force over Bell(n) partitions: raises PlanError above 10 devices.
+    """
+    devices = list(devices)
+    if len(devices) > 10:
+        raise PlanError(f"nash_williams_value is brute force; {len(devices)} devices is too many (max 10)")
+    if len(devices) < 2:
+        return float("inf")
+    g = topology.graph
+    pairs = [(u, v, min(g.edges[u, v]["bandwidth_gbps"], g.edges[v, u]["bandwidth_gbps"]))
+             for u, v in itertools.combinations(devices, 2) if g.has_edge(u, v) and g.has_edge(v, u)]
+    best = float("inf")
+    for p in _partitions(devices):
+        if len(p) < 2:
+            continue
+        part = {d: i for i, blk in enumerate(p) for d in blk}
+        cross = sum(c for u, v, c in pairs if part[u] != part[v])
+        best = min(best, cross / (len(p) - 1))
+    return best
+
+
+# ----------------------------------------------------------------------------- rings
+@functools.lru_cache(maxsize=16)
+def _cycles(n: int) -> np.ndarray:
+    """All directed Hamiltonian cycles on 0..n-1 starting at 0: int array [(n-1)!, n]."""
+    return np.array([(0,) + p for p in itertools.permutations(range(1, n))], dtype=np.int64)
+
+
+def _two_opt_cycle(w: np.ndarray) -> list:
+    """A cheap Hamiltonian cycle on cost matrix ``w`` (inf = no route): nearest neighbour from
+    every start, then 2-opt moves that keep every edge finite; the best found (deterministic)."""
+    n = len(w)
+    best, best_cost = None, np.inf
+    for s in range(n):
+        tour, left = [s], set(range(n)) - {s}
+        while left:
+            nxt = min(left, key=lambda j: (w[tour[-1], j], j))
+            tour.append(nxt)
+            left.discard(nxt)
+        improved = True
+        while improved:
+            improved = False
+            for i in range(1, n - 1):
+                for j in range(i + 1, n):
+                    cand = tour[:i] + tour[i:j + 1][::-1] + tour[j + 1:]
+                    if _tour_cost(w, cand) < _tour_cost(w, tour) - 1e-12:
+                        tour, improved = cand, True
+        c = _tour_cost(w, tour)
+        if c < best_cost - 1e-12:
+            best, best_cost = tour, c
+    return best if np.isfinite(best_cost) else None
+
+
+def _tour_cost(w, tour) -> float:
+    return float(sum(w[a, b] for a, b in zip(tour, tour[1:] + tour[:1])))
+
+
+def ring_packing(topology: Topology, devices, table: RouteTable | None = None):
+    """Best packing of directed Hamiltonian cycles (rings) over the job's GPU-level routes.
+
+    LP: maximise sum_c b_c s.t. for every directed link e, sum_c usage_c(e) b_c <= cap(e); column
+    generation with pricing = cheapest Hamiltonian cycle under dual link prices (exact enumeration
+    for <= EXACT_RING_MAX_GPUS GPUs, nearest-neighbour + 2-opt above: then a feasible, possibly
+    suboptimal ring packing). Returns (rate_gbps, [(cycle as list of GPUs, [route per hop], b_gbps)]).
+    Returns (0.0, []) when no Hamiltonian cycle exists (e.g. GPUs behind a one-way link).
+    """
+    devices = tuple(devices)
+    n = len(devices)
+    if n < 2:
+        return float("inf"), []
+    table = table or RouteTable.build(topology, devices)
+    pos = {d: i for i, d in enumerate(devices)}
+    nl = len(table.links)
+
+    def price(y):
+        costs = _pair_costs(table, y, "arborescence")
+        w = np.full((n, n), np.inf)
+        for (u, v), (c, _, _) in costs.items():
+            w[pos[u], pos[v]] = c
+        if n <= EXACT_RING_MAX_GPUS:
+            cyc = _cycles(n)
+            tot = w[cyc, np.roll(cyc, -1, axis=1)].sum(axis=1)
+            i = int(np.argmin(tot))
+            if not np.isfinite(tot[i]):
+                return None
+            tour = list(cyc[i])
+        else:
+            tour = _two_opt_cycle(w)
+            if tour is None:
+                return None
+        cycle = [devices[i] for i in tour]
+        routes, usage = [], np.zeros(nl, dtype=np.int64)
+        for a, b in zip(cycle, cycle[1:] + cycle[:1]):
+            _, r, use = costs[a, b]
+            routes.append(r)
+            usage += use
+        return (tuple(cycle), tuple(routes)), usage
+
+    first = price(np.ones(nl))
+    if first is None:
+        return 0.0, []
+    cols, seen = [first], {first[0]}
+    for _ in range(500):
+        a = np.stack([c[1] for c in cols], axis=1).astype(np.float64)
+        res = linprog(-np.ones(len(cols)), A_ub=a, b_ub=table.cap, bounds=(0, None), method="highs")
+        y = np.maximum(-np.asarray(res.ineqlin.marginals), 0.0)
+        col = price(y)
+        if col is None or float(col[1] @ y) >= 1.0 - 1e-9 or col[0] in seen:
+            break
+        cols.append(col)
+        seen.add(col[0])
+    rings = [(list(c[0][0]), list(c[0][1]), float(x)) for c, x in zip(cols, res.x) if x > 1e-9]
+    return float(-res.fun), rings
+
+
+def ring_rate(topology: Topology, devices) -> float:
+    """Total bandwidth B_ring (GB/s) of the best ring packing over ``devices`` (see :func:`ring_packing`).
+
+    Ring all-reduce of S bytes then takes 2(n-1)/n * S / B_ring (NCCL; nccl-tests PERFORMANCE.md);
+    a ring broadcast or reduce pipelines at B_ring. inf for one device, 0.0 when no ring exists.
+    """
+    devices = list(devices)
+    try:
+        topology.check_devices(devices)
+    except Exception as err:
+        raise PlanError(str(err)) from None
+    return ring_packing(topology, devices)[0]

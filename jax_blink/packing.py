@@ -1,0 +1,518 @@
+"""TreeGen: optimal spanning-tree packings for broadcast, reduce and all-reduce (Blink, MLSys 2020, s. 4).
+
+:func:`plan` returns a :class:`Plan`: weighted trees over the job's GPUs whose edges may relay
+through switch nodes, the rate they reach, and a certificate (:mod:`jax_blink.bounds`).
+
+Method (exact, where Blink used a (1-eps) multiplicative-weights approximation):
+- broadcast from r: LP over r-rooted spanning arborescences with routes (:mod:`jax_blink.routes`),
+  column generation with HiGHS; certificate = Edmonds' max-flow bound. Reduce: the same on reversed
+  links (tree edges are stored in broadcast direction; reduce data flows child -> parent).
+- all-reduce (reduce then broadcast on the same trees, Blink s. 4.2): undirected spanning-tree packing
+  where each tree uses both directions of its links; on direct-link topologies the optimum is the
+  Nash-Williams value. Tree roots are spread over GPUs. A ring packing (NCCL) is planned too and
+  chosen when its predicted time 2(n-1)/n * S / B_ring beats S / R_trees.
+- fewer trees (Blink's TreeGen ILP): ``scipy.optimize.milp`` over the generated trees minimises the
+  tree count at the LP rate, or with ``max_trees=k`` maximises the rate with at most k trees.
+- multi-node (GPUs in several nodes joined by a "network" node): Blink's three phases expressed as
+  trees: an intra-node packing per node, a cross-node packing between one leader GPU per node over
+  the NICs, merged by weight intervals (algorithm "hierarchical").
+
+Plans are deterministic and cached by (topology fingerprint, devices, collective, root, max_trees).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+
+import networkx as nx
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+
+from . import bounds as _bounds
+from .errors import PlanError, TopologyError
+from .routes import RouteTable, solve_packing
+from .topology import Topology, _key
+
+COLLECTIVES = ("broadcast", "reduce", "allreduce")
+MILP_NODE_LIMIT = 2000   # deterministic cap on the tree-count ILP (no wall-clock limit)
+WEIGHT_DECIMALS = 9
+_CACHE: "collections.OrderedDict" = collections.OrderedDict()
+_CACHE_SIZE = 1024
+
+
+def _is_gpu(n) -> bool:
+    return isinstance(n, int)
+
+
+def _parse_routes(edges) -> list:
+    """Split hop list into GPU-level routes: consecutive hops from a GPU parent to a GPU child."""
+    out, cur = [], None
+    for a, b in edges:
+        if _is_gpu(a):
+            cur = [a]
+        if cur is None or cur[-1] != a:
+            raise PlanError(f"tree hops {list(edges)} are not consecutive routes (hop {a!r}->{b!r})")
+        cur.append(b)
+        if _is_gpu(b):
+            out.append(tuple(cur))
+            cur = None
+    if cur is not None:
+        raise PlanError(f"tree hops {list(edges)} end inside a route at {cur[-1]!r}")
+    return out
+
+
+def _hops(route) -> list:
+    return list(zip(route, route[1:]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """One weighted tree of a plan.
+
+    Attributes:
+      root: GPU id (topology id, not rank) where broadcast starts / reduce ends.
+      weight_gbps: rate this tree carries, GB/s (its share of the data is weight / plan rate).
+      edges: (parent, child) hops in broadcast direction. Each GPU-level tree edge appears as its
+        route's consecutive hops, from the GPU parent through switch nodes to the GPU child, so a
+        hop repeats when two routes share a link (count every occurrence as a use of that link).
+      reduce_edges: None: reduce runs on ``edges`` reversed (Blink; hop (a, b) then uses link b->a).
+        Otherwise an in-arborescence to ``root`` in the same hop format, data flowing child -> parent
+        (ring plans).
+    """
+
+    root: int
+    weight_gbps: float
+    edges: tuple
+    reduce_edges: tuple | None = None
+
+    def routes(self, reduce: bool = False) -> list:
+        """GPU-level routes as node paths (parent first, switch hops, child last)."""
+        return _parse_routes(self.reduce_edges if (reduce and self.reduce_edges is not None) else self.edges)
+
+    def gpu_parents(self, reduce: bool = False) -> dict:
+        """{child GPU: parent GPU} with switch hops contracted; the broadcast tree, or with
+        ``reduce=True`` the reduce tree (``reduce_edges`` if set, else the same tree)."""
+        return {r[-1]: r[0] for r in self.routes(reduce)}
+
+    def link_usage(self, collective: str) -> collections.Counter:
+        """Counter {(u, v): times this tree sends over physical link u->v} for ``collective``."""
+        use = collections.Counter()
+        if collective in ("broadcast", "allreduce"):
+            use.update(self.edges)
+        if collective in ("reduce", "allreduce"):
+            red = self.reduce_edges if self.reduce_edges is not None else self.edges
+            use.update((b, a) for a, b in red)
+        return use
+
+    def to_dict(self) -> dict:
+        return {"root": self.root, "weight_gbps": self.weight_gbps,
+                "edges": [list(e) for e in self.edges],
+                "reduce_edges": None if self.reduce_edges is None else [list(e) for e in self.reduce_edges]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A tree packing for one collective over ``devices`` (rank r of the axis <-> ``devices[r]``).
+
+    Attributes:
+      collective: "broadcast" | "reduce" | "allreduce".
+      root: GPU id for broadcast/reduce, None for all-reduce.
+      devices: topology GPU ids.
+      trees: the weighted trees.
+      rate_gbps: sum of tree weights, GB/s: the predicted time for S bytes is S / rate (all-reduce:
+        reduce and broadcast pipelined on opposite link directions). inf for one device.
+      bound_gbps: certificate: an upper bound on the rate of the chosen algorithm family (Edmonds
+        max-flow bound for broadcast/reduce; LP dual bound for all-reduce trees and rings; max-flow
+        orientation bound for hierarchical all-reduce).
+      algorithm: "trees" | "ring" | "hierarchical" | "trivial".
+      notes: why this algorithm, alternatives' rates, losses from ``max_trees``.
+    """
+
+    collective: str
+    root: int | None
+    devices: tuple
+    trees: tuple
+    rate_gbps: float
+    bound_gbps: float
+    algorithm: str
+    notes: tuple = ()
+
+    def link_loads(self) -> dict:
+        """{(u, v): GB/s the plan sends over physical link u->v} (sum of usage * tree weight)."""
+        load = collections.defaultdict(float)
+        for t in self.trees:
+            for e, k in t.link_usage(self.collective).items():
+                load[e] += k * t.weight_gbps
+        return dict(sorted(load.items(), key=lambda kv: (_key(kv[0][0]), _key(kv[0][1]))))
+
+    def predicted_time_s(self, nbytes: float) -> float:
+        """Bandwidth-only time for ``nbytes`` bytes: nbytes / (rate_gbps * 1e9) seconds."""
+        return 0.0 if math.isinf(self.rate_gbps) else nbytes / (self.rate_gbps * 1e9)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; an infinite rate or bound (one device) is written as null."""
+        f = lambda x: None if math.isinf(x) else x  # noqa: E731
+        return {"collective": self.collective, "root": self.root, "devices": list(self.devices),
+                "rate_gbps": f(self.rate_gbps), "bound_gbps": f(self.bound_gbps),
+                "algorithm": self.algorithm, "notes": list(self.notes),
+                "trees": [t.to_dict() for t in self.trees]}
+
+    def to_json(self, **kw) -> str:
+        """Deterministic JSON (see :meth:`to_dict`); round-trips through :meth:`from_json`."""
+        return json.dumps(self.to_dict(), **kw)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        """Inverse of :meth:`to_dict`. Raises PlanError on a malformed dict."""
+        try:
+            inf = lambda x: float("inf") if x is None else float(x)  # noqa: E731
+            hop = lambda e: (e[0], e[1])  # noqa: E731
+            trees = tuple(Tree(t["root"], float(t["weight_gbps"]), tuple(hop(e) for e in t["edges"]),
+                               None if t.get("reduce_edges") is None
+                               else tuple(hop(e) for e in t["reduce_edges"])) for t in d["trees"])
+            return cls(d["collective"], d["root"], tuple(d["devices"]), trees, inf(d["rate_gbps"]),
+                       inf(d["bound_gbps"]), d["algorithm"], tuple(d.get("notes", ())))
+        except (KeyError, TypeError, IndexError, ValueError) as err:
+            raise PlanError(f"malformed plan JSON: {err!r}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as err:
+            raise PlanError(f"plan JSON is not valid JSON: {err}") from None
+
+    def describe(self) -> str:
+        """Readable multi-line summary: algorithm, rate vs bound, notes, one line per tree."""
+        fmt = lambda x: "inf" if math.isinf(x) else f"{x:.3f}"  # noqa: E731
+        root = "" if self.root is None else f" root {self.root}"
+        lines = [f"{self.collective}{root} over GPUs {list(self.devices)}: {self.algorithm}, "
+                 f"{len(self.trees)} tree(s), rate {fmt(self.rate_gbps)} GB/s, bound {fmt(self.bound_gbps)} GB/s"]
+        lines += [f"  note: {n}" for n in self.notes]
+        for i, t in enumerate(self.trees):
+            par = t.gpu_parents()
+            via = ",".join(sorted({str(x) for r in t.routes() for x in r[1:-1]}))
+            s = " ".join(f"{p}->{c}" for c, p in sorted(par.items(), key=lambda kv: str(kv[1]) + str(kv[0])))
+            red = "" if t.reduce_edges is None else "  reduce " + " ".join(
+                f"{c}->{p}" for c, p in t.gpu_parents(reduce=True).items())
+            lines.append(f"  tree {i}: root {t.root}, {t.weight_gbps:.3f} GB/s: {s}"
+                         + (f" (via {via})" if via else "") + red)
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ helpers
+def _orient(undirected_edges, root) -> tuple:
+    """Hops of a tree given as GPU-level (u, v, route u->v) edges, oriented away from ``root``."""
+    adj = collections.defaultdict(list)
+    for u, v, r in undirected_edges:
+        adj[u].append((v, tuple(r)))
+        adj[v].append((u, tuple(r[::-1])))
+    hops, seen, queue = [], {root}, [root]
+    while queue:
+        p = queue.pop(0)
+        for c, r in sorted(adj[p], key=lambda x: (_key(x[0]), [_key(n) for n in x[1]])):
+            if c not in seen:
+                seen.add(c)
+                queue.append(c)
+                hops.extend(_hops(r))
+    return tuple(hops)
+
+
+def _column_hops(col, mode: str) -> tuple:
+    """Broadcast-direction hops of an LP column (see routes.Column)."""
+    hops = []
+    for p, c, r in col.edges:
+        hops.extend(_hops(r[::-1] if mode == "in-arborescence" else r))
+    return tuple(hops)
+
+
+def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None):
+    """Blink's TreeGen ILP over the generated trees (scipy.optimize.milp, HiGHS, node-limited).
+
+    Without ``max_trees``: minimise the number of trees with total weight >= rate (1 - 1e-7).
+    With ``max_trees=k``: maximise the total weight using at most k trees.
+    Returns weights [T] (float64) re-optimised by an LP on the chosen trees, or None on failure.
+    """
+    t = len(cols)
+    a = np.stack([c.usage for c in cols], axis=1).astype(np.float64)
+    nl = a.shape[0]
+    z = np.zeros((nl, t))
+    link = LinearConstraint(np.hstack([a, z]), -np.inf, table.cap)
+    tie = LinearConstraint(np.hstack([np.eye(t), -rate * np.eye(t)]), -np.inf, 0.0)
+    if max_trees is None:
+        c = np.concatenate([np.zeros(t), np.ones(t)])
+        extra = LinearConstraint(np.concatenate([np.ones(t), np.zeros(t)])[None, :], rate * (1 - 1e-7), np.inf)
+    else:
+        c = np.concatenate([-np.ones(t), np.zeros(t)])
+        extra = LinearConstraint(np.concatenate([np.zeros(t), np.ones(t)])[None, :], -np.inf, max_trees)
+    res = milp(c, constraints=[link, tie, extra], integrality=np.concatenate([np.zeros(t), np.ones(t)]),
+               bounds=Bounds(np.zeros(2 * t), np.concatenate([np.full(t, rate), np.ones(t)])),
+               options={"node_limit": MILP_NODE_LIMIT, "presolve": True})
+    if res.x is None:
+        return None
+    chosen = np.flatnonzero(res.x[t:] > 0.5)
+    if not len(chosen):
+        return None
+    lp = linprog(-np.ones(len(chosen)), A_ub=a[:, chosen], b_ub=table.cap, bounds=(0, None), method="highs")
+    if lp.status != 0:
+        return None
+    w = np.zeros(t)
+    w[chosen] = lp.x
+    return w
+
+
+def _spread_roots(weights, devices) -> list:
+    """Assign each all-reduce tree a root so per-GPU root load (sum of weights) is balanced:
+    heaviest tree first to the least-loaded GPU, ties to the earlier device (deterministic)."""
+    load = {d: 0.0 for d in devices}
+    roots = [None] * len(weights)
+    for i in sorted(range(len(weights)), key=lambda i: (-round(weights[i], 9), i)):
+        d = min(devices, key=lambda d: (round(load[d], 9), devices.index(d)))
+        roots[i] = d
+        load[d] += weights[i]
+    return roots
+
+
+def _round(x: float) -> float:
+    return float(round(x, WEIGHT_DECIMALS))
+
+
+def _tree_plan(topology, devices, collective, root, max_trees):
+    """Exact LP packing + tree-count ILP on one node (no hierarchy). Returns (trees, rate, dual, notes)."""
+    table = RouteTable.build(topology, devices)
+    table.check_connected(f"{collective} plan")
+    mode = {"broadcast": "arborescence", "reduce": "in-arborescence", "allreduce": "spanning"}[collective]
+    lp_root = devices[0] if root is None else root
+    res = solve_packing(table, mode, lp_root)
+    notes = []
+    w = _fewest_trees(table, res.columns, res.rate, max_trees)
+    if w is None or w.sum() < res.rate * (1 - 1e-6) and max_trees is None:
+        w = res.weights
+        notes.append("tree-count ILP found nothing better than the LP's basic solution")
+    keep = [i for i in range(len(w)) if w[i] > 1e-9]
+    if max_trees is not None and len(keep) > max_trees:  # ILP failed: keep the heaviest k
+        keep = sorted(sorted(keep, key=lambda i: -w[i])[:max_trees])
+    rate = float(sum(w[i] for i in keep))
+    if max_trees is not None and rate < res.rate * (1 - 1e-9):
+        notes.append(f"max_trees={max_trees}: rate {rate:.3f} GB/s, {100 * (1 - rate / res.rate):.2f}% below "
+                     f"the optimum {res.rate:.3f} GB/s")
+    ws = [_round(w[i]) for i in keep]
+    if collective == "allreduce":
+        roots = _spread_roots(ws, list(devices))
+        trees = [Tree(r, wi, _orient(res.columns[i].edges, r)) for i, wi, r in zip(keep, ws, roots)]
+    else:
+        trees = [Tree(root, wi, _column_hops(res.columns[i], mode)) for i, wi in zip(keep, ws)]
+    trees.sort(key=lambda t: (-t.weight_gbps, _key(t.root), [(_key(a), _key(b)) for a, b in t.edges]))
+    return trees, float(sum(ws)), res.dual_bound, table, notes
+
+
+def _ring_trees(rings, n) -> list:
+    """A ring packing as all-reduce trees: per ring of bandwidth b and per GPU v, a tree rooted at v
+    of weight b / (2(n-1)) whose reduce is the in-path along the ring ending at v and whose broadcast
+    is the path along the ring from v (reduce-scatter + all-gather on a ring, NCCL)."""
+    trees = []
+    for cycle, routes, b in rings:
+        nxt = {r[0]: r for r in routes}  # GPU -> its route to the next GPU on the ring
+        for k, v in enumerate(cycle):
+            order = cycle[k:] + cycle[:k]
+            bc = [h for x in order[:-1] for h in _hops(nxt[x])]
+            red = [h for x in order[1:] for h in _hops(nxt[x][::-1])]
+            trees.append(Tree(v, _round(b / (2 * (n - 1))), tuple(bc), tuple(red)))
+    return trees
+
+
+def _node_groups(topology: Topology, devices) -> list:
+    """GPUs of ``devices`` grouped by node: components of the job graph without "network" nodes."""
+    g = topology.subset(devices).graph
+    net = [n for n in g if g.nodes[n]["kind"] == "network"]
+    if not net:
+        return [list(devices)]
+    h = g.subgraph([n for n in g if n not in net]).to_undirected(as_view=True)
+    groups = []
+    for comp in nx.connected_components(h):
+        gs = [d for d in devices if d in comp]
+        if gs:
+            groups.append(gs)
+    return sorted(groups, key=lambda gs: devices.index(gs[0]))
+
+
+def _leader(topology: Topology, group, root) -> int:
+    """The node's GPU that talks to the network: ``root`` if here, else the GPU with the fewest hops
+    to a NIC (ties: widest first hop, then lowest id)."""
+    if root in group:
+        return root
+    g = topology.graph
+    nics = [n for n in g if g.nodes[n]["kind"] == "nic"]
+
+    def score(d):
+        dist = nx.single_source_shortest_path_length(g, d, cutoff=6)
+        hops = min((dist[n] for n in nics if n in dist), default=99)
+        return (hops, -max((g.edges[d, s]["bandwidth_gbps"] for s in g.successors(d)), default=0), d)
+
+    return min(group, key=score)
+
+
+def _merge(components, rate) -> list:
+    """Merge weighted tree lists that use disjoint GPUs into spanning trees by weight intervals.
+
+    ``components``: lists of (weight, undirected edges [(u, v, route)]), each scaled to total ``rate``;
+    the interval [a, b) of [0, rate) takes the tree of every component covering it (weight b - a).
+    """
+    cuts = {0.0, rate}
+    for comp in components:
+        acc = 0.0
+        for w, _ in comp:
+            acc += w
+            cuts.add(min(acc, rate))
+    cuts = sorted(cuts)
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        if b - a <= 1e-9:
+            continue
+        mid, edges = (a + b) / 2, []
+        for comp in components:
+            acc = 0.0
+            for w, e in comp:
+                if acc <= mid < acc + w or w is comp[-1][0] and mid >= acc:
+                    edges.extend(e)
+                    break
+                acc += w
+            else:
+                edges.extend(comp[-1][1])
+        out.append((b - a, edges))
+    return out
+
+
+def _hierarchical(topology, devices, collective, root, groups, max_trees):
+    """Blink's three phases (s. 5) as trees: intra-node packings + a cross-node packing on leaders."""
+    leaders = [_leader(topology, gs, root) for gs in groups]
+    mode = {"broadcast": "arborescence", "reduce": "in-arborescence", "allreduce": "spanning"}[collective]
+    comps, rates, notes = [], [], []
+    parts = [(leaders, root if root is not None else leaders[0])]
+    parts += [(gs, ld) for gs, ld in zip(groups, leaders) if len(gs) > 1]
+    for devs, r in parts:
+        trees, rate, _, _, _ = _tree_plan(topology, tuple(devs), collective, r if collective != "allreduce" else None,
+                                          None)
+        # broadcast-direction routes for every collective (reduce runs them reversed)
+        comp = [(t.weight_gbps, [(x[0], x[-1], x) for x in t.routes()]) for t in trees]
+        comps.append(comp)
+        rates.append(rate)
+    rate = min(rates)
+    scaled = [[(w * rate / r, e) for w, e in comp] for comp, r in zip(comps, rates)]
+    merged = _merge(scaled, rate)
+    notes.append(f"three phases (Blink s. 5): cross-node packing over leaders {leaders} at "
+                 f"{rates[0]:.3f} GB/s, intra-node packings at {[round(r, 3) for r in rates[1:]]} GB/s; "
+                 f"rate = the slowest phase")
+    trees = []
+    ws = [_round(w) for w, _ in merged]
+    roots = _spread_roots(ws, list(devices)) if collective == "allreduce" else [root] * len(ws)
+    for (w, edges), wi, r in zip(merged, ws, roots):
+        hops = _orient(edges, r)
+        trees.append(Tree(r, wi, hops))
+    # links shared between phases (e.g. a PCIe switch carrying NIC and peer traffic): scale to fit
+    trees = _fit_capacity(topology, collective, trees, notes)
+    if max_trees is not None and len(trees) > max_trees:
+        full = sum(t.weight_gbps for t in trees)
+        trees = sorted(trees, key=lambda t: -t.weight_gbps)[:max_trees]
+        kept = sum(t.weight_gbps for t in trees)
+        notes.append(f"max_trees={max_trees}: kept the heaviest trees, rate {kept:.3f} of {full:.3f} GB/s")
+    return trees, notes
+
+
+def _fit_capacity(topology, collective, trees, notes):
+    """Scale weights down uniformly if the merged trees overload any physical link."""
+    probe = Plan(collective, None, (), tuple(trees), 0.0, 0.0, "probe")
+    worst = max((load / topology.graph.edges[e]["bandwidth_gbps"] for e, load in probe.link_loads().items()),
+                default=0.0)
+    if worst > 1 + 1e-9:
+        notes.append(f"phases share links (load {worst:.3f}x capacity): weights scaled by 1/{worst:.3f}")
+        trees = [dataclasses.replace(t, weight_gbps=_round(t.weight_gbps / worst * (1 - 1e-9))) for t in trees]
+    return trees
+
+
+# ------------------------------------------------------------------------------ public API
+def plan(topology: Topology, collective: str = "allreduce", *, devices=None, root=None,
+         max_trees: int | None = None) -> Plan:
+    """Plan a tree packing for ``collective`` over ``devices`` of ``topology``.
+
+    Args:
+      topology: the machine (``jax_blink.Topology``).
+      collective: "broadcast" | "reduce" | "allreduce".
+      devices: GPU ids of the job (rank r <-> devices[r]); default all GPUs of the topology.
+      root: GPU id (broadcast/reduce; default ``devices[0]``); must be None or ignored for all-reduce.
+      max_trees: at most this many trees (rate may drop; the loss is in ``notes``).
+
+    Returns a :class:`Plan` (cached; identical inputs give the identical object and JSON). One device:
+    a trivial plan with no trees and ``rate_gbps = bound_gbps = inf``.
+
+    Raises PlanError: unknown collective, devices not GPUs of the topology, duplicate devices, root not
+    among the devices, GPUs that cannot reach each other, bad ``max_trees``.
+    """
+    if collective not in COLLECTIVES:
+        raise PlanError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    if not isinstance(topology, Topology):
+        raise PlanError(f"plan needs a jax_blink.Topology, got {type(topology).__name__}")
+    devices = tuple(topology.gpus if devices is None else devices)
+    try:
+        topology.check_devices(devices)
+    except TopologyError as err:
+        raise PlanError(str(err)) from None
+    if not devices:
+        raise PlanError("plan needs at least one device")
+    if collective == "allreduce":
+        if root is not None and root not in devices:
+            raise PlanError(f"root {root!r} is not among devices {list(devices)}")
+        root = None
+    else:
+        root = devices[0] if root is None else root
+        if root not in devices:
+            raise PlanError(f"root {root!r} is not among devices {list(devices)}; pass one of them")
+    if max_trees is not None and (isinstance(max_trees, bool) or not isinstance(max_trees, int) or max_trees < 1):
+        raise PlanError(f"max_trees must be a positive int or None, got {max_trees!r}")
+    key = (topology.fingerprint(), devices, collective, root, max_trees)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return hit
+    p = _plan_uncached(topology, collective, devices, root, max_trees)
+    _CACHE[key] = p
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return p
+
+
+def _plan_uncached(topology, collective, devices, root, max_trees) -> Plan:
+    n = len(devices)
+    if n == 1:
+        return Plan(collective, root, devices, (), float("inf"), float("inf"), "trivial",
+                    ("one device: nothing to send (rate is infinite)",))
+    groups = _node_groups(topology, list(devices))
+    if len(groups) > 1:
+        trees, notes = _hierarchical(topology, devices, collective, root, groups, max_trees)
+        bound = {"broadcast": lambda: _bounds.broadcast_bound(topology, devices, root),
+                 "reduce": lambda: _bounds.reduce_bound(topology, devices, root),
+                 "allreduce": lambda: _bounds.allreduce_bound(topology, devices)}[collective]()
+        rate = _round(sum(t.weight_gbps for t in trees))
+        return Plan(collective, root, devices, tuple(trees), rate, _round(bound), "hierarchical", tuple(notes))
+    trees, rate, dual, table, notes = _tree_plan(topology, devices, collective, root, max_trees)
+    if collective == "broadcast":
+        bound = _bounds.broadcast_bound(topology, devices, root)
+    elif collective == "reduce":
+        bound = _bounds.reduce_bound(topology, devices, root)
+    else:
+        bound = dual
+        b_ring, rings = _bounds.ring_packing(topology, devices, table)
+        ring_rate = n * b_ring / (2 * (n - 1)) if b_ring > 0 else 0.0
+        if ring_rate > rate * (1 + 1e-6) and max_trees is None:
+            notes.append(f"ring chosen: rings of {b_ring:.3f} GB/s give all-reduce rate n*B/(2(n-1)) = "
+                         f"{ring_rate:.3f} GB/s > trees {rate:.3f} GB/s")
+            rtrees = _ring_trees(rings, n)
+            return Plan(collective, None, devices, tuple(rtrees), _round(sum(t.weight_gbps for t in rtrees)),
+                        _round(_bounds.allreduce_bound(topology, devices)), "ring", tuple(notes))
+        notes.append(f"trees chosen: all-reduce rate {rate:.3f} GB/s >= ring {ring_rate:.3f} GB/s "
+                     f"(rings of {b_ring:.3f} GB/s, time 2(n-1)/n*S/B)")
+    return Plan(collective, root, devices, tuple(trees), _round(rate), _round(bound), "trees",
+                tuple(notes))

@@ -1,0 +1,320 @@
+"""GPU-level routes over a physical topology and the column-generation tree-packing LP.
+
+A *route* from GPU u to GPU v is a direct edge u->v or a simple path whose intermediate nodes are all
+shared resources (switch, host, cpu, nic, network). Switches do not replicate data (a PCIe switch
+cannot), so a tree edge u->v routed through a switch uses every physical link of its route, and two
+children under one switch are two routes (Blink, MLSys 2020, section 3.2: trees over PCIe switches).
+
+:func:`solve_packing` is the exact fractional packing LP, solved by column generation (Dantzig-Wolfe;
+e.g. Chvatal, "Linear Programming", ch. 26) with scipy's HiGHS: columns are spanning trees over the
+job's GPUs (each tree edge with a chosen route); the pricing step is a minimum-weight spanning
+arborescence (Edmonds 1967, networkx) for broadcast/reduce or a minimum spanning tree for all-reduce,
+under the LP's dual link prices. The LP dual also gives an upper bound at every iteration:
+``cap . y / min(1, min price)`` (weak duality), returned as ``dual_bound``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import networkx as nx
+import numpy as np
+from scipy.optimize import linprog
+
+from .errors import PlanError
+from .topology import Topology, _key
+
+MAX_ROUTES_PER_PAIR = 6     # shortest routes kept per ordered GPU pair
+MAX_SWITCH_HOPS = 6         # longest switch-only path considered inside a route
+PRICE_TOL = 1e-9            # a column enters while its dual price < 1 - PRICE_TOL
+MAX_ITERATIONS = 2000
+
+
+@dataclasses.dataclass(eq=False)
+class RouteTable:
+    """Routes between the job's GPUs over the job's physical links.
+
+    Attributes:
+      devices: GPU ids of the job (order kept).
+      graph: the job's physical ``nx.DiGraph`` (``Topology.subset(devices)``: the GPUs plus the switch
+        nodes that join two of them; other GPUs never relay).
+      links: directed physical edges (u, v) in a stable order; ``cap[i]`` their GB/s (float64 [L]).
+      routes: (u, v) -> list of node paths (tuples, u first, v last), shortest first.
+      inc: (u, v) -> int array [R_uv, L]: how many times each route uses each link (0/1).
+    """
+
+    devices: tuple
+    graph: nx.DiGraph
+    links: list
+    cap: np.ndarray
+    routes: dict
+    inc: dict
+
+    @classmethod
+    def build(cls, topology: Topology, devices) -> "RouteTable":
+        """Enumerate routes for every ordered pair of ``devices`` (at most MAX_ROUTES_PER_PAIR each,
+        ordered by hop count, then by bottleneck bandwidth descending, then by node ids)."""
+        devices = tuple(devices)
+        g = topology.subset(devices).graph
+        links = sorted(g.edges(), key=lambda e: (_key(e[0]), _key(e[1])))
+        index = {e: i for i, e in enumerate(links)}
+        cap = np.array([g.edges[e]["bandwidth_gbps"] for e in links], dtype=np.float64)
+        switches = sorted((n for n in g if g.nodes[n]["kind"] != "gpu"), key=_key)
+        sw = g.subgraph(switches)
+        # switch-only simple paths between the switch neighbours of GPUs, computed once.
+        starts = sorted({s for d in devices for s in g.successors(d) if s in sw}, key=_key)
+        ends = sorted({s for d in devices for s in g.predecessors(d) if s in sw}, key=_key)
+        sw_paths: dict = {}
+        for a in starts:
+            for b in ends:
+                if a == b:
+                    sw_paths[a, b] = [(a,)]
+                else:
+                    ps = itertools.islice(nx.all_simple_paths(sw, a, b, cutoff=MAX_SWITCH_HOPS), 200)
+                    sw_paths[a, b] = [tuple(p) for p in ps]
+        routes, inc = {}, {}
+        for u in devices:
+            for v in devices:
+                if u == v:
+                    continue
+                cands = []
+                if g.has_edge(u, v):
+                    cands.append((u, v))
+                for a in g.successors(u):
+                    if a not in sw:
+                        continue
+                    for b in g.predecessors(v):
+                        if b in sw:
+                            cands.extend((u,) + p + (v,) for p in sw_paths.get((a, b), ()))
+
+                def rank(p):
+                    bott = min(g.edges[e]["bandwidth_gbps"] for e in zip(p, p[1:]))
+                    return (len(p), -bott, [_key(x) for x in p])
+
+                cands = sorted(set(cands), key=rank)[:MAX_ROUTES_PER_PAIR]
+                routes[u, v] = cands
+                m = np.zeros((len(cands), len(links)), dtype=np.int64)
+                for i, p in enumerate(cands):
+                    for e in zip(p, p[1:]):
+                        m[i, index[e]] += 1
+                inc[u, v] = m
+        return cls(devices, g, links, cap, routes, inc)
+
+    def reachable_from(self, root) -> set:
+        """GPUs reachable from ``root`` over GPU-level routes (relaying at GPUs allowed)."""
+        h = nx.DiGraph([(u, v) for (u, v), r in self.routes.items() if r])
+        h.add_nodes_from(self.devices)
+        return nx.descendants(h, root) | {root}
+
+    def check_connected(self, what: str) -> None:
+        """Raise PlanError naming GPUs that cannot reach each other over the job's links."""
+        h = nx.DiGraph([(u, v) for (u, v), r in self.routes.items() if r])
+        h.add_nodes_from(self.devices)
+        comps = list(nx.strongly_connected_components(h))
+        if len(comps) > 1:
+            groups = sorted((sorted(c) for c in comps), key=lambda c: c[0])
+            raise PlanError(f"{what}: devices {list(self.devices)} are not all connected over their links; "
+                            f"groups that reach each other both ways: {groups}. Allocate GPUs that share "
+                            f"links or a switch, or give the topology the missing links.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One tree of the packing LP.
+
+    ``edges``: tuple of (parent, child, route) with route a node path. For ``mode="arborescence"``
+    the route runs parent -> child (broadcast); for ``"in-arborescence"`` child -> parent (reduce);
+    for ``"spanning"`` the route runs parent -> child and its reverse is used too (all-reduce).
+    ``usage``: int array [L], how many times the tree uses each link.
+    """
+
+    edges: tuple
+    usage: np.ndarray
+
+
+@dataclasses.dataclass
+class PackingResult:
+    """Output of :func:`solve_packing`: columns, LP weights (GB/s), rate, dual certificate."""
+
+    columns: list
+    weights: np.ndarray
+    rate: float
+    dual_bound: float
+    iterations: int
+
+
+def _pair_costs(table: RouteTable, y: np.ndarray, mode: str):
+    """Cheapest route cost per GPU-level edge under link prices ``y``.
+
+    Returns {(parent, child): (cost, route, usage)}. In "spanning" mode the key is (u, v) with
+    u before v in ``table.devices`` and the cost is route u->v plus its reverse v->u.
+    """
+    out = {}
+    pos = {d: i for i, d in enumerate(table.devices)}
+    for (u, v), m in table.inc.items():
+        if not len(m):
+            continue
+        if mode == "spanning":
+            if pos[u] > pos[v]:
+                continue
+            rev = {r: i for i, r in enumerate(table.routes[v, u])}
+            best = None
+            for i, r in enumerate(table.routes[u, v]):
+                j = rev.get(r[::-1])
+                if j is None:
+                    continue
+                use = m[i] + table.inc[v, u][j]
+                c = float(use @ y)
+                if best is None or c < best[0] - 1e-15:
+                    best = (c, r, use)
+            if best is not None:
+                out[u, v] = best
+        else:
+            costs = m @ y
+            i = int(np.argmin(costs))
+            # reduce: tree edge (parent=v, child=u) uses the route u -> v
+            key = (u, v) if mode == "arborescence" else (v, u)
+            out[key] = (float(costs[i]), table.routes[u, v][i], m[i])
+    return out
+
+
+def min_arborescence(w: np.ndarray, root: int):
+    """Minimum-weight spanning arborescence rooted at ``root`` on a dense weight matrix.
+
+    Chu-Liu/Edmonds (Edmonds 1967, "Optimum branchings"), O(n^3) with NumPy; ties go to the lowest
+    index, so the result is deterministic. ``w``: float64 [n, n], w[u, v] = weight of u->v, ``inf``
+    where there is no edge. Returns an int array [n] of parents (-1 at the root) or None when some
+    node cannot be reached from ``root``.
+    """
+    n = w.shape[0]
+    w = w.copy()
+    w[:, root] = np.inf
+    np.fill_diagonal(w, np.inf)
+    par = np.argmin(w, axis=0)
+    if np.isinf(w[par, np.arange(n)])[np.arange(n) != root].any():
+        return None
+    par[root] = -1
+    stamp = np.zeros(n, dtype=np.int64)
+    cyc = None
+    for s in range(n):
+        v = s
+        while v != -1 and stamp[v] == 0:
+            stamp[v] = s + 1
+            v = par[v]
+        if v != -1 and stamp[v] == s + 1:
+            cyc = [v]
+            u = par[v]
+            while u != v:
+                cyc.append(u)
+                u = par[u]
+            break
+    if cyc is None:
+        return par
+    cyc = np.array(sorted(cyc))
+    incyc = np.zeros(n, dtype=bool)
+    incyc[cyc] = True
+    rest = np.flatnonzero(~incyc)
+    m = len(rest)
+    w2 = np.full((m + 1, m + 1), np.inf)
+    w2[:m, :m] = w[np.ix_(rest, rest)]
+    cin = w[np.ix_(rest, cyc)] - w[par[cyc], cyc][None, :]
+    best_in = np.argmin(cin, axis=1)
+    w2[:m, m] = cin[np.arange(m), best_in]
+    cout = w[np.ix_(cyc, rest)]
+    best_out = np.argmin(cout, axis=0)
+    w2[m, :m] = cout[best_out, np.arange(m)]
+    p2 = min_arborescence(w2, int(np.flatnonzero(rest == root)[0]))
+    if p2 is None:
+        return None
+    out = np.empty(n, dtype=np.int64)
+    for j, v in enumerate(rest):
+        pj = p2[j]
+        out[v] = -1 if pj == -1 else (rest[pj] if pj < m else cyc[best_out[j]])
+    out[cyc] = par[cyc]
+    out[cyc[best_in[p2[m]]]] = rest[p2[m]]
+    return out
+
+
+def _price(table: RouteTable, y: np.ndarray, mode: str, root) -> Column | None:
+    """The minimum-price tree under link prices ``y`` (None if no spanning tree exists)."""
+    costs = _pair_costs(table, y, mode)
+    if mode == "spanning":
+        h = nx.Graph()
+        h.add_nodes_from(table.devices)
+        for (u, v), (c, _, _) in costs.items():
+            h.add_edge(u, v, weight=c)
+        if not nx.is_connected(h):
+            return None
+        t = nx.minimum_spanning_tree(h, weight="weight", algorithm="kruskal")
+        # orient away from root so (parent, child) pairs are meaningful
+        edges = []
+        for p, c in nx.bfs_edges(t, root, sort_neighbors=lambda ns: sorted(ns, key=_key)):
+            key = (p, c) if (p, c) in costs else (c, p)
+            cost, r, use = costs[key]
+            edges.append((p, c, r if key == (p, c) else r[::-1], use))
+    else:
+        pos = {d: i for i, d in enumerate(table.devices)}
+        n = len(pos)
+        w = np.full((n, n), np.inf)
+        for (p, c), (cost, _, _) in costs.items():
+            w[pos[p], pos[c]] = cost
+        par = min_arborescence(w, pos[root])
+        if par is None:
+            return None
+        t = nx.DiGraph([(table.devices[par[i]], d) for i, d in enumerate(table.devices) if par[i] >= 0])
+        edges = []
+        for p, c in nx.bfs_edges(t, root, sort_neighbors=lambda ns: sorted(ns, key=_key)):
+            cost, r, use = costs[p, c]
+            edges.append((p, c, r, use))
+    usage = np.zeros(len(table.links), dtype=np.int64)
+    for e in edges:
+        usage += e[3]
+    return Column(tuple((p, c, r) for p, c, r, _ in edges), usage)
+
+
+def solve_packing(table: RouteTable, mode: str, root, warm_start: int | None = None) -> PackingResult:
+    """Maximum-rate fractional packing of spanning trees over ``table.devices``.
+
+    LP: maximise sum_t w_t subject to sum_t usage_t(e) w_t <= cap(e) for every directed link e,
+    w >= 0, columns = trees (``mode``: "arborescence" rooted at ``root`` for broadcast,
+    "in-arborescence" into ``root`` for reduce, "spanning" for all-reduce, oriented from ``root``).
+    Column generation with HiGHS duals until no tree has dual price < 1 - PRICE_TOL.
+
+    Raises PlanError when no spanning tree exists (GPUs that cannot reach ``root``).
+    """
+    y = np.ones(len(table.links))
+    first = _price(table, y, mode, root)
+    if first is None:
+        raise PlanError(f"no spanning tree over devices {list(table.devices)} rooted at {root}: "
+                        f"some GPUs cannot reach each other over the job's links")
+    cols = [first]
+    seen = {first.edges}
+    # Warm start: a few multiplicative-weights rounds (Garg-Koenemann, as in Blink's TreeGen) give
+    # diverse trees without an LP solve each; the LP then needs far fewer pricing rounds.
+    y = 1.0 / table.cap
+    col = first
+    for _ in range(warm_start if warm_start is not None else 2 * len(table.devices)):
+        used = col.usage > 0
+        bott = float(np.min(table.cap[used] / col.usage[used]))
+        y = y * (1.0 + 0.5 * bott * col.usage / table.cap)
+        col = _price(table, y, mode, root)
+        if col.edges not in seen:
+            cols.append(col)
+            seen.add(col.edges)
+    it = 0
+    while True:
+        it += 1
+        a = np.stack([c.usage for c in cols], axis=1).astype(np.float64)
+        res = linprog(-np.ones(len(cols)), A_ub=a, b_ub=table.cap, bounds=(0, None), method="highs")
+        if res.status != 0:
+            raise PlanError(f"tree-packing LP failed for devices {list(table.devices)}: {res.message}")
+        y = np.maximum(-np.asarray(res.ineqlin.marginals), 0.0)
+        rate = float(-res.fun)
+        col = _price(table, y, mode, root)
+        price = float(col.usage @ y)
+        dual = float(table.cap @ y) / min(1.0, price) if price > 0 else float("inf")
+        if price >= 1.0 - PRICE_TOL or col.edges in seen or it >= MAX_ITERATIONS:
+            return PackingResult(cols, np.asarray(res.x, dtype=np.float64), rate, max(dual, rate), it)
+        cols.append(col)
+        seen.add(col.edges)
