@@ -1,0 +1,131 @@
+"""One process of the multi-process tests (started by tests/test_multiprocess.py via jax_blink.launch).
+
+Modes:
+  check: jax_blink.psum on meshes spanning all processes vs lax.psum over the same mesh; prints one
+         ``RESULT {json}`` line per case (max error vs lax.psum and vs a float64 NumPy sum, whether
+         all devices' results are bitwise equal, whether the compiled HLO uses collective-permute
+         and no all-reduce).
+  kill:  runs jax_blink.psum in a loop; the last process SIGKILLs itself after a few steps; the
+         others must be aborted by jax.distributed's heartbeat (the test checks how and when).
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from jax_blink import distributed
+
+ap = argparse.ArgumentParser()
+ap.add_argument("mode", choices=["check", "kill"])
+ap.add_argument("--impl", default="ppermute")
+ap.add_argument("--heartbeat", type=int, default=10)
+a = ap.parse_args()
+
+distributed.initialize(heartbeat_timeout_s=a.heartbeat)
+
+import jax  # noqa: E402  (after initialize, which configures gloo)
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from jax_blink.api import psum as blink_psum  # noqa: E402  (jax_blink.psum)
+from jax_blink import packing  # noqa: E402
+
+me, nproc = jax.process_index(), jax.process_count()
+cluster = distributed.cluster_topology(nic_gbps=12.5)
+devs = np.array(jax.devices())  # global, process-major
+G = len(jax.local_devices())
+N = devs.size
+
+
+def emit(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+plan = packing.plan(cluster.topology, "allreduce", devices=list(range(N)))
+emit(case="plan", algorithm=plan.algorithm, rate_gbps=plan.rate_gbps, bound_gbps=plan.bound_gbps,
+     ntrees=len(plan.trees), topology=cluster.topology.name, fingerprint=cluster.topology.fingerprint(),
+     device_map=sorted(cluster.device_map.items()))
+
+
+def run(mesh, axes, dtype, shape_per_dev, blink):
+    """Per-device results of psum over ``axes`` (each device's copy kept: out sharded over all axes)."""
+    names = mesh.axis_names
+    spec = P(names)  # leading dim split over every mesh axis: one block per device
+
+    def body(x):
+        if blink:
+            return blink_psum(x, axes, impl=a.impl, topology=cluster.topology,
+                                  device_map=cluster.device_map)
+        return jax.lax.psum(x, axes)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    gshape = (mesh.devices.size * shape_per_dev[0], *shape_per_dev[1:])
+    rng = np.random.default_rng(1234)  # same on every process: the global input is consistent
+    if np.issubdtype(dtype, np.integer):
+        host = rng.integers(-1000, 1000, size=gshape).astype(dtype)
+    else:
+        host = rng.standard_normal(gshape).astype(dtype)
+    x = jax.make_array_from_callback(gshape, NamedSharding(mesh, spec), lambda idx: host[idx])
+    hlo = f.lower(x).compile().as_text() if blink else ""
+    y = multihost_utils.process_allgather(f(x), tiled=True)
+    return host, np.asarray(y), hlo
+
+
+def check(name, mesh, axes, dtype, shape_per_dev=(3, 37)):
+    host, yb, hlo = run(mesh, axes, dtype, shape_per_dev, True)
+    _, yl, _ = run(mesh, axes, dtype, shape_per_dev, False)
+    # Per-device blocks in mesh order; group members (devices sharing a psum) must be bitwise equal.
+    mshape = mesh.devices.shape
+    blocks = yb.reshape(*mshape, *shape_per_dev)
+    hostb = host.reshape(*mshape, *shape_per_dev).astype(np.float64)
+    ax = tuple(mesh.axis_names.index(n) for n in ((axes,) if isinstance(axes, str) else axes))
+    ref64 = np.broadcast_to(hostb.sum(axis=ax, keepdims=True), hostb.shape)
+    first = np.take(blocks, [0], axis=ax[0]) if len(ax) == 1 else blocks[
+        tuple(slice(0, 1) if i in ax else slice(None) for i in range(len(mshape)))]
+    bitwise = bool(np.array_equal(np.broadcast_to(first, blocks.shape).view(np.uint8),
+                                  np.ascontiguousarray(blocks).view(np.uint8)))
+    emit(case=name, dtype=np.dtype(dtype).name, shape=list(blocks.shape),
+         bitwise_equal_in_group=bitwise,
+         max_abs_vs_lax=float(np.max(np.abs(yb.astype(np.float64) - yl.astype(np.float64)))),
+         max_abs_vs_numpy64=float(np.max(np.abs(blocks.astype(np.float64) - ref64))),
+         exact_vs_lax=bool(np.array_equal(yb, yl)),
+         collective_permute=hlo.count("collective-permute-start") + hlo.count("collective-permute("),
+         all_reduce=hlo.count("all-reduce"))
+
+
+if a.mode == "check":
+    t0 = time.time()
+    flat = Mesh(devs, ("i",))
+    check("flat_f32", flat, "i", np.float32)
+    check("flat_i32", flat, "i", np.int32)
+    # A permuted mesh: mesh position != device id, and process boundaries are interleaved.
+    perm = devs.reshape(nproc, G).T.reshape(-1)[::-1]
+    check("permuted_f32", Mesh(perm, ("i",)), "i", np.float32)
+    grid = Mesh(devs.reshape(nproc, G), ("node", "local"))
+    check("grid_both_axes_f32", grid, ("node", "local"), np.float32)
+    check("grid_cross_node_axis_f32", grid, "node", np.float32)
+    emit(case="done", seconds=time.time() - t0)
+else:
+    mesh = Mesh(devs, ("i",))
+    f = jax.jit(jax.shard_map(lambda x: blink_psum(x, "i", impl=a.impl, topology=cluster.topology,
+                                                         device_map=cluster.device_map),
+                              mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    x = jax.make_array_from_callback((N, 64), NamedSharding(mesh, P("i")),
+                                     lambda idx: np.ones((N, 64), np.float32)[idx])
+    for step in range(2000):
+        y = f(x)
+        y.block_until_ready()
+        if step == 0:
+            emit(case="kill_step0", value=float(np.asarray(y.addressable_shards[0].data)[0, 0]))
+        if step == 3 and me == nproc - 1:
+            print(f"process {me}: killing myself with SIGKILL at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.02)
+    emit(case="kill_survived", step=step)
+    sys.exit(0)

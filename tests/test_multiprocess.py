@@ -1,0 +1,193 @@
+"""jax_blink across processes (issue 8): launcher semantics, topology combination, and real
+jax.distributed runs on 127.0.0.1 with gloo (2 processes x 4 host devices, 3 x 2, and a process
+killed mid-run). Each launch does several checks (tests/multiprocess_worker.py) to keep start-up
+cost (process start + jax import + compile) low."""
+
+import json
+import os
+import pathlib
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from jax_blink import distributed, launch
+from jax_blink.errors import TopologyError
+from jax_blink.presets import dgx1v
+from jax_blink.topology import Topology
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORKER = str(ROOT / "tests" / "multiprocess_worker.py")
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _results(res):
+    """RESULT lines of every process: list (per process) of {case: record}."""
+    out = []
+    for p in res.processes:
+        recs = [json.loads(ln[7:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        out.append({r["case"]: r for r in recs})
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes if its state is Z.
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ----------------------------------------------------------------------------- launcher (no jax)
+def _script(tmp_path, body):
+    p = tmp_path / "child.py"
+    p.write_text(textwrap.dedent(body))
+    return str(p)
+
+
+def test_free_port_is_bindable():
+    import socket
+    port = launch.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_launch_env_and_success(tmp_path):
+    s = _script(tmp_path, """
+        import os
+        print(os.environ["JAX_BLINK_PROCESS_ID"], os.environ["JAX_BLINK_NUM_PROCESSES"],
+              os.environ["JAX_BLINK_COORDINATOR"], os.environ["XLA_FLAGS"])
+    """)
+    res = launch.launch([s], 3, 2, timeout_s=30)
+    assert res.ok
+    coords = set()
+    for i, p in enumerate(res.processes):
+        pid, n, coord, flags = p.stdout.split(maxsplit=3)
+        assert (int(pid), int(n)) == (i, 3)
+        assert flags.strip().endswith("--xla_force_host_platform_device_count=2")
+        coords.add(coord)
+    assert coords == {res.coordinator} and res.coordinator.startswith("127.0.0.1:")
+
+
+def test_launch_failure_kills_the_rest_and_names_the_first(tmp_path):
+    s = _script(tmp_path, """
+        import os, sys, time
+        print(os.getpid(), flush=True)
+        if os.environ["JAX_BLINK_PROCESS_ID"] == "1":
+            time.sleep(0.3)
+            print("ValueError: boom in process 1", file=sys.stderr)
+            sys.exit(3)
+        time.sleep(600)
+    """)
+    t0 = time.monotonic()
+    with pytest.raises(launch.LaunchError) as ei:
+        launch.launch([s], 3, None, timeout_s=60, grace_s=1.0)
+    assert time.monotonic() - t0 < 15
+    msg = str(ei.value)
+    assert "process 1 of 3 failed first (exit code 3" in msg and "boom in process 1" in msg
+    assert "processes [0, 2] did not exit within 1 s" in msg
+    for p in ei.value.result.processes:
+        assert not _alive(int(p.stdout.split()[0]))
+
+
+def test_launch_timeout_kills_everything(tmp_path):
+    s = _script(tmp_path, """
+        import os, time
+        print(os.getpid(), flush=True)
+        time.sleep(600)
+    """)
+    t0 = time.monotonic()
+    with pytest.raises(launch.LaunchError, match=r"processes \[0, 1\] were still running after the 2 s"):
+        launch.launch([s], 2, None, timeout_s=2.0)
+    assert time.monotonic() - t0 < 10
+
+
+def test_launch_bad_arguments():
+    with pytest.raises(ValueError, match="num_processes"):
+        launch.launch(["x.py"], 0)
+    with pytest.raises(ValueError, match="argv is empty"):
+        launch.launch([], 2)
+
+
+# ----------------------------------------------------------------------------- topology combination
+def test_combine_identical_nodes_is_multi_node():
+    t = distributed.combine([dgx1v()] * 2, nic_gbps=12.5, nics_per_node=2)
+    assert t.gpus == list(range(16))
+    assert t.bandwidth("n0-nic1", "network") == 12.5
+    # node 1's GPU 3 is global GPU 11, and keeps node-local NVLink bandwidth to its neighbours
+    assert t.bandwidth(11, 8) == 50.0 and t.bandwidth(11, 15) == 25.0 and t.bandwidth(3, 11) == 0.0
+
+
+def test_combine_rejects_different_nodes():
+    with pytest.raises(TopologyError, match=r"node topologies differ.*process 1: host2 \(2 GPUs"):
+        distributed.combine([Topology.host(4), Topology.host(2)])
+
+
+def test_node_topology_renumbers_to_node_order():
+    t = dgx1v().subset([4, 5, 6, 7])
+    r = distributed._renumber(t)
+    assert r.gpus == [0, 1, 2, 3]
+    assert r.bandwidth(0, 3) == 50.0  # 4-7 double NVLink -> 0-3
+
+
+def test_initialize_needs_a_coordinator(monkeypatch):
+    for k in (launch.ENV_COORDINATOR, launch.ENV_NUM_PROCESSES, launch.ENV_PROCESS_ID):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ValueError, match="python -m jax_blink.launch"):
+        distributed.initialize()
+
+
+# ----------------------------------------------------------------------------- real multi-process runs
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,local", [(2, 4), (3, 2)])
+def test_psum_across_processes_matches_lax(nproc, local):
+    res = launch.launch([WORKER, "check"], nproc, local, timeout_s=120, env=_env())
+    per = _results(res)
+    assert len(per) == nproc
+    fps = {r["plan"]["fingerprint"] for r in per}
+    assert len(fps) == 1, f"processes planned on different topologies: {fps}"
+    plans = {json.dumps({k: r["plan"][k] for k in ("algorithm", "rate_gbps", "ntrees")}) for r in per}
+    assert len(plans) == 1, f"processes computed different plans: {plans}"
+    assert per[0]["plan"]["algorithm"] == "hierarchical"
+    cases = ["flat_f32", "flat_i32", "permuted_f32", "grid_both_axes_f32", "grid_cross_node_axis_f32"]
+    for p, recs in enumerate(per):
+        assert "done" in recs, f"process {p} did not finish: {res.processes[p].stderr[-2000:]}"
+        for c in cases:
+            r = recs[c]
+            assert r["bitwise_equal_in_group"], (p, r)
+            assert r["collective_permute"] > 0 and r["all_reduce"] == 0, (p, r)
+            if r["dtype"] == "int32":
+                assert r["exact_vs_lax"] and r["max_abs_vs_lax"] == 0.0, (p, r)
+            else:
+                n = nproc * local
+                assert r["max_abs_vs_lax"] <= 1e-5 * n, (p, r)
+                assert r["max_abs_vs_numpy64"] <= 1e-5 * n, (p, r)
+
+
+@pytest.mark.slow
+def test_killed_process_makes_the_others_fail_fast():
+    t0 = time.monotonic()
+    with pytest.raises(launch.LaunchError) as ei:
+        launch.launch([WORKER, "kill", "--heartbeat", "3"], 2, 2, timeout_s=90, grace_s=30, env=_env())
+    elapsed = time.monotonic() - t0
+    res = ei.value.result
+    victim, survivor = res.processes[1], res.processes[0]
+    msg = str(ei.value)
+    assert victim.returncode == -9 and "process 1 of 2 failed first (signal SIGKILL" in msg, msg
+    assert "kill_step0" in survivor.stdout and "kill_survived" not in survivor.stdout
+    # The survivor aborts by itself (heartbeat), not by the launcher's watchdog, within a bound.
+    assert not survivor.killed_by_watchdog and survivor.returncode != 0, msg
+    assert "another task died" in survivor.stderr or "unhealthy" in survivor.stderr, survivor.stderr[-3000:]
+    assert survivor.wall_s - victim.wall_s < 25, (survivor.wall_s, victim.wall_s)
+    assert elapsed < 90
