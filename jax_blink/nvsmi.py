@@ -201,9 +201,9 @@ def _scan(lines: list[str]) -> tuple[list[_Matrix], dict[str, str]]:
                 rt = lines[j].split()
                 if not rt or (rt[0] not in mat.columns and not _GPU_RE.fullmatch(rt[0])):
                     break
+                if _GPU_RE.fullmatch(rt[0]) and not any(_is_code(t) for t in rt[1:]):
+                    break  # another header line starts the next matrix
                 if rt[0] not in mat.columns:
-                    if not any(_is_code(t) for t in rt[1:]):
-                        break  # another header line starts the next matrix
                     raise TopologyError(f"line {j + 1}: row {rt[0]} is not a column of the header on line "
                                         f"{i + 1} (columns: {' '.join(mat.columns)})")
                 if rt[0] in mat.rows:

@@ -119,18 +119,24 @@ class Topology:
         return devices
 
     def subset(self, devices: Iterable[int]) -> "Topology":
-        """The part of the machine a job got: the given GPUs plus every switch node on a path
-        between two of them through switch nodes only (so shared switches stay shared)."""
+        """The part of the machine a job got: the given GPUs, the links among them, and the shared
+        nodes (switches, CPUs, NICs) that can carry traffic between them.
+
+        Shared nodes are kept unless they are dead ends: repeatedly drop every switch node joined to
+        at most one remaining node, so a PCIe switch, CPU or network that joins two chosen GPUs stays
+        (and stays shared) while branches leading only to other GPUs go. Raises TopologyError for
+        devices that are not GPUs of this topology or duplicates.
+        """
         devices = self.check_devices(devices)
-        keep = set(devices)
-        sw = [n for n in self.graph if self.graph.nodes[n]["kind"] != "gpu"]
-        swg = self.graph.subgraph(sw + devices).to_undirected(as_view=True)
-        for comp in nx.connected_components(swg.subgraph(sw)):
-            touching = {g for s in comp for g in swg.neighbors(s) if g in keep}
-            if len(touching) >= 2:
-                keep |= comp
+        keep = set(devices) | {n for n in self.graph if self.graph.nodes[n]["kind"] != "gpu"}
+        und = self.graph.subgraph(keep).to_undirected()
+        leaves = [n for n in und if not isinstance(n, int) and und.degree(n) <= 1]
+        while leaves:
+            nbrs = {m for n in leaves for m in und.neighbors(n)}
+            und.remove_nodes_from(leaves)
+            leaves = [n for n in nbrs if n in und and not isinstance(n, int) and und.degree(n) <= 1]
         t = Topology(f"{self.name}[{','.join(map(str, devices))}]")
-        t.graph = self.graph.subgraph(keep).copy()
+        t.graph = self.graph.subgraph(und.nodes).copy()
         return t
 
     # ----------------------------------------------------------------- serialisation
