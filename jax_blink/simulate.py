@@ -1,0 +1,396 @@
+"""Link-level event simulation of tree, ring and double-binary-tree collectives.
+
+The model (an alpha-beta model per link, evaluated as a discrete event simulation):
+
+* Every directed physical edge of the :class:`~jax_blink.topology.Topology` is a FIFO queue that
+  serves one message at a time at its ``bandwidth_gbps`` (GB/s = 1e9 B/s). Switch, PCIe, CPU and
+  host nodes are ordinary nodes, so transfers routed through them share their edges' capacity.
+* The data of a plan is split across its trees in proportion to the tree weights (Blink, MLSys 2020,
+  section 4.1) and each tree's segment is cut into chunks.
+* A chunk crossing a GPU-level tree edge is one *message*. It crosses each physical edge of its
+  route store-and-forward (a hop starts when the whole chunk has arrived and the edge is free) and,
+  after its last hop, pays ``latency_us`` once (the alpha term of a GPU-to-GPU send).
+* Reduce: a GPU forwards chunk j to its parent when chunk j arrived from all its reduce children.
+  Broadcast: a GPU forwards chunk j to its children when it holds chunk j. All-reduce: a tree's
+  broadcast of chunk j starts at the root as soon as the root finished reducing chunk j, so chunks
+  pipeline up and down every tree at once (Blink section 4.2).
+* Messages are served in order of readiness; ties go to the earlier chunk, then creation order, so
+  the simulation is deterministic.
+
+Closed forms it reproduces exactly (tests/test_simulate.py): one link ``S/B + alpha``; a pipelined
+chain broadcast of k chunks over n GPUs ``(k + n - 2) c/B + (n - 1) alpha``; an unpipelined ring
+all-reduce ``2(n-1) (S/(n B) + alpha)`` (Patarasuk & Yuan 2009; NCCL's ring).
+
+Bandwidth figures follow nccl-tests (doc/PERFORMANCE.md): ``algbw = S / t``; all-reduce
+``busbw = algbw * 2(n-1)/n``; broadcast and reduce ``busbw = algbw``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from typing import Any
+
+import networkx as nx
+
+from .errors import BlinkError, PlanError, ScheduleError
+from .schedule import COPY, REDUCE, Schedule, choose_chunks
+
+DEFAULT_LATENCY_US = 2.0
+DEFAULT_MAX_CHUNKS = 64
+CHUNK_BUDGET = 2048  # default chunking keeps about this many chunks per plan (simulation cost)
+COLLECTIVES = ("allreduce", "broadcast", "reduce")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    """Outcome of one simulated collective.
+
+    Attributes:
+      collective: "allreduce" | "broadcast" | "reduce".
+      algorithm: the plan's algorithm ("trees", "ring", "double-binary-tree", "schedule", ...).
+      nranks: number of GPUs taking part.
+      nbytes: bytes per rank (the operand size S).
+      time_s: completion time of the last message, seconds (0.0 for one GPU).
+      algbw_gbps: S / time_s in GB/s (inf for one GPU).
+      busbw_gbps: nccl-tests bus bandwidth in GB/s (algbw * 2(n-1)/n for all-reduce, algbw otherwise).
+      link_bytes: {(u, v): bytes carried} per directed physical edge that carried data.
+      link_util: {(u, v): busy time / time_s} per directed physical edge of the topology (0..1).
+      messages: number of chunk transfers simulated.
+    """
+
+    collective: str
+    algorithm: str
+    nranks: int
+    nbytes: float
+    time_s: float
+    algbw_gbps: float
+    busbw_gbps: float
+    link_bytes: dict
+    link_util: dict
+    messages: int
+
+
+def busbw_factor(collective: str, n: int) -> float:
+    """nccl-tests bus-bandwidth factor: 2(n-1)/n for all-reduce, 1 for broadcast and reduce."""
+    if collective == "allreduce":
+        return 2.0 * (n - 1) / n
+    return 1.0
+
+
+def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAULT_LATENCY_US,
+             chunk_bytes: float | None = None, topology=None, devices=None,
+             max_chunks: int = DEFAULT_MAX_CHUNKS) -> SimResult:
+    """Simulate one collective of ``nbytes`` bytes per rank on a topology's links.
+
+    Args:
+      plan_or_schedule: a ``jax_blink.packing.Plan`` (trees, possibly relaying through switch nodes or
+        through GPUs outside ``plan.devices``; edges with no physical link are routed over the
+        topology through switch nodes), or a :class:`~jax_blink.schedule.Schedule` (its chunks and
+        transfer rows are simulated as given, rows ordered by data dependencies instead of rounds;
+        each rank-to-rank send is routed over the topology).
+      nbytes: operand size per rank in bytes (> 0).
+      latency_us: per-message startup cost alpha in microseconds (>= 0).
+      chunk_bytes: chunk size for a Plan (None: per tree, the pipelining optimum of
+        :func:`jax_blink.schedule.choose_chunks` with this latency, at most ``max_chunks`` chunks
+        and about CHUNK_BUDGET chunks over all trees). Ignored for a Schedule (its chunks are used).
+      topology: the :class:`~jax_blink.topology.Topology` whose links carry the data (required
+        unless the plan has a ``topology`` attribute).
+      devices: for a Schedule, the topology GPU of each rank (default: ``plan``-less schedules use
+        the topology's GPUs in sorted order; must have ``nranks`` entries).
+      max_chunks: upper bound on chunks per tree for a Plan when ``chunk_bytes`` is None.
+
+    Returns: a :class:`SimResult`.
+
+    Raises:
+      BlinkError: bad sizes or latency, a missing topology, devices not in the topology.
+      PlanError: a tree that does not span the plan's devices, or an edge with no route.
+      ScheduleError: a schedule whose rank count does not match ``devices``.
+
+    Method: discrete event simulation of per-link FIFO queues (module docstring); Blink (Wang et
+    al., MLSys 2020) sections 4.1-4.2 for splitting and pipelining.
+    """
+    if not (isinstance(nbytes, (int, float)) and math.isfinite(nbytes) and nbytes > 0):
+        raise BlinkError(f"nbytes must be a positive number of bytes, got {nbytes!r}")
+    if not (isinstance(latency_us, (int, float)) and math.isfinite(latency_us) and latency_us >= 0):
+        raise BlinkError(f"latency_us must be >= 0, got {latency_us!r}")
+    if chunk_bytes is not None and not (math.isfinite(chunk_bytes) and chunk_bytes > 0):
+        raise BlinkError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes!r}")
+    if topology is None:
+        topology = getattr(plan_or_schedule, "topology", None)
+    if topology is None:
+        raise BlinkError("simulate needs the topology whose links carry the data: pass topology=...")
+    latency_s = latency_us * 1e-6
+    if isinstance(plan_or_schedule, Schedule):
+        sched = plan_or_schedule
+        devs = _schedule_devices(sched, topology, devices)
+        msgs = _schedule_messages(sched, float(nbytes), topology, devs)
+        collective, algorithm, n = sched.collective, "schedule", sched.nranks
+    else:
+        plan = plan_or_schedule
+        if plan.collective not in COLLECTIVES:
+            raise PlanError(f"unknown collective {plan.collective!r}; expected one of {COLLECTIVES}")
+        topology.check_devices(plan.devices)
+        msgs = _plan_messages(plan, float(nbytes), topology, latency_s, chunk_bytes, max_chunks)
+        collective, algorithm, n = plan.collective, getattr(plan, "algorithm", "trees"), len(plan.devices)
+    time_s, busy, carried = _run(msgs, topology, latency_s)
+    if n <= 1 or time_s == 0.0:
+        algbw = math.inf
+        busbw = math.inf if busbw_factor(collective, max(n, 1)) > 0 else 0.0
+        time_s = 0.0
+    else:
+        algbw = nbytes / time_s / 1e9
+        busbw = algbw * busbw_factor(collective, n)
+    util = {(u, v): (busy.get((u, v), 0.0) / time_s if time_s > 0 else 0.0)
+            for u, v in topology.graph.edges}
+    return SimResult(collective, algorithm, n, float(nbytes), time_s, algbw, busbw, carried, util, len(msgs))
+
+
+# --------------------------------------------------------------------------- routing
+def route(topology, src, dst, *, via=None) -> tuple:
+    """Physical hops [(a, b), ...] from GPU ``src`` to GPU ``dst``.
+
+    The direct edge when there is one; otherwise a fewest-hop path whose intermediate nodes are
+    switch/host nodes (or the GPUs in ``via``), ties broken by the widest bottleneck, then by node
+    order. Raises PlanError when no such path exists (e.g. no PCIe tree in the topology).
+    """
+    g = topology.graph
+    if g.has_edge(src, dst):
+        return ((src, dst),)
+    allowed = set(topology.switches) | set(via or ()) | {src, dst}
+    sub = g.subgraph(allowed)
+    try:
+        paths = list(nx.all_shortest_paths(sub, src, dst))
+    except (nx.NetworkXNoPath, nx.NodeNotFound):
+        raise PlanError(f"no route from GPU {src} to GPU {dst} in topology {topology.name!r} through "
+                        f"switch nodes; add the PCIe/host tree to the topology or use GPUs that are "
+                        f"linked") from None
+    best = max(paths, key=lambda p: (min(g.edges[a, b]["bandwidth_gbps"] for a, b in zip(p, p[1:])),
+                                     [-_order(x) for x in p]))
+    return tuple(zip(best, best[1:]))
+
+
+def _order(x) -> float:
+    return float(x) if isinstance(x, int) else 1e9 + sum(map(ord, str(x)))
+
+
+def tree_gpu_edges(tree, devices, *, reduce: bool = False) -> list[tuple]:
+    """GPU-level edges of a tree as ``(parent_gpu, child_gpu, route)``, parents before children.
+
+    ``route`` is the node path from the parent GPU through switch nodes to the child GPU
+    (``Tree.routes``, docs/architecture.md). With ``reduce=True`` the reduce tree is returned
+    (``tree.reduce_edges`` when given, else ``tree.edges``), still parent -> child; a reduce's data
+    flows along the route reversed. GPUs outside ``devices`` may appear as relays (they store and
+    forward, and add in a reduce). Raises PlanError when the routes do not form a tree from
+    ``tree.root`` reaching every device exactly once.
+    """
+    routes = tree.routes(reduce)
+    devs = set(devices)
+    kids: dict = {}
+    seen = {tree.root}
+    for r in routes:
+        if r[-1] in seen:
+            raise PlanError(f"tree rooted at {tree.root} reaches GPU {r[-1]} twice; its routes "
+                            f"{routes} are not a tree")
+        seen.add(r[-1])
+        kids.setdefault(r[0], []).append(r)
+    out, queue = [], [tree.root]
+    while queue:
+        p = queue.pop(0)
+        for r in kids.get(p, ()):
+            out.append((p, r[-1], tuple(r)))
+            queue.append(r[-1])
+    if len(out) != len(routes):
+        raise PlanError(f"tree rooted at {tree.root}: routes {routes} are not connected to the root")
+    missing = devs - {tree.root} - {c for _, c, _ in out}
+    if missing:
+        raise PlanError(f"tree rooted at {tree.root} does not reach GPUs {sorted(missing)} of "
+                        f"devices {sorted(devs)}")
+    return out
+
+
+def _hops(topology, path) -> tuple:
+    """Physical hops of a node path; a pair with no edge is routed through switches."""
+    hops = []
+    for a, b in zip(path, path[1:]):
+        if topology.graph.has_edge(a, b):
+            hops.append((a, b))
+        else:
+            hops.extend(route(topology, a, b))
+    return tuple(hops)
+
+
+# --------------------------------------------------------------------------- messages
+@dataclasses.dataclass
+class _Msg:
+    nbytes: float
+    hops: tuple
+    deps: list
+    prio: tuple  # served first when smaller: (fraction of its segment done, creation order)
+
+
+def _plan_messages(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks) -> list[_Msg]:
+    devices = list(plan.devices)
+    trees = [t for t in plan.trees if t.weight_gbps > 0]
+    if len(devices) <= 1:
+        return []
+    if not trees:
+        raise PlanError(f"plan for devices {devices} has no trees with positive weight")
+    do_reduce = plan.collective in ("allreduce", "reduce")
+    do_bcast = plan.collective in ("allreduce", "broadcast")
+    wsum = sum(t.weight_gbps for t in trees)
+    max_chunks = max(1, min(max_chunks, CHUNK_BUDGET // len(trees)))
+    segs = []
+    for t in trees:
+        if t.root not in devices:
+            raise PlanError(f"tree root {t.root} is not one of the plan's devices {devices}")
+        red = [(c, p, _hops(topology, path[::-1]))
+               for p, c, path in tree_gpu_edges(t, devices, reduce=True)] if do_reduce else []
+        bc = [(p, c, _hops(topology, path))
+              for p, c, path in tree_gpu_edges(t, devices)] if do_bcast else []
+        seg_bytes = nbytes * t.weight_gbps / wsum
+        if chunk_bytes is not None:
+            k = max(1, math.ceil(seg_bytes / chunk_bytes - 1e-9))
+        else:
+            # store-and-forward stages: physical hops on the deepest reduce and broadcast paths
+            depth = _depth([(p, c, len(h)) for c, p, h in red], t.root) + \
+                _depth([(p, c, len(h)) for p, c, h in bc], t.root)
+            k = choose_chunks(seg_bytes, depth, t.weight_gbps,
+                              step_latency_s=max(latency_s, 1e-7), max_chunks=max_chunks)
+        segs.append((t.root, red, bc, seg_bytes / k, k))
+
+    msgs: list[_Msg] = []
+    for j in range(max(s[4] for s in segs)):
+        for root, red, bc, cbytes, k in segs:
+            if j >= k:
+                continue
+            prio = (j + 1) / k
+            into = {}  # GPU -> reduce messages arriving there for this chunk
+            # children before parents so a parent's deps exist when it is created
+            for c, p, hops in reversed(red):
+                msgs.append(_Msg(cbytes, hops, list(into.get(c, ())), (prio, len(msgs))))
+                into.setdefault(p, []).append(len(msgs) - 1)
+            have = {root: list(into.get(root, ()))}
+            for p, c, hops in bc:
+                msgs.append(_Msg(cbytes, hops, list(have[p]), (prio, len(msgs))))
+                have[c] = [len(msgs) - 1]
+    return msgs
+
+
+def _depth(pc_len, root) -> int:
+    """Largest sum of hop counts on a root-to-leaf path of (parent, child, hops) edges."""
+    parent = {c: (p, n) for p, c, n in pc_len}
+    best = 0
+    for v in parent:
+        d = 0
+        while v != root and v in parent:
+            v, n = parent[v]
+            d += n
+        best = max(best, d)
+    return best
+
+
+def _schedule_devices(sched, topology, devices) -> list:
+    devs = list(topology.gpus if devices is None else devices)
+    topology.check_devices(devs)
+    if len(devs) != sched.nranks:
+        raise ScheduleError(f"schedule has {sched.nranks} ranks but {len(devs)} devices were given "
+                            f"({devs}); pass devices= with one topology GPU per rank")
+    return devs
+
+
+def _schedule_messages(sched, nbytes, topology, devs) -> list[_Msg]:
+    if sched.nelems == 0:
+        return []
+    itemsize = nbytes / sched.nelems
+    writers: dict = {}  # (rank, chunk) -> rows that wrote it so far
+    cache: dict = {}
+    msgs = []
+    for i, (_, op, src, dst, c) in enumerate(sched.transfers.tolist()):
+        if op not in (REDUCE, COPY):
+            raise ScheduleError(f"transfer row {i}: unknown op {op}")
+        key = (devs[src], devs[dst])
+        if key not in cache:
+            cache[key] = route(topology, *key)
+        msgs.append(_Msg(float(sched.chunk_length[c]) * itemsize, cache[key], list(writers.get((src, c), ())),
+                         (i / len(sched.transfers), i)))
+        writers.setdefault((dst, c), []).append(i)
+    return msgs
+
+
+# --------------------------------------------------------------------------- engine
+_ARRIVE, _SERVE = 0, 1
+
+
+def _run(msgs: list[_Msg], topology, latency_s: float):
+    """Event loop over per-link queues. Returns (finish time, {edge: busy s}, {edge: bytes}).
+
+    A link that falls free serves the waiting message with the smallest ``prio`` (all arrivals at
+    the same instant are queued first), so trees of different weights progress in proportion and
+    finish together, as Blink's weight-proportional split intends.
+    """
+    g = topology.graph
+    bw = {}
+    for m in msgs:
+        for e in m.hops:
+            if e not in bw:
+                d = g.get_edge_data(*e)
+                if d is None:
+                    raise PlanError(f"message routed over {e}, which is not a link of {topology.name!r}")
+                bw[e] = d["bandwidth_gbps"] * 1e9
+    waiting = [len(m.deps) for m in msgs]
+    ready_at = [0.0] * len(msgs)
+    dependents: list[list[int]] = [[] for _ in msgs]
+    for i, m in enumerate(msgs):
+        for d in m.deps:
+            dependents[d].append(i)
+    events = []  # (time, kind, tiebreak, payload)
+    seq = 0
+    for i, m in enumerate(msgs):
+        if not m.deps:
+            events.append((0.0, _ARRIVE, seq, (i, 0)))
+            seq += 1
+    heapq.heapify(events)
+    queue: dict = {e: [] for e in bw}  # edge -> heap of (prio, msg, hop)
+    idle = {e: True for e in bw}
+    busy: dict = {}
+    carried: dict = {}
+    end, done = 0.0, 0
+    while events:
+        t, kind, _, payload = heapq.heappop(events)
+        if kind == _ARRIVE:
+            i, h = payload
+            m = msgs[i]
+            if h < len(m.hops):
+                e = m.hops[h]
+                heapq.heappush(queue[e], (m.prio, i, h))
+                if idle[e]:
+                    idle[e] = False  # claim now, choose at _SERVE once all arrivals at t are in
+                    heapq.heappush(events, (t, _SERVE, seq, e))
+                    seq += 1
+                continue
+            finish = t + latency_s  # alpha: once per GPU-to-GPU send, does not hold the links
+            done += 1
+            end = max(end, finish)
+            for d in dependents[i]:
+                waiting[d] -= 1
+                ready_at[d] = max(ready_at[d], finish)
+                if waiting[d] == 0:
+                    heapq.heappush(events, (ready_at[d], _ARRIVE, seq, (d, 0)))
+                    seq += 1
+            continue
+        e = payload
+        if not queue[e]:
+            idle[e] = True
+            continue
+        _, i, h = heapq.heappop(queue[e])
+        dt = msgs[i].nbytes / bw[e]
+        busy[e] = busy.get(e, 0.0) + dt
+        carried[e] = carried.get(e, 0.0) + msgs[i].nbytes
+        heapq.heappush(events, (t + dt, _ARRIVE, seq, (i, h + 1)))
+        heapq.heappush(events, (t + dt, _SERVE, seq + 1, e))
+        seq += 2
+    if done != len(msgs):
+        raise ScheduleError(f"{len(msgs) - done} transfers never became ready (cyclic dependencies)")
+    return end, busy, carried
