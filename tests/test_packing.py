@@ -1,0 +1,240 @@
+"""Tree packing (TreeGen): validity, capacity, optimality against independent max-flow / Nash-Williams
+values, determinism, bad input."""
+
+import itertools
+import json
+import math
+
+import networkx as nx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jax_blink import bounds
+from jax_blink.errors import PlanError
+from jax_blink.packing import Plan, plan
+from jax_blink.presets import PRESETS
+from jax_blink.topology import Topology
+
+TOL = 1e-6
+
+
+def maxflow_bound(topology, devices, root, reverse=False):
+    """Independent Edmonds bound: min over v of maxflow(root -> v) on the job's physical graph."""
+    g = topology.subset(devices).graph
+    if reverse:
+        g = g.reverse(copy=True)
+    return min(nx.maximum_flow_value(g, root, v, capacity="bandwidth_gbps") for v in devices if v != root)
+
+
+def check_plan(topology, p):
+    """Every tree spans the devices from its root through switch-only routes; no link overloaded."""
+    g = topology.graph
+    devs = set(p.devices)
+    assert p.rate_gbps == pytest.approx(sum(t.weight_gbps for t in p.trees), abs=1e-6)
+    for t in p.trees:
+        assert t.weight_gbps > 0
+        for reduce in (False, True):
+            for r in t.routes(reduce):
+                assert r[0] in devs and r[-1] in devs
+                assert all(g.nodes[x]["kind"] != "gpu" for x in r[1:-1]), r
+                for a, b in zip(r, r[1:]):
+                    assert g.has_edge(a, b) or reduce and t.reduce_edges is None and g.has_edge(b, a), (a, b)
+            par = t.gpu_parents(reduce)
+            assert set(par) == devs - {t.root}
+            h = nx.DiGraph([(pp, c) for c, pp in par.items()])
+            h.add_nodes_from(devs)
+            assert nx.is_arborescence(h) and t.root in devs
+            assert all(nx.has_path(h, t.root, v) for v in devs)
+        if p.collective != "allreduce":
+            assert t.root == p.root
+    for (u, v), load in p.link_loads().items():
+        assert load <= g.edges[u, v]["bandwidth_gbps"] + TOL, ((u, v), load)
+
+
+def test_dgx1v_every_allocation_and_root_broadcast_reduce_reach_maxflow():
+    t = PRESETS["dgx1v"]()
+    count = 0
+    for k in range(2, 9):
+        for devs in itertools.combinations(range(8), k):
+            for root in devs:
+                for coll, rev in (("broadcast", False), ("reduce", True)):
+                    p = plan(t, coll, devices=devs, root=root)
+                    ref = maxflow_bound(t, devs, root, reverse=rev)
+                    assert p.bound_gbps == pytest.approx(ref, rel=1e-9)
+                    assert p.rate_gbps == pytest.approx(ref, rel=1e-6), (coll, devs, root)
+                    if k in (2, 5, 8):
+                        check_plan(t, p)
+                    count += 1
+    assert count == 2 * sum(math.comb(8, k) * k for k in range(2, 9))
+
+
+def test_dgx1v_nvlink_allreduce_equals_nash_williams():
+    t = PRESETS["dgx1v-nvlink"]()
+    full = plan(t, "allreduce")
+    assert full.rate_gbps == pytest.approx(600 / 7, rel=1e-6)
+    assert bounds.nash_williams_value(t, range(8)) == pytest.approx(600 / 7)
+    for k in (2, 3, 4, 5, 6):
+        for devs in itertools.combinations(range(8), k):
+            if not nx.is_connected(t.subset(devs).graph.to_undirected()):
+                with pytest.raises(PlanError):
+                    plan(t, "allreduce", devices=devs)
+                continue
+            p = plan(t, "allreduce", devices=devs)
+            nw = bounds.nash_williams_value(t, devs)
+            if p.algorithm == "trees":
+                assert p.rate_gbps == pytest.approx(nw, rel=1e-6), devs
+            else:  # a ring only wins when it beats the tree optimum
+                assert p.rate_gbps > nw
+            check_plan(t, p)
+
+
+@pytest.mark.parametrize("name", ["dgx1p", "dgx1v", "dgx2", "dgx-a100", "dgx-h100", "pcie-2socket"])
+def test_presets_full_box_optimal_and_valid(name):
+    t = PRESETS[name]()
+    root = t.gpus[-1]
+    for coll, rev in (("broadcast", False), ("reduce", True)):
+        p = plan(t, coll, root=root)
+        assert p.rate_gbps == pytest.approx(maxflow_bound(t, t.gpus, root, rev), rel=1e-6)
+        check_plan(t, p)
+    a = plan(t, "allreduce")
+    assert a.rate_gbps == pytest.approx(a.bound_gbps, rel=1e-6) or a.algorithm == "ring"
+    check_plan(t, a)
+
+
+def test_known_values():
+    assert plan(PRESETS["dgx1v-nvlink"](), "broadcast").rate_gbps == pytest.approx(150.0)
+    # H100: 450 GB/s per GPU into the NVSwitch; all-reduce trees: n*c/(2(n-1)) = 8*450/14
+    assert plan(PRESETS["dgx-h100"](), "allreduce").rate_gbps == pytest.approx(8 * 450 / 14, rel=1e-6)
+    # ring all-reduce rate equals the tree rate on a uniform switch: n*B/(2(n-1)), B = 450
+    assert bounds.ring_rate(PRESETS["dgx-h100"](), range(8)) == pytest.approx(450.0, rel=1e-6)
+
+
+def test_allreduce_roots_spread_and_ring_plan_valid():
+    t = PRESETS["dgx1v-nvlink"]()
+    p = plan(t, "allreduce")
+    assert len({tr.root for tr in p.trees}) == min(len(p.trees), 8)
+    # a 4-GPU ring machine: 0-1-2-3-0 single links plus nothing else: ring == trees; force the ring
+    # path through the private helper to check ring trees execute as a valid packing.
+    from jax_blink.packing import _ring_trees
+    b, rings = bounds.ring_packing(t, range(8))
+    assert b == pytest.approx(150.0, rel=1e-6)
+    rt = tuple(_ring_trees(rings, 8))
+    rp = Plan("allreduce", None, tuple(range(8)), rt, sum(x.weight_gbps for x in rt), 0.0, "ring")
+    check_plan(t, rp)
+    assert sum(tr.weight_gbps for tr in rp.trees) == pytest.approx(8 * 150 / 14, rel=1e-6)
+
+
+def _pcie_switch_pair():
+    t = Topology("sw")
+    t.add_switch("sw", "pcie-switch")
+    for g in range(3):
+        t.add_gpu(g)
+        t.add_link(g, "sw", 12.0, "pcie")
+    return t
+
+
+def test_switch_routes_share_capacity():
+    t = _pcie_switch_pair()
+    p = plan(t, "broadcast", root=0)
+    assert p.rate_gbps == pytest.approx(12.0)  # a chain through the switch, not a star
+    check_plan(t, p)
+    for tr in p.trees:
+        assert any(isinstance(a, str) or isinstance(b, str) for a, b in tr.edges)
+
+
+def test_max_trees_reports_loss():
+    t = PRESETS["dgx1v-nvlink"]()
+    p = plan(t, "broadcast", max_trees=1)
+    assert len(p.trees) == 1 and p.rate_gbps == pytest.approx(50.0)  # the double-link Hamiltonian path
+    assert any("max_trees=1" in n for n in p.notes)
+    check_plan(t, p)
+
+
+def test_multi_node_hierarchical_valid():
+    t = PRESETS["dgx1v-4node"]()
+    for coll in ("broadcast", "allreduce"):
+        p = plan(t, coll)
+        assert p.algorithm == "hierarchical" and len(p.devices) == 32
+        assert 0 < p.rate_gbps <= p.bound_gbps + TOL
+        check_plan(t, p)
+
+
+def test_deterministic_json_roundtrip():
+    t = PRESETS["dgx1v"]()
+    a = plan(t, "allreduce", devices=(0, 1, 2, 5, 6))
+    from jax_blink import packing
+    packing._CACHE.clear()
+    b = plan(t, "allreduce", devices=(0, 1, 2, 5, 6))
+    assert a is not b and a.to_json() == b.to_json()
+    assert Plan.from_json(a.to_json()).to_json() == a.to_json()
+    d = json.loads(a.to_json())
+    assert set(d) == {"collective", "root", "devices", "rate_gbps", "bound_gbps", "algorithm", "notes", "trees"}
+    assert "tree 0" in a.describe()
+
+
+def test_trivial_and_errors():
+    t = PRESETS["dgx1v"]()
+    one = plan(t, "broadcast", devices=[3])
+    assert one.trees == () and math.isinf(one.rate_gbps) and json.loads(one.to_json())["rate_gbps"] is None
+    with pytest.raises(PlanError, match="9"):
+        plan(t, "broadcast", devices=[0, 9])
+    with pytest.raises(PlanError, match="root 5"):
+        plan(t, "broadcast", devices=[0, 1], root=5)
+    with pytest.raises(PlanError, match="collective"):
+        plan(t, "gather")
+    with pytest.raises(PlanError, match="max_trees"):
+        plan(t, "broadcast", max_trees=0)
+    two = Topology("split")
+    for g in range(4):
+        two.add_gpu(g)
+    two.add_link(0, 1, 10.0, "nvlink")
+    two.add_link(2, 3, 10.0, "nvlink")
+    with pytest.raises(PlanError, match=r"\[0, 1\], \[2, 3\]"):
+        plan(two, "allreduce")
+
+
+@st.composite
+def random_topology(draw):
+    n = draw(st.integers(2, 6))
+    t = Topology("random")
+    for g in range(n):
+        t.add_gpu(g)
+    nsw = draw(st.integers(0, 2))
+    for s in range(nsw):
+        t.add_switch(f"sw{s}", "pcie-switch")
+    nodes = list(range(n)) + [f"sw{s}" for s in range(nsw)]
+    # a random spanning tree (connected), then extra links; symmetric so switches are Eulerian
+    for i in range(1, len(nodes)):
+        j = draw(st.integers(0, i - 1))
+        t.add_link(nodes[i], nodes[j], draw(st.sampled_from([5.0, 10.0, 25.0])), "pcie")
+    for _ in range(draw(st.integers(0, 6))):
+        u, v = draw(st.sampled_from(nodes)), draw(st.sampled_from(nodes))
+        if u != v and not (isinstance(u, str) and isinstance(v, str)):
+            t.add_link(u, v, draw(st.sampled_from([5.0, 10.0, 25.0])), "nvlink")
+    return t
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_topology(), st.data())
+def test_random_graphs_reach_maxflow(t, data):
+    devs = t.gpus
+    try:
+        t.subset(devs)
+        ok = nx.is_strongly_connected(t.subset(devs).graph)
+    except Exception:
+        ok = False
+    if not ok:
+        with pytest.raises(PlanError):
+            plan(t, "broadcast")
+        return
+    root = data.draw(st.sampled_from(devs))
+    for coll, rev in (("broadcast", False), ("reduce", True)):
+        p = plan(t, coll, root=root)
+        assert p.rate_gbps == pytest.approx(maxflow_bound(t, devs, root, rev), rel=1e-6)
+        check_plan(t, p)
+    a = plan(t, "allreduce")
+    check_plan(t, a)
+    assert a.rate_gbps <= bounds.allreduce_bound(t, devs) + TOL
+    if not t.switches and a.algorithm == "trees":
+        assert a.rate_gbps == pytest.approx(bounds.nash_williams_value(t, devs), rel=1e-6)
