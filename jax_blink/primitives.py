@@ -215,17 +215,22 @@ batching.fancy_primitive_batchers[blink_reduce_p] = _reduce_batcher
 
 
 # -------------------------------------------------------------------------------- lowering
-def choose_lowering(impl: str, platforms) -> tuple[str, object]:
+def choose_lowering(impl: str, platforms, processes: int = 1) -> tuple[str, object]:
     """(impl name, rule) for ``impl`` on the module's platforms. Raises BlinkError if unavailable.
 
-    "auto" = "ffi" when registered for every platform of the module, else "ppermute".
+    "auto" = "ffi" when registered for every platform of the module and the mesh lies in one
+    process (``processes == 1``; the custom call meets its peers in process memory), else "ppermute".
     """
     platforms = list(platforms)
     if impl == "auto":
         rules = [_lowering.find_lowering("ffi", p) for p in platforms]
-        if all(r is not None for r in rules) and len(set(rules)) == 1:
+        if processes == 1 and all(r is not None for r in rules) and len(set(rules)) == 1:
             return "ffi", rules[0]
         impl = "ppermute"
+    if impl == "ffi" and processes > 1:
+        raise BlinkError(f"jax_blink impl='ffi' runs inside one process, but this mesh spans {processes} "
+                         "processes (jax.distributed); use impl='auto' or impl='ppermute', which lower to "
+                         "collective_permute across processes")
     rules = [_lowering.find_lowering(impl, p) for p in platforms]
     if any(r is None for r in rules) or len(set(rules)) != 1:
         have = sorted(_lowering.LOWERINGS)
@@ -264,7 +269,8 @@ def _lower(collective, ctx, x, *, axes, impl, key, root=None, axis_index_groups=
         raise BlinkError(f"jax_blink.{collective} needs a concrete device mesh at lowering (jax.pmap or "
                          f"jax.shard_map with a jax.sharding.Mesh); got axis context {type(axis_ctx).__name__}")
     platforms = ctx.module_context.platforms
-    _, rule = choose_lowering(impl, platforms)
+    nproc = len({d.process_index for d in axis_ctx.mesh.devices.flat})
+    _, rule = choose_lowering(impl, platforms, nproc)
     if nelems == 0:
         return [x]
     request = build_request(collective, axis_ctx.mesh, tuple(axes), axis_index_groups, root, key,

@@ -22,7 +22,7 @@ from jax_blink import distributed
 
 ap = argparse.ArgumentParser()
 ap.add_argument("mode", choices=["check", "kill"])
-ap.add_argument("--impl", default="ppermute")
+ap.add_argument("--impl", default="auto")
 ap.add_argument("--heartbeat", type=int, default=10)
 a = ap.parse_args()
 
@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_blink.api import psum as blink_psum  # noqa: E402  (jax_blink.psum)
+import jax_blink  # noqa: E402
 from jax_blink import packing  # noqa: E402
 
 me, nproc = jax.process_index(), jax.process_count()
@@ -53,14 +53,14 @@ emit(case="plan", algorithm=plan.algorithm, rate_gbps=plan.rate_gbps, bound_gbps
      device_map=sorted(cluster.device_map.items()))
 
 
-def run(mesh, axes, dtype, shape_per_dev, blink):
+def run(mesh, axes, dtype, shape_per_dev, blink, impl=None):
     """Per-device results of psum over ``axes`` (each device's copy kept: out sharded over all axes)."""
     names = mesh.axis_names
     spec = P(names)  # leading dim split over every mesh axis: one block per device
 
     def body(x):
         if blink:
-            return blink_psum(x, axes, impl=a.impl, topology=cluster.topology,
+            return jax_blink.psum(x, axes, impl=impl or a.impl, topology=cluster.topology,
                                   device_map=cluster.device_map)
         return jax.lax.psum(x, axes)
 
@@ -110,10 +110,16 @@ if a.mode == "check":
     grid = Mesh(devs.reshape(nproc, G), ("node", "local"))
     check("grid_both_axes_f32", grid, ("node", "local"), np.float32)
     check("grid_cross_node_axis_f32", grid, "node", np.float32)
+    # impl="ffi" is an in-process custom call: across processes it must be refused clearly.
+    try:
+        run(flat, "i", np.float32, (1, 4), True, impl="ffi")
+        emit(case="ffi_refused", refused=False, message="")
+    except jax_blink.BlinkError as e:
+        emit(case="ffi_refused", refused=True, message=str(e))
     emit(case="done", seconds=time.time() - t0)
 else:
     mesh = Mesh(devs, ("i",))
-    f = jax.jit(jax.shard_map(lambda x: blink_psum(x, "i", impl=a.impl, topology=cluster.topology,
+    f = jax.jit(jax.shard_map(lambda x: jax_blink.psum(x, "i", impl=a.impl, topology=cluster.topology,
                                                          device_map=cluster.device_map),
                               mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
     x = jax.make_array_from_callback((N, 64), NamedSharding(mesh, P("i")),

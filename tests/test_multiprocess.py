@@ -163,6 +163,8 @@ def test_psum_across_processes_matches_lax(nproc, local):
     cases = ["flat_f32", "flat_i32", "permuted_f32", "grid_both_axes_f32", "grid_cross_node_axis_f32"]
     for p, recs in enumerate(per):
         assert "done" in recs, f"process {p} did not finish: {res.processes[p].stderr[-2000:]}"
+        assert recs["ffi_refused"]["refused"], recs["ffi_refused"]
+        assert f"spans {nproc} processes" in recs["ffi_refused"]["message"]
         for c in cases:
             r = recs[c]
             assert r["bitwise_equal_in_group"], (p, r)
