@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     except BlinkError as err:
         print(f"jax-blink {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # Output piped into `head` and closed early: not an error of ours.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
