@@ -518,13 +518,18 @@ def _plan_uncached(topology, collective, devices, root, max_trees) -> Plan:
         bound = dual
         b_ring, rings = _bounds.ring_packing(topology, devices, table)
         ring_rate = n * b_ring / (2 * (n - 1)) if b_ring > 0 else 0.0
-        if ring_rate > rate * (1 + 1e-6) and max_trees is None:
+        ring_fits = max_trees is None or n * len(rings) <= max_trees
+        if ring_rate > rate * (1 + 1e-6) and not ring_fits:
+            notes.append(f"a ring packing would reach {ring_rate:.3f} GB/s but needs {n * len(rings)} trees "
+                         f"> max_trees={max_trees}")
+        elif ring_rate > rate * (1 + 1e-6):
             notes.append(f"ring chosen: rings of {b_ring:.3f} GB/s give all-reduce rate n*B/(2(n-1)) = "
                          f"{ring_rate:.3f} GB/s > trees {rate:.3f} GB/s")
             rtrees = _ring_trees(rings, n)
             return Plan(collective, None, devices, tuple(rtrees), _round(sum(t.weight_gbps for t in rtrees)),
                         _round(_bounds.allreduce_bound(topology, devices)), "ring", tuple(notes))
-        notes.append(f"trees chosen: all-reduce rate {rate:.3f} GB/s >= ring {ring_rate:.3f} GB/s "
-                     f"(rings of {b_ring:.3f} GB/s, time 2(n-1)/n*S/B)")
+        else:
+            notes.append(f"trees chosen: all-reduce rate {rate:.3f} GB/s >= ring {ring_rate:.3f} GB/s "
+                         f"(rings of {b_ring:.3f} GB/s, time 2(n-1)/n*S/B)")
     return Plan(collective, root, devices, tuple(trees), _round(rate), _round(bound), "trees",
                 tuple(notes))

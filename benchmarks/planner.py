@@ -1,0 +1,108 @@
+"""Planner benchmark: rate vs certificate, tree counts, planning time, ring comparison.
+
+Run: ``python benchmarks/planner.py [--quick]``. Prints rich tables; every number comes from this run.
+Plan times are first calls (plan cache cleared), wall-clock on this machine.
+
+Columns: rate/bound = plan rate over its certificate (Edmonds max-flow bound for broadcast; LP dual
+bound for all-reduce trees); ring = best ring packing (directed Hamiltonian cycles over NVLink and
+PCIe routes, bounds.ring_packing) expressed as the same collective's rate (broadcast: B_ring;
+all-reduce: n*B_ring/(2(n-1))); speedup = plan rate / ring rate (same predicted-time model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import pathlib
+import statistics
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from jax_blink import bounds, packing
+from jax_blink.presets import PRESETS
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def timed_plan(t, coll, **kw):
+    packing._CACHE.clear()
+    s = time.perf_counter()
+    p = packing.plan(t, coll, **kw)
+    return p, (time.perf_counter() - s) * 1e3
+
+
+def ring_equiv(t, devs, coll):
+    n = len(devs)
+    b = bounds.ring_rate(t, devs)
+    return b * n / (2 * (n - 1)) if coll == "allreduce" else b
+
+
+def stats(xs):
+    return f"{min(xs):.3f} / {statistics.median(xs):.3f} / {max(xs):.3f}"
+
+
+def allocation_sweep(console, name, quick):
+    t = PRESETS[name]()
+    tab = Table(title=f"{name}: every allocation (and every root for broadcast); min / median / max")
+    for c in ("GPUs", "collective", "plans", "rate/bound", "trees", "plan ms", "speedup over ring"):
+        tab.add_column(c, justify="right")
+    for k in range(2, 9):
+        allocs = list(itertools.combinations(range(8), k))
+        for coll in ("broadcast", "allreduce"):
+            ratios, trees, ms, speed = [], [], [], []
+            for devs in allocs:
+                roots = devs if coll == "broadcast" and not quick else (devs[0],)
+                ring = ring_equiv(t, devs, coll)
+                for r in roots:
+                    p, dt = timed_plan(t, coll, devices=devs, root=r if coll == "broadcast" else None)
+                    ratios.append(p.rate_gbps / p.bound_gbps)
+                    trees.append(len(p.trees))
+                    ms.append(dt)
+                    speed.append(p.rate_gbps / ring if ring > 0 else float("inf"))
+            tab.add_row(str(k), coll, str(len(ratios)), stats(ratios),
+                        f"{min(trees)} / {statistics.median(trees):g} / {max(trees)}",
+                        f"{min(ms):.1f} / {statistics.median(ms):.1f} / {max(ms):.1f}", stats(speed))
+    console.print(tab)
+
+
+def full_box_rows(console, entries):
+    tab = Table(title="full machine: broadcast from GPU 0, reduce to GPU 0, all-reduce")
+    for c in ("topology", "GPUs", "collective", "algorithm", "rate GB/s", "bound GB/s", "rate/bound", "trees",
+              "plan ms", "ring GB/s", "speedup over ring"):
+        tab.add_column(c, justify="right")
+    for label, t in entries:
+        devs = t.gpus
+        for coll in ("broadcast", "reduce", "allreduce"):
+            p, dt = timed_plan(t, coll)
+            ring = ring_equiv(t, devs, coll)
+            tab.add_row(label, str(len(devs)), coll, p.algorithm, f"{p.rate_gbps:.3f}", f"{p.bound_gbps:.3f}",
+                        f"{p.rate_gbps / p.bound_gbps:.3f}", str(len(p.trees)), f"{dt:.1f}", f"{ring:.3f}",
+                        f"{p.rate_gbps / ring:.3f}" if ring > 0 else "no ring")
+    console.print(tab)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="one root per allocation (faster)")
+    args = ap.parse_args()
+    console = Console(width=170)
+    t0 = time.perf_counter()
+    entries = [(n, PRESETS[n]()) for n in ("dgx1p", "dgx1p-nvlink", "dgx1v", "dgx1v-nvlink", "dgx2", "dgx-a100",
+                                           "dgx-h100", "pcie-2socket")]
+    try:
+        from jax_blink.discovery import load_topology
+        for f in sorted((ROOT / "tests" / "data" / "topologies").glob("*.txt")):
+            entries.append((f.stem, load_topology(str(f))))
+    except ImportError:
+        console.print("jax_blink.discovery missing: nvidia-smi files skipped")
+    entries.append(("dgx1v-4node", PRESETS["dgx1v-4node"]()))
+    full_box_rows(console, entries)
+    allocation_sweep(console, "dgx1v", args.quick)
+    allocation_sweep(console, "dgx1v-nvlink", True)
+    console.print(f"total benchmark time {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""``jax-blink plan --topology SOURCE [--devices 0,1,2] [--collective C] [--root R] [--max-trees K] [--json]``:
+plan a tree packing and print its trees, rate, certificate and the ring rate for comparison."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from ..bounds import ring_rate
+from ..discovery import load_topology
+from ..errors import PlanError
+from ..packing import COLLECTIVES, plan
+
+
+def _devices(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--devices takes comma-separated GPU ids like 0,1,2; got {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Register --topology, --devices, --collective, --root, --max-trees, --json."""
+    p.add_argument("--topology", required=True, metavar="SOURCE",
+                   help="preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, JSON file, or 'detect'")
+    p.add_argument("--devices", type=_devices, default=None, help="GPU ids of the job, e.g. 0,1,2 (default: all)")
+    p.add_argument("--collective", choices=COLLECTIVES, default="allreduce")
+    p.add_argument("--root", type=int, default=None, help="root GPU for broadcast/reduce (default: first device)")
+    p.add_argument("--max-trees", type=int, default=None, help="use at most K trees (the rate loss is reported)")
+    p.add_argument("--json", action="store_true", help="print Plan.to_json() (infinite rates as null)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan and print; returns 0. Bad input raises PlanError/TopologyError (exit status 2)."""
+    t = load_topology(args.topology)
+    if args.max_trees is not None and args.max_trees < 1:
+        raise PlanError(f"--max-trees must be >= 1, got {args.max_trees}")
+    p = plan(t, args.collective, devices=args.devices, root=args.root, max_trees=args.max_trees)
+    if args.json:
+        print(p.to_json(indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=sys.stdout, width=140)
+    fmt = lambda x: "inf" if math.isinf(x) else f"{x:.3f}"  # noqa: E731
+    b_ring = ring_rate(t, p.devices) if len(p.devices) > 1 else float("inf")
+    n = len(p.devices)
+    ring_eff = b_ring * n / (2 * (n - 1)) if p.collective == "allreduce" and n > 1 else b_ring
+    root = "" if p.root is None else f" root {p.root}"
+    console.print(f"[bold]{p.collective}[/bold]{root} on {t.name} GPUs {list(p.devices)}: "
+                  f"algorithm [bold]{p.algorithm}[/bold], {len(p.trees)} tree(s)")
+    ratio = "" if math.isinf(p.rate_gbps) or p.bound_gbps == 0 else f" ({p.rate_gbps / p.bound_gbps:.3f} of bound)"
+    console.print(f"rate {fmt(p.rate_gbps)} GB/s, bound {fmt(p.bound_gbps)} GB/s{ratio}; "
+                  f"ring {fmt(ring_eff)} GB/s (ring bandwidth {fmt(b_ring)} GB/s)")
+    for note in p.notes:
+        console.print(f"  note: {note}")
+    if p.trees:
+        tab = Table(title="trees", title_justify="left")
+        for col in ("#", "root", "GB/s", "share", "edges (parent->child)", "via", "reduce"):
+            tab.add_column(col, justify="right" if col in ("#", "root", "GB/s", "share") else "left")
+        for i, tr in enumerate(p.trees):
+            par = tr.gpu_parents()
+            edges = " ".join(f"{a}->{c}" for c, a in par.items())
+            via = ",".join(sorted({str(x) for r in tr.routes() for x in r[1:-1]}))
+            red = "reversed" if tr.reduce_edges is None else " ".join(
+                f"{c}->{a}" for c, a in tr.gpu_parents(reduce=True).items())
+            tab.add_row(str(i), str(tr.root), f"{tr.weight_gbps:.3f}", f"{tr.weight_gbps / p.rate_gbps:.3f}",
+                        edges, via or "-", red if p.collective != "broadcast" else "-")
+        console.print(tab)
+    return 0
