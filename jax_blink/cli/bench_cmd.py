@@ -1,0 +1,272 @@
+"""``jax-blink bench``: simulated time, algbw and busbw of blink vs ring vs double binary tree per size.
+
+With ``--measure`` it also times the real all-reduce on the local JAX devices: ``jax_blink.psum``
+against ``jax.lax.psum`` inside ``jax.pmap`` (ratio measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+
+from ..errors import BlinkError, PlanError
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+MAX_SWEEP = 64
+
+
+def parse_size(text: str) -> int:
+    """Bytes of one size: ``4096``, ``4K``, ``1M``, ``1.5G``, ``64KiB`` (K/M/G = KiB/MiB/GiB).
+
+    Raises BlinkError on bad syntax or a size that is not a positive whole number of bytes.
+    """
+    if str(text).strip().startswith("-"):
+        raise BlinkError(f"bad size {text!r}: sizes must be a positive whole number of bytes")
+    m = _SIZE.match(str(text))
+    if not m:
+        raise BlinkError(f"bad size {text!r}: expected a number with an optional K/M/G suffix "
+                         f"(KiB/MiB/GiB), e.g. 4K, 1M, 64M, 1G")
+    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if value <= 0 or value != int(value):
+        raise BlinkError(f"bad size {text!r}: sizes must be a positive whole number of bytes")
+    return int(value)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """Sizes in bytes from ``"1K..1G"`` (powers-of-two steps, both ends included) or ``"4K,1M,64M"``.
+
+    Both forms mix: ``"1K..8K,1M"``. Raises BlinkError on bad syntax, zero/negative sizes, a range
+    whose start exceeds its end, or more than MAX_SWEEP sizes.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise BlinkError("empty --sizes: give e.g. 1K..1G or 4K,1M,64M")
+    out: list[int] = []
+    for part in text.split(","):
+        if ".." in part:
+            lo_s, _, hi_s = part.partition("..")
+            lo, hi = parse_size(lo_s), parse_size(hi_s)
+            if lo > hi:
+                raise BlinkError(f"bad size range {part.strip()!r}: start {lo} B is larger than end {hi} B")
+            s = lo
+            while s <= hi:
+                out.append(s)
+                s *= 2
+                if len(out) > MAX_SWEEP:
+                    break
+        else:
+            out.append(parse_size(part))
+        if len(out) > MAX_SWEEP:
+            raise BlinkError(f"--sizes {text!r} gives more than {MAX_SWEEP} sizes")
+    return sorted(set(out))
+
+
+def parse_devices(text: str | None) -> list[int] | None:
+    """``"0,1,2"`` or ``"0-3,6"`` -> [0, 1, 2, 3, 6]; None stays None. Raises BlinkError."""
+    if text is None:
+        return None
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise BlinkError(f"bad --devices {text!r}: expected GPU ids like 0,1,2 or 0-3")
+        a, b = int(m.group(1)), int(m.group(2) or m.group(1))
+        if b < a:
+            raise BlinkError(f"bad --devices range {part!r}")
+        out.extend(range(a, b + 1))
+    return out
+
+
+def human_bytes(n: float) -> str:
+    """1024 -> '1K', 1.5 MiB -> '1.5M' (binary units, as --sizes takes them)."""
+    for unit, k in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= k:
+            v = n / k
+            return f"{v:g}{unit}" if v == int(v) else f"{v:.3g}{unit}"
+    return f"{int(n)}B"
+
+
+def human_time(s: float) -> str:
+    """Seconds in us/ms/s."""
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.3f} s"
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``bench`` and ``show``: topology, devices, collective, root, plan file."""
+    p.add_argument("--topology", required=True, metavar="SOURCE",
+                   help="preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, JSON file, or 'detect'")
+    p.add_argument("--devices", default=None, help="GPU ids of the job, e.g. 0,1,4 or 0-3 (default: all)")
+    p.add_argument("--collective", default="allreduce", choices=("allreduce", "broadcast", "reduce"))
+    p.add_argument("--root", type=int, default=None, help="root GPU for broadcast/reduce (default: first device)")
+    p.add_argument("--plan", default=None, metavar="FILE",
+                   help="use this plan (JSON from `jax-blink plan --json`) instead of planning")
+
+
+def load_inputs(args):
+    """(topology, devices, blink plan) from the common options; checks a --plan file against them."""
+    from ..discovery import load_topology
+    from ..packing import Plan, plan
+
+    topo = load_topology(args.topology)
+    devices = parse_devices(args.devices)
+    if args.plan is None:
+        p = plan(topo, args.collective, devices=devices, root=args.root)
+        return topo, list(p.devices), p
+    try:
+        with open(args.plan) as f:
+            p = Plan.from_json(f.read())
+    except OSError as err:
+        raise PlanError(f"cannot read --plan {args.plan!r}: {err}") from None
+    if devices is not None and list(p.devices) != devices:
+        raise PlanError(f"--plan {args.plan!r} is for devices {list(p.devices)}, not the --devices "
+                        f"{devices} given; re-plan with `jax-blink plan --devices {args.devices}`")
+    if p.collective != args.collective:
+        raise PlanError(f"--plan {args.plan!r} is a {p.collective} plan, not {args.collective}")
+    if args.root is not None and p.root != args.root:
+        raise PlanError(f"--plan {args.plan!r} has root {p.root}, not --root {args.root}")
+    try:
+        topo.check_devices(p.devices)
+    except BlinkError as err:
+        raise PlanError(f"--plan {args.plan!r} does not fit topology {topo.name!r}: {err}") from None
+    return topo, list(p.devices), p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Register the bench options."""
+    add_common(p)
+    p.add_argument("--sizes", default="1K..1G",
+                   help="bytes per GPU: a range in powers of two (1K..1G) and/or a list (4K,1M,64M); "
+                        "K/M/G = KiB/MiB/GiB (default 1K..1G)")
+    p.add_argument("--latency-us", type=float, default=None,
+                   help="per-send latency of the simulator in microseconds (default: simulate.DEFAULT_LATENCY_US)")
+    p.add_argument("--measure", action="store_true",
+                   help="also time jax_blink.psum vs lax.psum (float32, pmap) on the local JAX devices "
+                        "(allreduce only)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per size with --measure (default 5)")
+
+
+def simulate_sweep(topo, blink_plan, sizes, *, latency_us=None, progress=True) -> list[dict]:
+    """Simulate blink, ring and (all-reduce) double binary tree for every size.
+
+    Returns rows {"size", "blink", "ring", "tree"} with SimResult values (tree None where NCCL has no
+    tree algorithm: broadcast and reduce).
+    """
+    from ..baselines import double_binary_tree_plan, ring_plan
+    from ..simulate import DEFAULT_LATENCY_US, simulate
+
+    lat = DEFAULT_LATENCY_US if latency_us is None else latency_us
+    devs = list(blink_plan.devices)
+    ring = ring_plan(topo, blink_plan.collective, devices=devs, root=blink_plan.root)
+    tree = double_binary_tree_plan(topo, devices=devs) if blink_plan.collective == "allreduce" else None
+    rows = []
+    it = _progress(sizes, "simulating", progress)
+    for s in it:
+        rows.append({"size": s,
+                     "blink": simulate(blink_plan, s, topology=topo, latency_us=lat),
+                     "ring": simulate(ring, s, topology=topo, latency_us=lat),
+                     "tree": None if tree is None else simulate(tree, s, topology=topo, latency_us=lat)})
+    return rows
+
+
+def _progress(items, desc, enabled):
+    if not enabled or len(items) < 4:
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, unit="size", file=sys.stderr, leave=False)
+
+
+def measure_sweep(sizes, repeats: int, progress=True, topology=None) -> list[dict]:
+    """Time ``jax_blink.psum`` and ``jax.lax.psum`` (float32, one pmap over all local devices).
+
+    Returns rows {"size", "n", "blink_s", "lax_s"}: median wall time per call, seconds, after one
+    warm-up call; both in the same run. Raises BlinkError when fewer than 2 devices are visible.
+    """
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from .. import api
+
+    n = jax.local_device_count()
+    if n < 2:
+        raise BlinkError("--measure needs at least 2 local JAX devices (on CPU set "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    f_blink = jax.pmap(lambda x: api.psum(x, "i", topology=topology), axis_name="i")
+    f_lax = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")
+    rows = []
+    for s in _progress(sizes, "measuring", progress):
+        x = jnp.ones((n, max(1, s // 4)), jnp.float32)
+        times = {}
+        for name, f in (("blink", f_blink), ("lax", f_lax)):
+            f(x).block_until_ready()
+            ts = []
+            for _ in range(max(1, repeats)):
+                t0 = time.perf_counter()
+                f(x).block_until_ready()
+                ts.append(time.perf_counter() - t0)
+            times[name] = float(np.median(ts))
+        ok = np.array_equal(np.asarray(f_blink(x)), np.asarray(f_lax(x)))
+        rows.append({"size": s, "n": n, "blink_s": times["blink"], "lax_s": times["lax"], "equal": ok})
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print one table of simulated results per sweep (and a measured table with --measure)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    sizes = parse_sizes(args.sizes)
+    if args.repeats < 1:
+        raise BlinkError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.latency_us is not None and not (args.latency_us >= 0 and math.isfinite(args.latency_us)):
+        raise BlinkError(f"--latency-us must be >= 0, got {args.latency_us}")
+    if args.measure and args.collective != "allreduce":
+        raise BlinkError("--measure times the all-reduce (jax_blink.psum vs lax.psum); use --collective allreduce")
+    topo, devices, bp = load_inputs(args)
+    console = Console(file=sys.stdout, width=160)
+    root = "" if bp.root is None else f" root {bp.root}"
+    console.print(f"[bold]{bp.collective}{root}[/bold] on {topo.name} GPUs {devices}: blink "
+                  f"{bp.algorithm} ({len(bp.trees)} trees, {bp.rate_gbps:.2f} GB/s planned)")
+    if len(devices) < 2:
+        console.print("one device: nothing to communicate")
+        return 0
+    rows = simulate_sweep(topo, bp, sizes, latency_us=args.latency_us)
+    table = Table(title="simulated (link-level event model; busbw as nccl-tests)", title_justify="left")
+    table.add_column("size", justify="right")
+    for name in ("blink", "ring", "tree"):
+        for col in ("time", "algbw", "busbw"):
+            table.add_column(f"{name} {col}", justify="right")
+    table.add_column("blink/ring", justify="right")
+    for r in rows:
+        cells = [human_bytes(r["size"])]
+        for name in ("blink", "ring", "tree"):
+            res = r[name]
+            if res is None:
+                cells += ["-", "-", "-"]
+            else:
+                cells += [human_time(res.time_s), f"{res.algbw_gbps:.2f}", f"{res.busbw_gbps:.2f}"]
+        cells.append(f"{r['ring'].time_s / r['blink'].time_s:.2f}x")
+        table.add_row(*cells)
+    console.print(table)
+    console.print("GB/s = 1e9 B/s; ring = NCCL-style ring packing, tree = NCCL double binary tree "
+                  "(all-reduce only)")
+    if args.measure:
+        mrows = measure_sweep(sizes, args.repeats)  # the local devices with their own default topology
+        mt = Table(title=f"measured on {mrows[0]['n']} local JAX devices (float32, pmap, median of "
+                         f"{args.repeats})", title_justify="left")
+        for col in ("size", "jax_blink.psum", "lax.psum", "blink/lax time", "equal"):
+            mt.add_column(col, justify="right")
+        for r in mrows:
+            mt.add_row(human_bytes(r["size"]), human_time(r["blink_s"]), human_time(r["lax_s"]),
+                       f"{r['blink_s'] / r['lax_s']:.2f}x", "yes" if r["equal"] else "NO")
+        console.print(mt)
+    return 0

@@ -1,0 +1,49 @@
+"""``jax-blink show``: draw a plan's trees over the topology, plus link utilisation, to a PNG."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import BlinkError
+from .bench_cmd import add_common, human_bytes, load_inputs, parse_size
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Register --topology/--devices/--collective/--root/--plan, --png, --algorithm, --size."""
+    add_common(p)
+    p.add_argument("--png", required=True, metavar="FILE", help="output PNG")
+    p.add_argument("--algorithm", default="blink", choices=("blink", "ring", "tree"),
+                   help="which plan to draw: the tree packing (default), the ring baseline, or the "
+                        "double binary tree (all-reduce)")
+    p.add_argument("--size", default="256M",
+                   help="bytes per GPU for the simulated link utilisation panel (default 256M)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan (or load --plan), simulate at --size for the utilisation panel, write --png."""
+    from ..baselines import double_binary_tree_plan, ring_plan
+    from ..plot import draw_plan
+    from ..simulate import simulate
+
+    size = parse_size(args.size)
+    topo, devices, p = load_inputs(args)
+    if args.algorithm == "ring":
+        p = ring_plan(topo, args.collective, devices=devices, root=p.root)
+    elif args.algorithm == "tree":
+        if args.collective != "allreduce":
+            raise BlinkError("--algorithm tree is NCCL's double binary tree, an all-reduce; "
+                             "use --collective allreduce")
+        p = double_binary_tree_plan(topo, devices=devices)
+    if not p.trees:
+        raise BlinkError(f"plan over devices {devices} has no trees to draw (one device)")
+    res = simulate(p, size, topology=topo)
+    root = "" if p.root is None else f" root {p.root}"
+    title = (f"{p.collective}{root} on {topo.name} GPUs {devices}: {p.algorithm}, {len(p.trees)} trees, "
+             f"planned {p.rate_gbps:.2f} GB/s, simulated algbw {res.algbw_gbps:.2f} GB/s at "
+             f"{human_bytes(size)}")
+    try:
+        panels = draw_plan(topo, p, args.png, link_util=res.link_util, title=title)
+    except OSError as err:
+        raise BlinkError(f"cannot write --png {args.png!r}: {err}") from None
+    print(f"wrote {args.png}: {panels} panels ({len(p.trees)} trees); {title}")
+    return 0

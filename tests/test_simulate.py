@@ -1,0 +1,154 @@
+"""Simulator vs closed forms, baselines' structure, and the DGX-1V three-path case."""
+
+import math
+
+import pytest
+
+from jax_blink.baselines import double_binary_tree_plan, dtree_parents, ring_plan
+from jax_blink.errors import BlinkError, PlanError, ScheduleError
+from jax_blink.packing import Plan, Tree, plan
+from jax_blink.presets import preset
+from jax_blink.schedule import build_schedule
+from jax_blink.simulate import simulate
+from jax_blink.topology import Topology
+
+B = 25.0  # GB/s per link
+
+
+def _line(n, closed=False):
+    t = Topology("line")
+    for i in range(n):
+        t.add_gpu(i)
+    for i in range(n if closed else n - 1):
+        t.add_link(i, (i + 1) % n, B, "nvlink")
+    return t
+
+
+def _ring_allreduce(n):
+    trees = []
+    for k in range(n):
+        c = [(k + i) % n for i in range(n)]
+        trees.append(Tree(k, B / n, tuple(zip(c, c[1:])),
+                          tuple((c[(i + 1) % n], c[i]) for i in range(1, n))))
+    return Plan("allreduce", None, tuple(range(n)), tuple(trees), B, B, "ring")
+
+
+def test_single_link_is_size_over_bandwidth_plus_latency():
+    t = _line(2)
+    p = Plan("broadcast", 0, (0, 1), (Tree(0, B, ((0, 1),)),), B, B, "trees")
+    S = 10 * 2**20
+    r = simulate(p, S, topology=t, latency_us=7.0, chunk_bytes=S)
+    assert r.time_s == pytest.approx(S / 25e9 + 7e-6, rel=1e-12)
+    assert r.algbw_gbps == pytest.approx(S / r.time_s / 1e9) and r.busbw_gbps == r.algbw_gbps
+    assert r.link_bytes == {(0, 1): S} and r.link_util[(1, 0)] == 0.0
+
+
+@pytest.mark.parametrize("n,k", [(3, 1), (5, 16), (8, 7)])
+def test_pipelined_chain_broadcast(n, k):
+    t = _line(n)
+    p = Plan("broadcast", 0, tuple(range(n)), (Tree(0, B, tuple((i, i + 1) for i in range(n - 1))),), B, B, "trees")
+    S = 64 * 2**20
+    r = simulate(p, S, topology=t, latency_us=3.0, chunk_bytes=S / k)
+    assert r.time_s == pytest.approx((k + n - 2) * S / k / 25e9 + (n - 1) * 3e-6, rel=1e-9)
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_ring_allreduce_one_chunk_exact(n):
+    S = 8 * 2**20
+    r = simulate(_ring_allreduce(n), S, topology=_line(n, closed=True), latency_us=2.0, chunk_bytes=S / n)
+    assert r.time_s == pytest.approx(2 * (n - 1) * (S / n / 25e9 + 2e-6), rel=1e-9)
+    assert r.busbw_gbps == pytest.approx(r.algbw_gbps * 2 * (n - 1) / n)
+
+
+def test_ring_allreduce_pipelined_within_few_percent():
+    n, S = 5, 256 * 2**20
+    r = simulate(_ring_allreduce(n), S, topology=_line(n, closed=True), latency_us=2.0)
+    ideal = 2 * (n - 1) / n * S / 25e9
+    assert ideal < r.time_s < ideal * 1.03
+    assert r.busbw_gbps == pytest.approx(25.0, rel=0.03)
+    assert r.link_util[(0, 1)] > 0.97 and r.link_util[(1, 0)] == 0.0
+
+
+def test_switch_links_are_shared():
+    # two GPUs behind one 12 GB/s switch uplink, both sending to GPU 2 behind another switch
+    t = Topology("sw")
+    for g in range(3):
+        t.add_gpu(g)
+    t.add_switch("s0", "pcie-switch"), t.add_switch("s1", "pcie-switch")
+    t.add_link(0, "s0", 12.0, "pcie"), t.add_link(1, "s0", 12.0, "pcie")
+    t.add_link("s0", "s1", 12.0, "pcie"), t.add_link(2, "s1", 12.0, "pcie")
+    # a star reduce into GPU 2: both routes cross s0 -> s1 (no in-switch reduction)
+    hop = (2, "s1"), ("s1", "s0")
+    p = Plan("reduce", 2, (0, 1, 2), (Tree(2, 6.0, hop + (("s0", 0),) + hop + (("s0", 1),)),), 6.0, 6.0, "trees")
+    S = 120 * 2**20
+    r = simulate(p, S, topology=t, latency_us=0.0)
+    assert r.link_bytes[("s0", "s1")] == pytest.approx(2 * S)
+    assert 2 * S / 12e9 <= r.time_s < 2 * S / 12e9 * 1.05
+
+
+def test_schedule_input_matches_plan_input():
+    t = _line(4)
+    p = Plan("broadcast", 0, (0, 1, 2, 3), (Tree(0, B, ((0, 1), (1, 2), (2, 3))),), B, B, "trees")
+    nelems, chunk = 1 << 20, 1 << 16
+    s = build_schedule(p, nelems, chunk_elems=chunk)
+    rs = simulate(s, 4 * nelems, topology=t, latency_us=1.0, devices=[0, 1, 2, 3])
+    rp = simulate(p, 4 * nelems, topology=t, latency_us=1.0, chunk_bytes=4 * chunk)
+    assert rs.time_s == pytest.approx(rp.time_s, rel=1e-9)
+    assert rs.time_s == pytest.approx((16 + 2) * 4 * chunk / 25e9 + 3e-6, rel=1e-9)
+    with pytest.raises(ScheduleError, match="4 ranks but 3 devices"):
+        simulate(s, 4 * nelems, topology=t, devices=[0, 1, 2])
+
+
+def test_bad_inputs():
+    t = _line(2)
+    p = Plan("broadcast", 0, (0, 1), (Tree(0, B, ((0, 1),)),), B, B, "trees")
+    for bad in (0, -5, float("nan")):
+        with pytest.raises(BlinkError, match="nbytes"):
+            simulate(p, bad, topology=t)
+    with pytest.raises(BlinkError, match="topology"):
+        simulate(p, 1024)
+    with pytest.raises(BlinkError, match="latency"):
+        simulate(p, 1024, topology=t, latency_us=-1)
+    with pytest.raises(PlanError, match="does not reach GPUs \\[2\\]"):
+        simulate(Plan("broadcast", 0, (0, 1, 2), p.trees, B, B, "trees"), 1024, topology=_line(3))
+
+
+def test_nccl_double_binary_tree_shapes():
+    # ncclGetBtree on 8 ranks: 0->4, 4->2,6, 2->1,3, 6->5,7; mirrored second tree, root 7
+    t0, t1 = dtree_parents(8)
+    assert t0 == [-1, 2, 4, 2, 0, 6, 4, 6]
+    assert t1 == [1, 3, 1, 7, 5, 3, 5, -1]
+    # odd count: shifted by one, root 1
+    assert dtree_parents(5)[1] == [1, -1, 3, 0, 3]
+    # every inner node of one tree is a leaf of the other (n = 8)
+    inner = [{p for p in t if p >= 0} for t in (t0, t1)]
+    assert not (inner[0] - {0, 7}) & (inner[1] - {0, 7})
+
+
+def test_dgx1v_baselines_and_speedup():
+    t = preset("dgx1v")
+    S = 256 * 2**20
+    devs = [0, 1, 2, 3, 4]
+    ring = ring_plan(t, "allreduce", devices=devs)
+    assert ring.algorithm == "ring" and len(ring.trees) % 5 == 0
+    rr = simulate(ring, S, topology=t)
+    # ring bound: 2(n-1)/n * S / B_ring with B_ring from the ring packing
+    assert rr.time_s >= S / (ring.rate_gbps * 1e9) * (1 - 1e-9)
+    dbt = double_binary_tree_plan(t, devices=devs)
+    assert len(dbt.trees) == 2 and dbt.trees[0].weight_gbps == dbt.trees[1].weight_gbps
+    rb = simulate(plan(t, "allreduce", devices=devs), S, topology=t)
+    assert rb.time_s * 2 < rr.time_s  # fragmented allocation: trees well over 2x the rings
+
+
+def test_dgx1v_three_paths_about_three_times_direct():
+    """shared/topologies/README.md: broadcast 0->1 over direct + via 2 + via 3 = 66.63 vs 22.90 GB/s."""
+    t = preset("dgx1v")
+    direct = Plan("broadcast", 0, (0, 1), (Tree(0, B, ((0, 1),)),), B, B, "trees")
+    three = Plan("broadcast", 0, (0, 1), (Tree(0, B, ((0, 1),)), Tree(0, B, ((0, 2), (2, 1))),
+                                         Tree(0, B, ((0, 3), (3, 1)))), 3 * B, 3 * B, "trees")
+    S = 2**30
+    rd = simulate(direct, S, topology=t)
+    r3 = simulate(three, S, topology=t)
+    assert rd.algbw_gbps == pytest.approx(25.0, rel=0.01)
+    assert r3.algbw_gbps / rd.algbw_gbps == pytest.approx(3.0, rel=0.03)
+    assert r3.link_bytes[(0, 2)] == pytest.approx(S / 3) and r3.link_bytes[(3, 1)] == pytest.approx(S / 3)
