@@ -1,0 +1,131 @@
+"""Schedules built from real plans: exact results by the NumPy reference executor, format invariants."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jax_blink import ScheduleError
+from jax_blink.packing import plan
+from jax_blink.presets import PRESETS
+from jax_blink.schedule import COPY, REDUCE, Schedule, build_schedule, choose_chunks, execute
+
+DGX1V = PRESETS["dgx1v"]()
+
+
+def expected(coll, x, root_rank):
+    if coll == "allreduce":
+        return np.broadcast_to(x.sum(0), x.shape)
+    if coll == "broadcast":
+        return np.broadcast_to(x[root_rank], x.shape)
+    out = np.zeros_like(x)
+    out[root_rank] = x.sum(0)
+    return out
+
+
+@pytest.mark.parametrize("coll", ["allreduce", "broadcast", "reduce"])
+@pytest.mark.parametrize("devices", [(0, 1), (0, 1, 2), (1, 2, 5, 6, 7), tuple(range(8)), (6, 3, 0, 5)])
+@pytest.mark.parametrize("nelems", [0, 1, 5, 1000, 33333])
+def test_reference_execution_is_exact(coll, devices, nelems):
+    root = devices[-1] if coll != "allreduce" else None
+    p = plan(DGX1V, coll, devices=list(devices), root=root)
+    s = build_schedule(p, nelems, chunk_elems=777 if nelems > 10000 else None)
+    x = np.random.default_rng(nelems).integers(-1000, 1000, (len(devices), nelems))
+    root_rank = devices.index(root) if root is not None else 0
+    np.testing.assert_array_equal(execute(s, x), expected(coll, x, root_rank))
+
+
+def test_segments_proportional_to_tree_weights():
+    p = plan(DGX1V, "broadcast", devices=list(range(8)), root=0)
+    s = build_schedule(p, 10**6)
+    weights = np.array([t.weight_gbps for t in p.trees])
+    np.testing.assert_allclose(s.seg_length / 10**6, weights / weights.sum(), atol=1e-5)
+    assert s.seg_length.sum() == 10**6
+    assert np.all(s.seg_root == 0)
+
+
+def test_rounds_are_partial_permutations_and_read_only_finished_values():
+    p = plan(DGX1V, "allreduce", devices=list(range(8)))
+    s = build_schedule(p, 50000, chunk_elems=1000)
+    for r in s.rounds():
+        assert len(set(r[:, 2])) == len(r) and len(set(r[:, 3])) == len(r)
+        # no rank both writes chunk c and has c read from it in one round
+        writes = {(d, c) for d, c in zip(r[:, 3], r[:, 4])}
+        reads = {(src, c) for src, c in zip(r[:, 2], r[:, 4])}
+        assert not writes & reads
+    # each chunk crosses every reduce edge and every broadcast edge exactly once
+    n = s.nranks
+    for c in range(len(s.chunk_seg)):
+        rows = s.transfers[s.transfers[:, 4] == c]
+        assert (rows[:, 1] == REDUCE).sum() == n - 1
+        assert (rows[:, 1] == COPY).sum() == n - 1
+
+
+def test_pipelining_overlaps_chunks():
+    # A chain broadcast 0->1->...: with k chunks the pipeline takes k + depth - 1 rounds, not k * depth.
+    p = plan(DGX1V, "broadcast", devices=[0, 1, 2, 3], root=0, max_trees=1)
+    s = build_schedule(p, 8000, chunk_elems=1000)
+    parents = s.bcast_parent[0]
+    depth = 0
+    for v in range(4):
+        d, u = 0, v
+        while parents[u] >= 0:
+            u, d = parents[u], d + 1
+        depth = max(depth, d)
+    fanout = max(np.bincount(parents[parents >= 0], minlength=4))
+    assert s.num_rounds <= fanout * (8 + depth - 1)
+
+
+def test_array_round_trip_and_corruption_detected():
+    p = plan(DGX1V, "allreduce", devices=[0, 2, 4, 6])
+    s = build_schedule(p, 4097)
+    a = s.to_array()
+    s2 = Schedule.from_array(a)
+    for f in ("seg_root", "seg_offset", "seg_length", "reduce_parent", "bcast_parent",
+              "chunk_seg", "chunk_offset", "chunk_length", "transfers"):
+        np.testing.assert_array_equal(getattr(s, f), getattr(s2, f))
+    with pytest.raises(ScheduleError, match="magic"):
+        Schedule.from_array(np.r_[0, a[1:]])
+    with pytest.raises(ScheduleError, match="entries"):
+        Schedule.from_array(a[:-1])
+    bad = a.copy()
+    bad[-2] = 99  # a transfer to a rank that does not exist
+    with pytest.raises(ScheduleError):
+        Schedule.from_array(bad)
+
+
+def test_bad_arguments():
+    p = plan(DGX1V, "allreduce", devices=[0, 1])
+    with pytest.raises(ScheduleError, match="nelems"):
+        build_schedule(p, -1)
+    with pytest.raises(ScheduleError, match="chunk_elems"):
+        build_schedule(p, 10, chunk_elems=0)
+
+
+def test_single_device_is_a_no_op():
+    p = plan(DGX1V, "allreduce", devices=[3])
+    s = build_schedule(p, 100)
+    assert len(s.transfers) == 0
+    x = np.arange(100)[None]
+    np.testing.assert_array_equal(execute(s, x), x)
+
+
+def test_chunk_cost_model():
+    # k* = sqrt((d-1) s / (a B)): 64 MiB over depth 3 at 25 GB/s with 20 us steps -> ~23, clamped to 16.
+    assert choose_chunks(64 * 2**20, 3, 25.0) == 16
+    assert choose_chunks(4 * 2**20, 3, 25.0, max_chunks=64) == round((2 * 4 * 2**20 / (20e-6 * 25e9)) ** 0.5)
+    assert choose_chunks(4096, 3, 25.0) == 1  # below one 64 KiB chunk
+    assert choose_chunks(2**30, 1, 25.0) == 1  # a single hop gains nothing from pipelining
+
+
+@settings(max_examples=25, deadline=None)
+@given(devs=st.lists(st.integers(0, 7), min_size=2, max_size=8, unique=True),
+       nelems=st.integers(0, 3000), chunk=st.integers(1, 500),
+       coll=st.sampled_from(["allreduce", "broadcast", "reduce"]), dtype=st.sampled_from([np.int8, np.uint16, np.int64]))
+def test_random_allocations_wrap_like_numpy(devs, nelems, chunk, coll, dtype):
+    root = devs[0] if coll != "allreduce" else None
+    s = build_schedule(plan(DGX1V, coll, devices=devs, root=root), nelems, chunk_elems=chunk)
+    x = np.random.default_rng(0).integers(0, 200, (len(devs), nelems)).astype(dtype)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(execute(s, x), expected(coll, x, 0).astype(dtype))
