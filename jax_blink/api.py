@@ -26,6 +26,7 @@ from . import mapping
 from . import primitives as P
 from .lowering import LOWERINGS
 from .lowering import ppermute as _ppermute  # noqa: F401  (registers impl "ppermute")
+from .lowering import ffi as _ffi  # noqa: F401  (registers impl "ffi" where the native targets exist)
 
 _SUPPORTED = {np.dtype(t) for t in (
     np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,

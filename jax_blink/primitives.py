@@ -278,7 +278,9 @@ def _lower(collective, ctx, x, *, axes, impl, key, root=None, axis_index_groups=
     return [rule(ctx, x, request)]
 
 
-mlir.register_lowering(blink_psum_p, functools.partial(_lower, "allreduce"))
-mlir.register_lowering(blink_psum_invariant_p, functools.partial(_lower, "allreduce"))
-mlir.register_lowering(blink_broadcast_p, functools.partial(_lower, "broadcast"))
-mlir.register_lowering(blink_reduce_p, functools.partial(_lower, "reduce"))
+# cacheable=False: every call site gets its own lowering (the ffi lowering numbers call sites, so two
+# identical psums in one program never share a meeting).
+mlir.register_lowering(blink_psum_p, functools.partial(_lower, "allreduce"), cacheable=False)
+mlir.register_lowering(blink_psum_invariant_p, functools.partial(_lower, "allreduce"), cacheable=False)
+mlir.register_lowering(blink_broadcast_p, functools.partial(_lower, "broadcast"), cacheable=False)
+mlir.register_lowering(blink_reduce_p, functools.partial(_lower, "reduce"), cacheable=False)

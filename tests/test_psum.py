@@ -18,6 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_blink
 from jax_blink import lowering
+import jax_blink.api  # noqa: F401  (imports the lowerings, so "ffi" is registered before IMPLS is read)
 from jax_blink.errors import BlinkError, TopologyError
 
 IMPLS = ["ppermute"] + (["ffi"] if lowering.find_lowering("ffi", "cpu") is not None else [])

@@ -1,0 +1,443 @@
+// See blink_core.h.
+#include "blink_core.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <tuple>
+
+namespace jax_blink {
+
+size_t DtypeSize(Dtype t) {
+  switch (t) {
+    case Dtype::kS8: case Dtype::kU8: return 1;
+    case Dtype::kF16: case Dtype::kBF16: case Dtype::kS16: case Dtype::kU16: return 2;
+    case Dtype::kF32: case Dtype::kS32: case Dtype::kU32: return 4;
+    case Dtype::kF64: case Dtype::kS64: case Dtype::kU64: case Dtype::kC64: return 8;
+    case Dtype::kC128: return 16;
+  }
+  return 0;
+}
+
+const char* DtypeName(Dtype t) {
+  static const char* names[] = {"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32",
+                                "int64", "uint8", "uint16", "uint32", "uint64", "complex64", "complex128"};
+  return names[static_cast<int>(t)];
+}
+
+namespace {
+std::string Err(const std::string& what) {
+  return "jax_blink: invalid schedule: " + what +
+         " (rebuild it with jax_blink.schedule.build_schedule(...).to_array())";
+}
+}  // namespace
+
+std::string DecodeSchedule(const int64_t* d, size_t n, Schedule* s, size_t* consumed) {
+  constexpr size_t kHeader = 8;
+  if (n < kHeader) return Err("array has " + std::to_string(n) + " words, the header needs 8");
+  if (d[0] != kScheduleMagic) return Err("bad magic word (expected 0x424C4E4B 'BLNK')");
+  if (d[1] != kScheduleVersion)
+    return Err("version " + std::to_string(d[1]) + " is not supported (this build reads version 1)");
+  if (d[2] < 0 || d[2] > 2) return Err("collective code " + std::to_string(d[2]) + " is not 0, 1 or 2");
+  const int64_t nr = d[3], ne = d[4], S = d[5], C = d[6], T = d[7];
+  if (nr < 1 || ne < 0 || S < 0 || C < 0 || T < 0)
+    return Err("negative size in header (nranks, nelems, S, C, T) = (" + std::to_string(nr) + ", " +
+               std::to_string(ne) + ", " + std::to_string(S) + ", " + std::to_string(C) + ", " +
+               std::to_string(T) + ")");
+  // Bound every count by the array length first, so the size arithmetic cannot overflow.
+  const int64_t lim = static_cast<int64_t>(n);
+  if (nr > lim || S > lim || C > lim || T > lim) return Err("header sizes exceed the array length");
+  const int64_t need = kHeader + 3 * S + 2 * S * nr + 3 * C + 5 * T;
+  if (need > lim)
+    return Err("array has " + std::to_string(n) + " words, the header announces " + std::to_string(need));
+  s->collective = static_cast<Collective>(d[2]);
+  s->nranks = nr;
+  s->nelems = ne;
+  const int64_t* p = d + kHeader;
+  auto take = [&](std::vector<int64_t>& v, int64_t k) { v.assign(p, p + k); p += k; };
+  take(s->seg_root, S); take(s->seg_offset, S); take(s->seg_length, S);
+  take(s->reduce_parent, S * nr); take(s->bcast_parent, S * nr);
+  take(s->chunk_seg, C); take(s->chunk_offset, C); take(s->chunk_length, C);
+  s->transfers.resize(T);
+  for (int64_t t = 0; t < T; ++t, p += 5) s->transfers[t] = Transfer{p[0], p[1], p[2], p[3], p[4]};
+  *consumed = static_cast<size_t>(need);
+
+  for (int64_t i = 0; i < S; ++i) {
+    if (s->seg_root[i] < 0 || s->seg_root[i] >= nr) return Err("segment root out of range");
+    if (s->seg_offset[i] < 0 || s->seg_length[i] < 0 || s->seg_offset[i] > ne ||
+        s->seg_length[i] > ne - s->seg_offset[i])
+      return Err("segment " + std::to_string(i) + " lies outside [0, nelems)");
+  }
+  for (int64_t i = 0; i < 2 * S * nr; ++i) {
+    int64_t v = i < S * nr ? s->reduce_parent[i] : s->bcast_parent[i - S * nr];
+    if (v < -1 || v >= nr) return Err("parent rank out of range");
+  }
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (int64_t c = 0; c < C; ++c) {
+    int64_t sg = s->chunk_seg[c], off = s->chunk_offset[c], len = s->chunk_length[c];
+    if (sg < 0 || sg >= S) return Err("chunk " + std::to_string(c) + " names segment out of range");
+    if (len <= 0 || off < s->seg_offset[sg] || off > s->seg_offset[sg] + s->seg_length[sg] - len)
+      return Err("chunk " + std::to_string(c) + " lies outside its segment");
+    spans.emplace_back(off, len);
+  }
+  std::sort(spans.begin(), spans.end());
+  int64_t covered = 0;
+  for (auto& [off, len] : spans) {
+    if (off != covered) return Err("chunks overlap or leave a gap at element " + std::to_string(covered));
+    covered += len;
+  }
+  if (C > 0 && covered != ne) return Err("chunks do not cover [0, nelems)");
+  if (C == 0 && ne > 0 && nr > 1) return Err("no chunks for a non-empty operand over several ranks");
+  for (int64_t t = 0; t < T; ++t) {
+    const Transfer& x = s->transfers[t];
+    if (x.op != 0 && x.op != 1) return Err("transfer " + std::to_string(t) + " has op " + std::to_string(x.op));
+    if (x.src < 0 || x.src >= nr || x.dst < 0 || x.dst >= nr || x.src == x.dst)
+      return Err("transfer " + std::to_string(t) + " has a bad src/dst rank");
+    if (x.chunk < 0 || x.chunk >= C) return Err("transfer " + std::to_string(t) + " names a chunk out of range");
+  }
+  return "";
+}
+
+std::string DecodeSchedules(const int64_t* data, size_t n, std::vector<Schedule>* out) {
+  out->clear();
+  size_t pos = 0;
+  while (pos < n) {
+    Schedule s;
+    size_t used = 0;
+    std::string e = DecodeSchedule(data + pos, n - pos, &s, &used);
+    if (!e.empty()) return e + " [schedule #" + std::to_string(out->size()) + "]";
+    out->push_back(std::move(s));
+    pos += used;
+  }
+  if (out->empty()) return Err("empty schedule attribute");
+  return "";
+}
+
+std::string BuildExecPlan(const Schedule& s, ExecPlan* out) {
+  out->schedule = s;
+  const int64_t nr = s.nranks, C = static_cast<int64_t>(s.chunk_offset.size());
+  std::vector<ChunkPlan> byc(C);
+  for (int64_t c = 0; c < C; ++c) {
+    byc[c].offset = s.chunk_offset[c];
+    byc[c].length = s.chunk_length[c];
+    byc[c].segment = s.chunk_seg[c];
+  }
+  // Materialisation state per (chunk, rank), simulated in row order.
+  std::vector<std::vector<char>> mat(C, std::vector<char>(nr, 0));
+  for (const Transfer& t : s.transfers) {
+    Op op;
+    op.kind = static_cast<int32_t>(t.op);
+    op.src = static_cast<int32_t>(t.src);
+    op.dst = static_cast<int32_t>(t.dst);
+    op.src_from_input = !mat[t.chunk][t.src];
+    op.dst_from_input = !mat[t.chunk][t.dst];
+    mat[t.chunk][t.dst] = 1;
+    byc[t.chunk].ops.push_back(op);
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    int64_t root = s.seg_root[byc[c].segment];
+    for (int32_t r = 0; r < nr; ++r) {
+      if (s.collective == Collective::kReduce && r != root) byc[c].zero.push_back(r);
+      else if (!mat[c][r]) byc[c].copy_in.push_back(r);
+    }
+  }
+  if (C == 0 && s.nelems > 0) {  // one rank: the result is the input
+    ChunkPlan cp;
+    cp.offset = 0;
+    cp.length = s.nelems;
+    cp.copy_in.push_back(0);
+    byc.push_back(cp);
+  }
+  std::sort(byc.begin(), byc.end(), [](const ChunkPlan& a, const ChunkPlan& b) { return a.offset < b.offset; });
+  out->chunks = std::move(byc);
+  out->max_chunk = 0;
+  for (auto& c : out->chunks) out->max_chunk = std::max(out->max_chunk, c.length);
+  return "";
+}
+
+std::string DeviceTable::Decode(const int64_t* d, size_t n) {
+  entries.clear();
+  group_devices.clear();
+  if (n == 0 || n % 3 != 0)
+    return "jax_blink: device_table must hold rows (device_id, group, rank); got " + std::to_string(n) + " words";
+  for (size_t i = 0; i < n; i += 3) {
+    Entry e{d[i], d[i + 1], d[i + 2]};
+    if (e.group < 0 || e.rank < 0 || e.group > static_cast<int64_t>(n) || e.rank > static_cast<int64_t>(n))
+      return "jax_blink: device_table row has a negative or out-of-range group/rank";
+    if (Find(e.device)) return "jax_blink: device " + std::to_string(e.device) + " appears twice in device_table";
+    entries.push_back(e);
+    if (static_cast<int64_t>(group_devices.size()) <= e.group) group_devices.resize(e.group + 1);
+    auto& g = group_devices[e.group];
+    if (static_cast<int64_t>(g.size()) <= e.rank) g.resize(e.rank + 1, -1);
+    if (g[e.rank] != -1) return "jax_blink: two devices share group " + std::to_string(e.group) + " rank " + std::to_string(e.rank);
+    g[e.rank] = e.device;
+  }
+  for (size_t gi = 0; gi < group_devices.size(); ++gi)
+    for (size_t r = 0; r < group_devices[gi].size(); ++r)
+      if (group_devices[gi][r] == -1)
+        return "jax_blink: device_table group " + std::to_string(gi) + " has no device for rank " + std::to_string(r);
+  return "";
+}
+
+const DeviceTable::Entry* DeviceTable::Find(int64_t device) const {
+  for (const auto& e : entries)
+    if (e.device == device) return &e;
+  return nullptr;
+}
+
+std::string GetCallSiteInfo(int64_t call_site, const int64_t* sched, size_t nsched, const int64_t* table,
+                            size_t ntable, std::shared_ptr<const CallSiteInfo>* out) {
+  static std::mutex mu;
+  static std::map<int64_t, std::shared_ptr<const CallSiteInfo>> cache;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(call_site);
+    if (it != cache.end()) {
+      const auto& ci = *it->second;
+      if (ci.raw_schedule.size() == nsched && ci.raw_table.size() == ntable &&
+          std::memcmp(ci.raw_schedule.data(), sched, nsched * 8) == 0 &&
+          std::memcmp(ci.raw_table.data(), table, ntable * 8) == 0) {
+        *out = it->second;
+        return "";
+      }
+    }
+  }
+  auto ci = std::make_shared<CallSiteInfo>();
+  ci->raw_schedule.assign(sched, sched + nsched);
+  ci->raw_table.assign(table, table + ntable);
+  std::string e = ci->table.Decode(table, ntable);
+  if (!e.empty()) return e;
+  std::vector<Schedule> scheds;
+  e = DecodeSchedules(sched, nsched, &scheds);
+  if (!e.empty()) return e;
+  size_t ng = ci->table.group_devices.size();
+  if (scheds.size() != 1 && scheds.size() != ng)
+    return "jax_blink: " + std::to_string(scheds.size()) + " schedules for " + std::to_string(ng) +
+           " groups (give one per group, or one shared by all)";
+  std::vector<std::shared_ptr<const ExecPlan>> plans;
+  for (size_t i = 0; i < scheds.size(); ++i) {
+    auto p = std::make_shared<ExecPlan>();
+    e = BuildExecPlan(scheds[i], p.get());
+    if (!e.empty()) return e;
+    plans.push_back(p);
+  }
+  for (size_t g = 0; g < ng; ++g) {
+    const auto& p = plans[scheds.size() == 1 ? 0 : g];
+    if (p->schedule.nranks != static_cast<int64_t>(ci->table.group_devices[g].size()))
+      return "jax_blink: group " + std::to_string(g) + " has " + std::to_string(ci->table.group_devices[g].size()) +
+             " devices but its schedule has " + std::to_string(p->schedule.nranks) + " ranks";
+    ci->plans.push_back(p);
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() > 4096) cache.clear();  // bound memory across many compiled programs
+  cache[call_site] = ci;
+  *out = ci;
+  return "";
+}
+
+// ---------------------------------------------------------------------------------------------
+
+bool MeetingKey::operator<(const MeetingKey& o) const {
+  return std::tie(run_id, call_site, group, generation) < std::tie(o.run_id, o.call_site, o.group, o.generation);
+}
+
+void Meeting::Finish(const std::string& err) {
+  for (auto& a : arrivals)
+    if (a.done) {
+      auto done = std::move(a.done);
+      a.done = nullptr;
+      done(err);
+    }
+}
+
+int64_t NextGeneration(int64_t run_id, int64_t call_site, int64_t device) {
+  // Recent runs per (call site, device); runs are few at a time, so keep the last 64.
+  static std::mutex mu;
+  static std::map<std::pair<int64_t, int64_t>, std::deque<std::pair<int64_t, int64_t>>> gens;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& q = gens[{call_site, device}];
+  for (auto& [rid, g] : q)
+    if (rid == run_id) return g++;
+  q.emplace_back(run_id, 1);
+  if (q.size() > 64) q.pop_front();
+  return 0;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Pending {
+  std::shared_ptr<Meeting> meeting;
+  int arrived = 0;
+  Clock::time_point deadline;
+  int64_t timeout_ms = 0;
+};
+
+class Registry {
+ public:
+  static Registry& Get() {
+    static Registry* r = new Registry();  // leaked on purpose: the watchdog thread outlives statics
+    return *r;
+  }
+
+  std::shared_ptr<Meeting> Arrive(const MeetingKey& key, std::shared_ptr<const CallSiteInfo> info, Arrival a,
+                                  int64_t timeout_ms) {
+    std::vector<Arrival> to_fail;
+    std::string err;
+    std::shared_ptr<Meeting> complete;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      auto f = failed_.find(key);
+      if (f != failed_.end()) {
+        err = f->second + " (this device arrived after the meeting had failed)";
+      } else {
+        auto& p = pending_[key];
+        if (!p.meeting) {
+          p.meeting = std::make_shared<Meeting>();
+          p.meeting->key = key;
+          p.meeting->info = info;
+          const auto& plans = info->plans;
+          p.meeting->plan = plans[key.group < static_cast<int64_t>(plans.size()) ? key.group : 0];
+          p.meeting->arrivals.resize(info->table.group_devices[key.group].size());
+          p.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+          p.timeout_ms = timeout_ms;
+          cv_.notify_all();
+        }
+        Meeting& m = *p.meeting;
+        const Arrival* first = nullptr;
+        for (auto& b : m.arrivals)
+          if (b.device >= 0) { first = &b; break; }
+        if (m.arrivals[a.rank].device >= 0) {
+          err = "jax_blink: device " + std::to_string(a.device) + " (rank " + std::to_string(a.rank) +
+                ") arrived twice at one meeting (call site " + std::to_string(key.call_site) + ")";
+        } else if (first && (first->dtype != a.dtype || first->nelems != a.nelems)) {
+          err = std::string("jax_blink: participants disagree: device ") + std::to_string(first->device) +
+                " brought " + std::to_string(first->nelems) + " x " + DtypeName(first->dtype) + ", device " +
+                std::to_string(a.device) + " brought " + std::to_string(a.nelems) + " x " + DtypeName(a.dtype) +
+                " (every device must call the collective with the same shape and dtype)";
+        } else if (a.nelems != m.plan->schedule.nelems) {
+          err = "jax_blink: operand has " + std::to_string(a.nelems) + " elements but the schedule was built for " +
+                std::to_string(m.plan->schedule.nelems);
+        }
+        if (err.empty()) {
+          m.arrivals[a.rank] = std::move(a);
+          if (++p.arrived == static_cast<int>(m.arrivals.size())) {
+            complete = p.meeting;
+            pending_.erase(key);
+          }
+          return complete;
+        }
+        // Fail the whole meeting: everyone who arrived, and whoever comes later.
+        for (auto& b : m.arrivals)
+          if (b.device >= 0) to_fail.push_back(std::move(b));
+        pending_.erase(key);
+        RememberFailure(key, err);
+      }
+    }
+    for (auto& b : to_fail)
+      if (b.done) b.done(err);
+    if (a.done) a.done(err);
+    return nullptr;
+  }
+
+ private:
+  Registry() { std::thread([this] { Watch(); }).detach(); }
+
+  void RememberFailure(const MeetingKey& key, const std::string& err) {
+    failed_[key] = err;
+    failed_order_.push_back(key);
+    if (failed_order_.size() > 1024) {
+      failed_.erase(failed_order_.front());
+      failed_order_.pop_front();
+    }
+  }
+
+  void Watch() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      auto now = Clock::now();
+      auto next = now + std::chrono::seconds(3600);
+      std::vector<std::pair<std::shared_ptr<Meeting>, std::string>> expired;
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        if (it->second.deadline <= now) {
+          expired.emplace_back(it->second.meeting, TimeoutMessage(it->first, it->second));
+          RememberFailure(it->first, expired.back().second);
+          it = pending_.erase(it);
+        } else {
+          next = std::min(next, it->second.deadline);
+          ++it;
+        }
+      }
+      if (!expired.empty()) {
+        lock.unlock();
+        for (auto& [m, msg] : expired) m->Finish(msg);
+        lock.lock();
+        continue;
+      }
+      cv_.wait_until(lock, next);
+    }
+  }
+
+  std::string TimeoutMessage(const MeetingKey& key, const Pending& p) {
+    const Meeting& m = *p.meeting;
+    const auto& devs = m.info->table.group_devices[key.group];
+    std::ostringstream os;
+    os << "jax_blink: collective timed out after " << p.timeout_ms / 1000.0 << " s: device(s) ";
+    bool first = true;
+    for (size_t r = 0; r < m.arrivals.size(); ++r)
+      if (m.arrivals[r].device < 0) {
+        os << (first ? "" : ", ") << devs[r] << " (rank " << r << ")";
+        first = false;
+      }
+    os << " never arrived (group " << key.group << ", call site " << key.call_site << ", generation "
+       << key.generation << "); arrived: ";
+    first = true;
+    for (size_t r = 0; r < m.arrivals.size(); ++r)
+      if (m.arrivals[r].device >= 0) {
+        os << (first ? "" : ", ") << devs[r] << " (rank " << r << ")";
+        first = false;
+      }
+    os << ". Every device of the axis must run the same collectives in the same order; raise "
+          "JAX_BLINK_TIMEOUT_S if a device is only slow.";
+    return os.str();
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<MeetingKey, Pending> pending_;
+  std::map<MeetingKey, std::string> failed_;
+  std::deque<MeetingKey> failed_order_;
+};
+
+}  // namespace
+
+std::shared_ptr<Meeting> Arrive(const MeetingKey& key, std::shared_ptr<const CallSiteInfo> info, Arrival a,
+                                int64_t timeout_ms) {
+  return Registry::Get().Arrive(key, std::move(info), std::move(a), timeout_ms);
+}
+
+int64_t EffectiveTimeoutMs(int64_t attr_ms) {
+  if (const char* env = std::getenv("JAX_BLINK_TIMEOUT_S")) {
+    char* end = nullptr;
+    double s = std::strtod(env, &end);
+    if (end != env && s > 0) return static_cast<int64_t>(s * 1000.0);
+  }
+  return attr_ms > 0 ? attr_ms : 60000;
+}
+
+bool IsTestAbsentDevice(int64_t device) {
+  const char* env = std::getenv("JAX_BLINK_TEST_ABSENT_DEVICE");
+  if (!env || !*env) return false;
+  char* end = nullptr;
+  long v = std::strtol(env, &end, 10);
+  return end != env && v == device;
+}
+
+}  // namespace jax_blink

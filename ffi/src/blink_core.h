@@ -1,0 +1,144 @@
+// jax_blink native core: schedule decoding, execution plans, device tables and the rendezvous
+// (meeting point) shared by the CPU and CUDA backends. No XLA or CUDA headers here.
+//
+// Format: docs/architecture.md "Schedule" (Schedule.to_array()). Method: Blink (Wang et al.,
+// MLSys 2020, Sec. 4): reduce up / broadcast down spanning trees, chunks pipelined.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace jax_blink {
+
+constexpr int64_t kScheduleMagic = 0x424C4E4B;  // "BLNK"
+constexpr int64_t kScheduleVersion = 1;
+
+enum class Collective : int64_t { kAllReduce = 0, kBroadcast = 1, kReduce = 2 };
+
+// Element types the executors add. Complex types add as pairs of reals.
+enum class Dtype : int {
+  kF16, kBF16, kF32, kF64, kS8, kS16, kS32, kS64, kU8, kU16, kU32, kU64, kC64, kC128,
+};
+size_t DtypeSize(Dtype t);
+const char* DtypeName(Dtype t);
+
+struct Transfer {
+  int64_t round, op, src, dst, chunk;  // op 0 = REDUCE (dst += src), 1 = COPY (dst = src)
+};
+
+// A decoded, validated schedule (see docs/architecture.md).
+struct Schedule {
+  Collective collective = Collective::kAllReduce;
+  int64_t nranks = 0, nelems = 0;
+  std::vector<int64_t> seg_root, seg_offset, seg_length;
+  std::vector<int64_t> reduce_parent, bcast_parent;  // [S * nranks]
+  std::vector<int64_t> chunk_seg, chunk_offset, chunk_length;
+  std::vector<Transfer> transfers;
+};
+
+// Decodes one schedule starting at data[0]; sets *consumed to the number of int64 words used.
+// Returns "" or an error message (bad magic, version, sizes, out-of-range ranks/chunks, overlapping
+// chunks). Never reads past data[n - 1].
+std::string DecodeSchedule(const int64_t* data, size_t n, Schedule* out, size_t* consumed);
+// Decodes schedules stored back to back (one per group) until the array ends.
+std::string DecodeSchedules(const int64_t* data, size_t n, std::vector<Schedule>* out);
+
+// One executable step of a chunk. Buffers: each rank has an input (read-only) and an output. A rank's
+// output slice holds its current value once "materialised"; before that its current value is its input.
+struct Op {
+  int32_t kind;          // 0 reduce (dst = dst_cur + src_cur), 1 copy (dst = src_cur)
+  int32_t src, dst;
+  bool src_from_input;   // src not yet materialised: read src's input
+  bool dst_from_input;   // reduce into a not yet materialised dst: first operand is dst's input
+};
+
+struct ChunkPlan {
+  int64_t offset = 0, length = 0;   // elements
+  int64_t segment = -1;
+  std::vector<Op> ops;              // in transfer-row order (deterministic summation order)
+  std::vector<int32_t> copy_in;     // ranks whose output = input at the end (never materialised)
+  std::vector<int32_t> zero;        // ranks whose output is zeroed at the end (reduce, non-root)
+};
+
+// Execution plan: the schedule's rows grouped per chunk (rows on different chunks touch disjoint
+// elements, so any interleaving across chunks gives the same bits as row order).
+struct ExecPlan {
+  Schedule schedule;
+  std::vector<ChunkPlan> chunks;    // covers [0, nelems) in offset order
+  int64_t max_chunk = 0;
+};
+std::string BuildExecPlan(const Schedule& s, ExecPlan* out);
+
+// Device table: rows (device_id, group, rank).
+struct DeviceTable {
+  struct Entry { int64_t device, group, rank; };
+  std::vector<Entry> entries;
+  std::vector<std::vector<int64_t>> group_devices;  // group -> device id by rank
+  // Returns "" or an error message.
+  std::string Decode(const int64_t* data, size_t n);
+  const Entry* Find(int64_t device) const;
+};
+
+// Cached decode of (schedule attribute, device table) per call site: decoding validates everything
+// once; later calls compare the raw words (memcmp) and reuse the plan.
+struct CallSiteInfo {
+  std::vector<int64_t> raw_schedule, raw_table;
+  std::vector<std::shared_ptr<const ExecPlan>> plans;  // per group
+  DeviceTable table;
+};
+std::string GetCallSiteInfo(int64_t call_site, const int64_t* sched, size_t nsched, const int64_t* table,
+                            size_t ntable, std::shared_ptr<const CallSiteInfo>* out);
+
+// ---------------------------------------------------------------------------------------------
+// Rendezvous. Each participant (one device's call) arrives with its buffers; the arrival that
+// completes the meeting gets the Meeting back and drives execution. Nobody blocks: a watchdog thread
+// fails meetings whose deadline passed, naming the devices (ids and ranks) that never arrived.
+
+struct Arrival {
+  int64_t device = -1, rank = -1;
+  Dtype dtype = Dtype::kF32;
+  int64_t nelems = 0;
+  const void* in = nullptr;
+  void* out = nullptr;
+  void* backend = nullptr;                        // backend data (CUDA: stream, events)
+  std::function<void(const std::string&)> done;   // "" on success, else the error message
+};
+
+struct MeetingKey {
+  int64_t run_id, call_site, group, generation;
+  bool operator<(const MeetingKey& o) const;
+};
+
+struct Meeting {
+  MeetingKey key;
+  std::shared_ptr<const CallSiteInfo> info;
+  std::shared_ptr<const ExecPlan> plan;
+  std::vector<Arrival> arrivals;  // by rank
+  // Completes every participant (success when err is empty).
+  void Finish(const std::string& err);
+};
+
+// Per-device generation: how many calls this device made before at (run_id, call_site).
+int64_t NextGeneration(int64_t run_id, int64_t call_site, int64_t device);
+
+// Registers `a` at the meeting for key. Returns the complete meeting if `a` was the last to arrive
+// (the caller executes it and calls Finish); nullptr otherwise (a.done is called later). On an
+// immediate error (mismatched dtype/size, duplicate rank, meeting already failed) a.done is called with
+// the error (and the other arrivals too) and nullptr is returned.
+std::shared_ptr<Meeting> Arrive(const MeetingKey& key, std::shared_ptr<const CallSiteInfo> info,
+                                Arrival a, int64_t timeout_ms);
+
+// Timeout in ms: JAX_BLINK_TIMEOUT_S when set (seconds, may be fractional), else attr_ms when > 0,
+// else 60 s.
+int64_t EffectiveTimeoutMs(int64_t attr_ms);
+
+// Test hook (documented in docs): JAX_BLINK_TEST_ABSENT_DEVICE=<device id> makes that device's calls
+// skip the meeting (its output is left unwritten), to test the timeout path.
+bool IsTestAbsentDevice(int64_t device);
+
+}  // namespace jax_blink

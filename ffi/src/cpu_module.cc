@@ -1,0 +1,198 @@
+// Python module jax_blink._native._cpu: the XLA FFI handler "jax_blink_cpu" (platform "cpu") and
+// test entry points that drive the same rendezvous + executor without XLA.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "blink_core.h"
+#include "cpu_executor.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+namespace nb = nanobind;
+
+namespace jax_blink {
+namespace {
+
+std::optional<Dtype> FromXla(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F16: return Dtype::kF16;
+    case ffi::DataType::BF16: return Dtype::kBF16;
+    case ffi::DataType::F32: return Dtype::kF32;
+    case ffi::DataType::F64: return Dtype::kF64;
+    case ffi::DataType::S8: return Dtype::kS8;
+    case ffi::DataType::S16: return Dtype::kS16;
+    case ffi::DataType::S32: return Dtype::kS32;
+    case ffi::DataType::S64: return Dtype::kS64;
+    case ffi::DataType::U8: return Dtype::kU8;
+    case ffi::DataType::U16: return Dtype::kU16;
+    case ffi::DataType::U32: return Dtype::kU32;
+    case ffi::DataType::U64: return Dtype::kU64;
+    case ffi::DataType::C64: return Dtype::kC64;
+    case ffi::DataType::C128: return Dtype::kC128;
+    default: return std::nullopt;
+  }
+}
+
+ffi::Future Failed(ffi::ErrorCode code, const std::string& msg) {
+  ffi::Promise p;
+  ffi::Future f(p);
+  p.SetError(ffi::Error(code, msg));
+  return f;
+}
+
+ffi::Future Ready() {
+  ffi::Promise p;
+  ffi::Future f(p);
+  p.SetAvailable();
+  return f;
+}
+
+// One device's call. Registers the buffers at the meeting and returns a future; the last arrival runs
+// the schedule for everyone (see cpu_executor.cc) and completes all futures. No thread waits.
+ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Span<const int64_t> schedule, ffi::Span<const int64_t> device_table,
+                         int64_t call_site, int64_t timeout_ms) {
+  auto dt = FromXla(x.element_type());
+  if (!dt) return Failed(ffi::ErrorCode::kInvalidArgument, "jax_blink: unsupported dtype for the ffi collective");
+  const int64_t nelems = static_cast<int64_t>(x.element_count());
+  if (nelems == 0) return Ready();
+  if (IsTestAbsentDevice(device)) return Ready();  // test hook: this device never arrives
+  std::shared_ptr<const CallSiteInfo> info;
+  std::string err = GetCallSiteInfo(call_site, schedule.begin(), schedule.size(), device_table.begin(),
+                                    device_table.size(), &info);
+  if (!err.empty()) return Failed(ffi::ErrorCode::kInvalidArgument, err);
+  const DeviceTable::Entry* e = info->table.Find(device);
+  if (!e)
+    return Failed(ffi::ErrorCode::kInvalidArgument,
+                  "jax_blink: device " + std::to_string(device) + " is not in the collective's device table");
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  Arrival a;
+  a.device = device;
+  a.rank = e->rank;
+  a.dtype = *dt;
+  a.nelems = nelems;
+  a.in = x.untyped_data();
+  a.out = y->untyped_data();
+  a.done = [promise](const std::string& msg) mutable {
+    if (msg.empty()) promise.SetAvailable();
+    else promise.SetError(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg));
+  };
+  MeetingKey key{run.run_id, call_site, e->group, NextGeneration(run.run_id, call_site, device)};
+  auto meeting = Arrive(key, info, std::move(a), EffectiveTimeoutMs(timeout_ms));
+  if (meeting) ExecuteOnCpu(std::move(meeting));
+  return future;
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkCpu, BlinkCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("schedule")
+                                  .Attr<ffi::Span<const int64_t>>("device_table")
+                                  .Attr<int64_t>("call_site")
+                                  .Attr<int64_t>("timeout_ms"));
+
+namespace {
+
+std::optional<Dtype> FromName(const std::string& s) {
+  for (int i = 0; i <= static_cast<int>(Dtype::kC128); ++i)
+    if (s == DtypeName(static_cast<Dtype>(i))) return static_cast<Dtype>(i);
+  return std::nullopt;
+}
+
+using I64Array = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using AnyArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+// Test entry: every listed device arrives from its own thread at one meeting (run id, call site fixed);
+// devices in `absent` do not. Returns "" on success or the error message every arrival got.
+// dtypes[i] names the numpy dtype of inputs[i] (so mismatches can be exercised).
+std::string Simulate(I64Array schedule, I64Array device_table, std::vector<int64_t> devices,
+                     std::vector<AnyArray> inputs, std::vector<AnyArray> outputs, std::vector<std::string> dtypes,
+                     int64_t timeout_ms, int64_t call_site) {
+  static std::atomic<int64_t> run_counter{1 << 30};
+  const int64_t run = run_counter++;
+  std::shared_ptr<const CallSiteInfo> info;
+  std::string err;
+  {
+    nb::gil_scoped_release release;
+    err = GetCallSiteInfo(call_site, schedule.data(), schedule.shape(0), device_table.data(),
+                          device_table.shape(0), &info);
+  }
+  if (!err.empty()) return err;
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t pending = devices.size();
+  std::vector<std::string> errors(devices.size());
+  {
+    nb::gil_scoped_release release;
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < devices.size(); ++i) {
+      auto dt = FromName(dtypes[i]);
+      const DeviceTable::Entry* e = info->table.Find(devices[i]);
+      if (!dt || !e) {
+        errors[i] = !dt ? "unknown dtype " + dtypes[i] : "device not in table";
+        std::lock_guard<std::mutex> l(mu);
+        --pending;
+        continue;
+      }
+      Arrival a;
+      a.device = devices[i];
+      a.rank = e->rank;
+      a.dtype = *dt;
+      a.nelems = static_cast<int64_t>(inputs[i].size());
+      a.in = inputs[i].data();
+      a.out = outputs[i].data();
+      a.done = [&, i](const std::string& msg) {
+        std::lock_guard<std::mutex> l(mu);
+        errors[i] = msg;
+        if (--pending == 0) cv.notify_all();
+      };
+      MeetingKey key{run, call_site, e->group, NextGeneration(run, call_site, devices[i])};
+      threads.emplace_back([key, info, a, timeout_ms]() mutable {
+        auto m = Arrive(key, info, std::move(a), timeout_ms);
+        if (m) ExecuteOnCpu(std::move(m));
+      });
+    }
+    for (auto& t : threads) t.join();
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait(l, [&] { return pending == 0; });
+  }
+  for (auto& e : errors)
+    if (!e.empty()) return e;
+  return "";
+}
+
+// Decodes and validates a schedule array; returns "" or the error message.
+std::string Validate(I64Array schedule) {
+  std::vector<Schedule> s;
+  std::string e = DecodeSchedules(schedule.data(), schedule.shape(0), &s);
+  if (!e.empty()) return e;
+  ExecPlan p;
+  return BuildExecPlan(s[0], &p);
+}
+
+}  // namespace
+}  // namespace jax_blink
+
+NB_MODULE(_cpu, m) {
+  m.doc() = "jax_blink native CPU executor (XLA FFI target jax_blink_cpu)";
+  m.def("handler", []() { return nb::capsule(reinterpret_cast<void*>(jax_blink::BlinkCpu)); },
+        "PyCapsule of the XLA FFI handler for platform 'cpu'.");
+  m.def("simulate", &jax_blink::Simulate, nb::arg("schedule"), nb::arg("device_table"), nb::arg("devices"),
+        nb::arg("inputs"), nb::arg("outputs"), nb::arg("dtypes"), nb::arg("timeout_ms"), nb::arg("call_site"),
+        "Test entry: run one meeting with the given devices arriving from separate threads.");
+  m.def("validate", &jax_blink::Validate, nb::arg("schedule"), "Decode + validate a schedule; '' or the error.");
+}

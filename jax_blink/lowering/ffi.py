@@ -1,0 +1,100 @@
+"""FFI lowering: a schedule as one XLA FFI custom call executed by the native handlers in ``ffi/``.
+
+Registers impl ``"ffi"`` for platform ``"cpu"`` (target ``jax_blink_cpu``) and ``"cuda"`` (target
+``jax_blink_cuda``) when the native modules imported and ``jax.ffi.register_ffi_target`` accepted
+them. Each device's call registers its buffers at a meeting keyed by (run id, call site, group,
+per-device generation); the native executor then walks the schedule (Blink, MLSys 2020, Sec. 4:
+reduce up and broadcast down spanning trees with pipelined chunks).
+
+Attributes of the custom call (docs/architecture.md): ``schedule`` (int64: the group schedules'
+``Schedule.to_array()`` back to back, one per group in group order), ``device_table`` (int64 rows
+(device_id, group, rank)), ``call_site`` (int64, deterministic: a hash of the schedules, table,
+operand type and the call's position in the module), ``timeout_ms`` (the runtime environment variable
+``JAX_BLINK_TIMEOUT_S`` overrides it).
+
+Test hook: ``JAX_BLINK_TEST_ABSENT_DEVICE=<device id>`` (read by the native handler at run time)
+makes that device skip every meeting, so the others hit the timeout error. Never set it otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+import jax
+from jax._src.interpreters import mlir
+
+from .. import _native
+from . import LoweringRequest, register_lowering
+
+CPU_TARGET = "jax_blink_cpu"
+CUDA_TARGET = "jax_blink_cuda"
+
+#: Platforms ("cpu", "cuda") whose FFI target registered; why others did not.
+REGISTERED: dict[str, str] = {}
+UNAVAILABLE: dict[str, str] = {}
+
+# Per-module call counters (module -> next ordinal), so two call sites with identical operands get
+# different ids while re-lowering the same program gives the same ids. Holds the module so its id is
+# not reused while counted; only the most recent modules are kept.
+_ordinals: "OrderedDict[int, tuple[object, int]]" = OrderedDict()
+
+
+def _ordinal(ctx) -> int:
+    module = ctx.module_context.keepalives  # one list per module being lowered (shared by its sub-contexts)
+    key = id(module)
+    _, n = _ordinals.get(key, (module, 0))
+    _ordinals[key] = (module, n + 1)
+    _ordinals.move_to_end(key)
+    while len(_ordinals) > 32:
+        _ordinals.popitem(last=False)
+    return n
+
+
+def schedule_attribute(request: LoweringRequest) -> np.ndarray:
+    """The ``schedule`` attribute: each group's ``Schedule.to_array()`` back to back (int64)."""
+    return np.concatenate([np.asarray(s.to_array(), np.int64) for s in request.schedules])
+
+
+def call_site_id(request: LoweringRequest, aval, ordinal: int) -> int:
+    """Deterministic 63-bit id of a call site (same program, same ids, on every compile)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(schedule_attribute(request).tobytes())
+    h.update(np.asarray(request.device_table, np.int64).tobytes())
+    h.update(f"{request.collective}|{aval.shape}|{aval.dtype}|{ordinal}".encode())
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+def _rule(target: str):
+    lower = jax.ffi.ffi_lowering(target)
+
+    def rule(ctx, x, request: LoweringRequest):
+        aval = ctx.avals_in[0]
+        out = lower(ctx, x,
+                    schedule=schedule_attribute(request),
+                    device_table=np.asarray(request.device_table, np.int64).reshape(-1),
+                    call_site=np.int64(call_site_id(request, aval, _ordinal(ctx))),
+                    timeout_ms=np.int64(request.timeout_ms))
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+    rule.__name__ = f"ffi_rule_{target}"
+    return rule
+
+
+def _register(platform: str, xla_platform: str, module, target: str, missing: str | None) -> None:
+    if module is None:
+        UNAVAILABLE[platform] = missing or "native module not built"
+        return
+    try:
+        jax.ffi.register_ffi_target(target, module.handler(), platform=xla_platform)
+    except Exception as e:  # e.g. jaxlib without this platform's plugin
+        UNAVAILABLE[platform] = f"register_ffi_target({target!r}, platform={xla_platform!r}) failed: {e}"
+        return
+    register_lowering("ffi", platform, _rule(target))
+    REGISTERED[platform] = target
+
+
+_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error)
+_register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error)

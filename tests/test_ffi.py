@@ -1,0 +1,191 @@
+"""The native FFI executor (ffi/, impl="ffi") on 8 host CPU devices.
+
+The psum/broadcast/reduce equality matrix against lax runs with impl="ffi" in tests/test_psum.py
+(parametrised over every registered impl). Here: the native executor against the NumPy reference
+``jax_blink.schedule.execute`` (bitwise, every dtype), the rendezvous errors (absent participant ->
+timeout naming it, mismatched dtype/size, malformed schedules), a call site inside ``lax.scan``, and
+that the CUDA module compiles where nvcc exists.
+"""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_blink
+import jax_blink.api  # noqa: F401  (registers the lowerings)
+from jax_blink import _native
+from jax_blink.lowering import ffi as ffi_lowering
+from jax_blink.packing import plan
+from jax_blink.schedule import build_schedule, execute
+from jax_blink.topology import Topology
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+cpu = _native.cpu
+
+
+def test_native_cpu_module_and_registration():
+    assert cpu is not None, _native.cpu_error
+    assert ffi_lowering.REGISTERED.get("cpu") == "jax_blink_cpu", ffi_lowering.UNAVAILABLE
+
+
+def table_for(n, ids=None):
+    ids = list(range(n)) if ids is None else ids
+    return np.asarray([(d, 0, r) for r, d in enumerate(ids)], np.int64).reshape(-1)
+
+
+def schedule_for(n, collective="allreduce", nelems=1000, root=None, chunk_elems=64, topo=None):
+    p = plan(topo or Topology.host(n), collective, root=root)
+    return build_schedule(p, nelems, chunk_elems=chunk_elems)
+
+
+def run_native(sched, xs, *, devices=None, dtypes=None, timeout_ms=5000, call_site=1):
+    n = sched.nranks
+    devices = list(range(n)) if devices is None else devices
+    outs = [np.full_like(x, 7) for x in xs]
+    names = dtypes or [np.dtype(x.dtype).name for x in xs]
+    # nanobind takes plain numpy dtypes: hand bfloat16 (ml_dtypes) over as its uint16 bits.
+    raw = lambda a: a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+    err = cpu.simulate(sched.to_array(), table_for(n), devices, [raw(x) for x in xs], [raw(o) for o in outs],
+                       names, timeout_ms, call_site)
+    return err, np.stack(outs) if not err else None
+
+
+def rand(rng, shape, dtype):
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    if np.issubdtype(dtype, np.complexfloating):
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32",
+                                   "int64", "uint8", "uint16", "uint32", "uint64", "complex64", "complex128"])
+def test_executor_bitwise_equals_reference(dtype):
+    """Every dtype, the 8-device all-reduce with many chunks, against the row-by-row NumPy spec."""
+    dt = jnp.dtype(dtype)
+    sched = schedule_for(8, nelems=70_001, chunk_elems=4096)
+    xs = [rand(np.random.default_rng(r), (70_001,), dt) for r in range(8)]
+    err, got = run_native(sched, xs, dtypes=[dt.name] * 8)
+    assert err == ""
+    want = execute(sched, np.stack(xs))
+    assert got.tobytes() == want.tobytes()
+    assert all(got[r].tobytes() == got[0].tobytes() for r in range(8))
+
+
+@pytest.mark.parametrize("collective,root", [("allreduce", None), ("broadcast", 4), ("reduce", 2)])
+@pytest.mark.parametrize("n", [2, 3, 5, 7])
+def test_executor_collectives_odd_sizes(collective, root, n):
+    root = None if root is None else root % n
+    topo = jax_blink.PRESETS["dgx1v"]().subset(list(range(n)))
+    sched = schedule_for(n, collective, nelems=12_345, root=root, chunk_elems=1000, topo=topo)
+    xs = [rand(np.random.default_rng(r), (12_345,), "float32") for r in range(n)]
+    err, got = run_native(sched, xs)
+    assert err == ""
+    assert got.tobytes() == execute(sched, np.stack(xs)).tobytes()
+
+
+def test_absent_participant_times_out_naming_it():
+    sched = schedule_for(4, nelems=100)
+    xs = [np.ones(100, np.float32)] * 4
+    t0 = time.monotonic()
+    n = sched.nranks
+    outs = [np.zeros(100, np.float32) for _ in range(3)]
+    err = cpu.simulate(sched.to_array(), table_for(n, [10, 11, 12, 13]), [10, 11, 13], xs[:3], outs,
+                       ["float32"] * 3, 300, 2)
+    assert time.monotonic() - t0 < 5
+    assert "timed out after 0.3 s" in err and "device(s) 12 (rank 2) never arrived" in err, err
+
+
+@pytest.mark.parametrize("other", [("float64", 100), ("float32", 99)])
+def test_mismatched_dtype_or_size_is_an_error(other):
+    sched = schedule_for(2, nelems=100)
+    dt, size = other
+    xs = [np.ones(100, np.float32), np.ones(size, dt)]
+    err, _ = run_native(sched, xs, call_site=3 if size == 100 else 4)
+    assert "participants disagree" in err and "every device must call" in err, err
+
+
+def test_malformed_schedules_are_rejected():
+    good = schedule_for(4, nelems=500).to_array()
+    assert cpu.validate(good) == ""
+    bad_magic = good.copy(); bad_magic[0] = 1
+    bad_version = good.copy(); bad_version[1] = 9
+    big_header = good.copy(); big_header[7] = 10**12
+    bad_rank = good.copy(); bad_rank[-2] = 99  # last transfer's dst
+    cases = {"bad magic": bad_magic, "version 9": bad_version, "exceed the array length": big_header,
+             "bad src/dst rank": bad_rank, "the header needs 8": good[:5], "announces": good[:-3]}
+    for needle, arr in cases.items():
+        msg = cpu.validate(np.ascontiguousarray(arr))
+        assert needle in msg and "invalid schedule" in msg, (needle, msg)
+
+
+def test_timeout_inside_jax_names_the_absent_device(monkeypatch):
+    """A device made absent (test hook JAX_BLINK_TEST_ABSENT_DEVICE) -> the call fails within the bound."""
+    monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", "2")
+    monkeypatch.setenv("JAX_BLINK_TEST_ABSENT_DEVICE", "5")
+    f = jax.pmap(lambda v: jax_blink.psum(v, "i", impl="ffi"), axis_name="i")
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=r"timed out after 2 s: device\(s\) 5 \(rank 5\) never arrived"):
+        jax.block_until_ready(f(np.ones((8, 37), np.float32)))
+    assert time.monotonic() - t0 < 2 + 15
+
+
+def test_psum_inside_scan_permuted_mesh():
+    """One call site executed many times per run: generations keep the meetings apart."""
+    mesh = Mesh(np.array(jax.devices())[[3, 1, 0, 2, 7, 5, 4, 6]], ("i",))
+
+    def body(v, impl):
+        def step(c, _):
+            c = 0.5 * (impl(c, "i") / 8.0 + c)
+            return c, c.sum()
+        return lax.scan(step, v, None, length=6)
+
+    def run(psum):
+        f = jax.shard_map(lambda v: body(v, psum), mesh=mesh, in_specs=P("i"), out_specs=(P("i"), P("i")))
+        return jax.jit(f)(x)
+
+    x = np.random.default_rng(0).standard_normal((8 * 3, 129)).astype(np.float32)
+    got = run(lambda v, a: jax_blink.psum(v, a, impl="ffi"))
+    want = run(lax.psum)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-4, atol=1e-3)
+
+
+def test_call_site_ids_are_deterministic_and_distinct():
+    f = jax.jit(jax.shard_map(lambda v: (jax_blink.psum(v, "i", impl="ffi"), jax_blink.psum(v, "i", impl="ffi")),
+                              mesh=Mesh(np.array(jax.devices()), ("i",)), in_specs=P("i"), out_specs=P("i")))
+    x = np.ones((8, 16), np.float32)
+    txt1 = f.lower(x).as_text()
+    txt2 = f.lower(x).as_text()
+    import re
+    ids1 = re.findall(r"call_site = (-?\d+)", txt1)
+    assert len(ids1) == 2 and ids1[0] != ids1[1], ids1
+    assert ids1 == re.findall(r"call_site = (-?\d+)", txt2)
+
+
+def _nvcc():
+    return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found: the CUDA module cannot be compiled here")
+def test_cuda_module_compiles(tmp_path):
+    """The CUDA executor (.cu, including the XLA FFI handler) compiles with nvcc (no GPU needed)."""
+    inc = jax.ffi.include_dir()
+    src = ROOT / "ffi" / "src"
+    cmd = [_nvcc(), "-std=c++17", "-O1", "-arch=sm_90", "-c", str(src / "cuda_executor.cu"), "-I", str(src),
+           "-I", inc, "-o", str(tmp_path / "cuda_executor.o")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert (tmp_path / "cuda_executor.o").stat().st_size > 10_000
