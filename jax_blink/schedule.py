@@ -32,6 +32,7 @@ VERSION = 1
 # Cost model defaults for choosing the chunk count (see choose_chunks).
 DEFAULT_STEP_LATENCY_S = 20e-6
 DEFAULT_MAX_CHUNKS = 16
+DEFAULT_MAX_TOTAL_CHUNKS = 48  # every round is one collective step: bound the rounds per call
 MIN_CHUNK_BYTES = 64 * 1024
 
 
@@ -182,7 +183,8 @@ def _depth(parent: np.ndarray, root: int) -> int:
 
 def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | None = None,
                    step_latency_s: float = DEFAULT_STEP_LATENCY_S,
-                   max_chunks: int = DEFAULT_MAX_CHUNKS) -> Schedule:
+                   max_chunks: int = DEFAULT_MAX_CHUNKS,
+                   max_total_chunks: int = DEFAULT_MAX_TOTAL_CHUNKS) -> Schedule:
     """Schedule ``plan`` (a ``jax_blink.packing.Plan``) for a flat operand of ``nelems`` elements.
 
     Args:
@@ -191,6 +193,9 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
       itemsize: bytes per element (for the chunk cost model only).
       chunk_elems: fixed chunk size in elements (overrides the cost model).
       step_latency_s, max_chunks: the cost model of :func:`choose_chunks`.
+      max_total_chunks: cost-model chunk counts are scaled down so all trees together use at most
+        this many chunks (each chunk adds rounds, and a round has a fixed cost); not applied to an
+        explicit ``chunk_elems``.
 
     Returns: a validated :class:`Schedule`. Raises ScheduleError on bad arguments or a plan whose
     trees do not span its devices.
@@ -212,13 +217,12 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
         trees = []
     lengths = _split_proportional(int(nelems), [t.weight_gbps for t in trees]) if trees else []
 
+    lengths_kept = [(t, length) for t, length in zip(trees, lengths) if length]
     seg_root, seg_offset, seg_length, red_par, bc_par = [], [], [], [], []
     chunk_seg, chunk_offset, chunk_length = [], [], []
-    depths = []
+    ks = []
     offset = 0
-    for t, length in zip(trees, lengths):
-        if length == 0:
-            continue
+    for t, length in lengths_kept:
         s = len(seg_root)
         root = rank[t.root]
         rp = np.full(n, -1, np.int64)
@@ -236,12 +240,16 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
                 raise ScheduleError(f"tree rooted at GPU {t.root} does not span devices {devices}")
         seg_root.append(root), seg_offset.append(offset), seg_length.append(length)
         red_par.append(rp), bc_par.append(bp)
-        depths.append(d)
         if chunk_elems is not None:
-            k = -(-length // int(chunk_elems))
+            ks.append(-(-length // int(chunk_elems)))
         else:
-            k = choose_chunks(length * itemsize, d, t.weight_gbps,
-                              step_latency_s=step_latency_s, max_chunks=max_chunks)
+            ks.append(choose_chunks(length * itemsize, d, t.weight_gbps,
+                                    step_latency_s=step_latency_s, max_chunks=max_chunks))
+        offset += length
+    if chunk_elems is None and sum(ks) > max_total_chunks:
+        ks = [max(1, k * max_total_chunks // sum(ks)) for k in ks]
+    offset = 0
+    for s, ((t, length), k) in enumerate(zip(lengths_kept, ks)):
         for cl in _split_proportional(length, [1.0] * k):
             if cl:
                 chunk_seg.append(s), chunk_offset.append(offset), chunk_length.append(cl)
