@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.flatten_util import ravel_pytree
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_blink
@@ -173,7 +174,7 @@ def make_steps(mode: str, coll: Collectives, model, tx, devices, sample) -> Step
         step = jax.pmap(body, axis_name=AXIS, devices=devices)
         return Steps(
             init=jax.pmap(init_body, axis_name=AXIS, devices=devices),
-            start=lambda stacked: (stacked, jax.pmap(tx.init, devices=devices)(stacked)),
+            start=jax.pmap(lambda p: (p, tx.init(p)), axis_name=AXIS, devices=devices),
             shard=lambda x, y: (x.reshape(n, -1, *x.shape[1:]), y.reshape(n, -1)),
             step=lambda p, o, x, y: (lambda r: (r[0], r[1], r[2][0]))(step(p, o, x, y)),
             host_params=lambda p: jax.tree.map(lambda v: np.asarray(v[0]), p))
@@ -264,7 +265,9 @@ def train(config: Config, coll: Collectives, data=None, devices=None) -> Result:
     root = jax.random.PRNGKey(config.seed)
     keys = jnp.stack([jax.random.fold_in(root, i) for i in range(n)])
     stacked = steps.init(keys)
-    leaves = [np.asarray(v) for v in jax.tree.leaves(stacked)]
+    # process_allgather: with several processes (examples/multiprocess) the stack spans all of them
+    leaves = [np.asarray(multihost_utils.process_allgather(v, tiled=True)) if not v.is_fully_addressable
+              else np.asarray(v) for v in jax.tree.leaves(stacked)]
     expect = jax.tree.leaves(model.init(keys[0], jnp.zeros((1, 8, 8, 1), jnp.float32))["params"])
     broadcast_ok = all(np.array_equal(v[i], v[0]) for v in leaves for i in range(n)) and all(
         np.allclose(v[0], np.asarray(e), rtol=0, atol=1e-6) for v, e in zip(leaves, expect))
@@ -322,13 +325,15 @@ class Comparison:
 
 
 def time_collective(colls: Sequence[Collectives], nelems: int, devices, reps: int = 20) -> dict:
-    """Median seconds of one all-reduce of ``nelems`` float32 per device under ``jax.pmap``.
+    """Median seconds of one all-reduce of ``nelems`` float32 per device, ``jit(shard_map)``.
 
     Both collectives run in the same process, interleaved, so their ratio is fair.
     """
-    n = len(devices)
-    x = jax.device_put_sharded([jnp.full((nelems,), i + 1.0, jnp.float32) for i in range(n)], devices)
-    fns = {c.name: jax.pmap(lambda v, c=c: c.psum(v, AXIS), axis_name=AXIS, devices=devices)
+    mesh = Mesh(np.asarray(devices), (AXIS,))
+    x = jax.device_put(jnp.repeat(jnp.arange(1.0, len(devices) + 1, dtype=jnp.float32), nelems),
+                       NamedSharding(mesh, P(AXIS)))
+    fns = {c.name: jax.jit(jax.shard_map(lambda v, c=c: c.psum(v, AXIS), mesh=mesh,
+                                         in_specs=P(AXIS), out_specs=P()))
            for c in colls}
     for f in fns.values():
         jax.block_until_ready(f(x))

@@ -106,18 +106,17 @@ def choose_devices(topology_source: str | None):
 
 
 def _plan_lines(topo, ndevices: int) -> list[str]:
+    from ..bounds import ring_rate
     from ..packing import plan
 
     gpus = tuple(topo.gpus[:ndevices])
     pl = plan(topo, "allreduce", devices=gpus)
     lines = [pl.describe().rstrip()]
-    summary = (f"plan: {len(pl.trees)} trees, rate {pl.rate_gbps:.2f} GB/s, "
-               f"bound {pl.bound_gbps:.2f} GB/s ({pl.algorithm})")
-    try:
-        from ..packing import ring_rate
-        summary += f", ring rate {ring_rate(topo, gpus):.2f} GB/s"
-    except ImportError:
-        pass
+    ring = ring_rate(topo, gpus)
+    n = len(gpus)
+    summary = (f"plan: {len(pl.trees)} trees, rate {pl.rate_gbps:.2f} GB/s, bound {pl.bound_gbps:.2f} GB/s "
+               f"({pl.algorithm}); ring rate {ring:.2f} GB/s = all-reduce rate "
+               f"{ring * n / (2 * (n - 1)):.2f} GB/s (ring time 2(n-1)/n * S / B)")
     lines.append(summary)
     return lines
 
