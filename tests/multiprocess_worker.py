@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_blink  # noqa: E402
-from jax_blink import packing  # noqa: E402
+from jax_blink import mapping, packing  # noqa: E402
 
 me, nproc = jax.process_index(), jax.process_count()
 cluster = distributed.cluster_topology(nic_gbps=12.5)
@@ -51,6 +51,16 @@ plan = packing.plan(cluster.topology, "allreduce", devices=list(range(N)))
 emit(case="plan", algorithm=plan.algorithm, rate_gbps=plan.rate_gbps, bound_gbps=plan.bound_gbps,
      ntrees=len(plan.trees), topology=cluster.topology.name, fingerprint=cluster.topology.fingerprint(),
      device_map=sorted(cluster.device_map.items()))
+
+
+def three_phase_plan(topology, collective, gpu_ids, root_rank):
+    """Blink's three-phase plan, whatever the planner would pick (it prefers a flat packing when that
+    is at least as fast): intra-node reduce, cross-node exchange between leaders, intra-node broadcast."""
+    devices = tuple(gpu_ids)
+    groups = packing._node_groups(topology, list(devices))
+    trees, notes = packing._hierarchical(topology, devices, collective, None, groups, None)
+    return packing.Plan(collective, None, devices, tuple(trees), sum(t.weight_gbps for t in trees),
+                        float("nan"), "hierarchical", tuple(notes))
 
 
 def run(mesh, axes, dtype, shape_per_dev, blink, impl=None):
@@ -77,8 +87,16 @@ def run(mesh, axes, dtype, shape_per_dev, blink, impl=None):
     return host, np.asarray(y), hlo
 
 
-def check(name, mesh, axes, dtype, shape_per_dev=(3, 37)):
-    host, yb, hlo = run(mesh, axes, dtype, shape_per_dev, True)
+def check(name, mesh, axes, dtype, shape_per_dev=(3, 37), force_three_phase=False):
+    if force_three_phase:  # the lowering plans through mapping.plan_group: make it return three phases
+        orig = mapping.plan_group
+        mapping.plan_group = three_phase_plan
+        try:
+            host, yb, hlo = run(mesh, axes, dtype, shape_per_dev, True)
+        finally:
+            mapping.plan_group = orig
+    else:
+        host, yb, hlo = run(mesh, axes, dtype, shape_per_dev, True)
     _, yl, _ = run(mesh, axes, dtype, shape_per_dev, False)
     # Per-device blocks in mesh order; group members (devices sharing a psum) must be bitwise equal.
     mshape = mesh.devices.shape
@@ -110,6 +128,20 @@ if a.mode == "check":
     grid = Mesh(devs.reshape(nproc, G), ("node", "local"))
     check("grid_both_axes_f32", grid, ("node", "local"), np.float32)
     check("grid_cross_node_axis_f32", grid, "node", np.float32)
+    hp = three_phase_plan(cluster.topology, "allreduce", list(range(N)), None)
+    def leaders_per_node(tree):  # GPUs of each node with a cross-node tree edge (three phases: 1)
+        ends = {}
+        for c, par in tree.gpu_parents().items():
+            if c // G != par // G:
+                ends.setdefault(c // G, set()).add(c)
+                ends.setdefault(par // G, set()).add(par)
+        return max((len(v) for v in ends.values()), default=0)
+
+    emit(case="three_phase_plan", ntrees=len(hp.trees), rate_gbps=hp.rate_gbps,
+         crosses_network=all(any("network" in str(e) for e in t.edges) for t in hp.trees),
+         max_leaders_per_node=max(leaders_per_node(t) for t in hp.trees))
+    # distinct shape: build_request caches per (mesh, shape, ...) and must not reuse flat_f32's plan
+    check("three_phase_f32", flat, "i", np.float32, shape_per_dev=(2, 41), force_three_phase=True)
     # impl="ffi" is an in-process custom call: across processes it must be refused clearly.
     try:
         run(flat, "i", np.float32, (1, 4), True, impl="ffi")

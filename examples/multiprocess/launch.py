@@ -1,0 +1,40 @@
+"""The Flax digits training across N processes on this machine, launched by one command.
+
+    python examples/multiprocess/launch.py --processes 2 --local-devices 4 [--epochs 5] [--compare-lax]
+
+Starts ``worker.py`` once per process with ``jax_blink.launch`` (free coordinator port on 127.0.0.1,
+live output prefixed ``[pN]``, a failed process stops the rest, everything is cleaned up); each
+process owns ``--local-devices`` host CPU devices, and the processes stand in for nodes joined by
+NICs of ``--nic-gbps``. Options other than ``--processes``, ``--local-devices`` and ``--timeout`` go
+to every worker (see ``worker.py --help`` and ``examples/flax_digits/train.py --help``).
+On GPU machines leave out ``--local-devices`` (each process then uses the GPUs it is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from jax_blink.launch import LaunchError, launch
+
+WORKER = pathlib.Path(__file__).resolve().parent / "worker.py"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--local-devices", type=int, default=4, help="host CPU devices per process (0: platform default)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before every process is killed")
+    args, rest = p.parse_known_args(argv)
+    try:
+        launch([str(WORKER), *rest], args.processes, args.local_devices or None,
+               timeout_s=args.timeout, echo=True)
+    except (LaunchError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

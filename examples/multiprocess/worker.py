@@ -1,0 +1,79 @@
+"""One process of the multi-process digits training (started by ``launch.py``; see its docstring).
+
+Joins the jax.distributed job (``jax_blink.distributed.initialize``), exchanges node topologies and
+builds the multi-node topology every process plans on (``cluster_topology``: nodes joined by NICs of
+``--nic-gbps`` GB/s), maps every JAX device of every process onto it (``jax_blink.set_device_map``),
+then runs the single-process training code of ``examples/flax_digits/train.py`` unchanged over all
+devices of all processes: gradients are all-reduced with ``jax_blink.pmean`` on the hierarchical plan
+(Blink, MLSys 2020, section 5), lowered to ``collective_permute`` (gloo between CPU processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from jax_blink import distributed
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "flax_digits"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="one process of the multi-process digits training")
+    p.add_argument("--nic-gbps", type=float, default=12.5, help="GB/s per NIC between nodes")
+    p.add_argument("--nics-per-node", type=int, default=1)
+    p.add_argument("--compare-lax", action="store_true",
+                   help="repeat the run with lax.psum; report loss difference and per-step times")
+    p.add_argument("--min-accuracy", type=float, default=0.95,
+                   help="exit 1 when held-out accuracy ends below this")
+    distributed.initialize()
+
+    import jax
+    import numpy as np
+
+    import jax_blink
+    from jax_blink import packing
+    import train as digits  # examples/flax_digits/train.py
+
+    digits.add_arguments(p)
+    args = p.parse_args(argv)
+    me = jax.process_index()
+    cluster = distributed.cluster_topology(nic_gbps=args.nic_gbps, nics_per_node=args.nics_per_node)
+    jax_blink.set_device_map(cluster.device_map)
+    devices = jax.devices()
+    config = digits.config_from_args(args, ndevices=len(devices))
+    config.progress = config.progress and me == 0
+    if me == 0:
+        plan = packing.plan(cluster.topology, "allreduce", devices=sorted(cluster.device_map.values()))
+        print(f"{cluster.num_processes} processes x {len(cluster.node.gpus)} devices, topology "
+              f"{cluster.topology.name}: {plan.algorithm} plan, {len(plan.trees)} trees, "
+              f"rate {plan.rate_gbps:.2f} GB/s (bound {plan.bound_gbps:.2f})", flush=True)
+    blink = digits.blink_collectives(cluster.topology)
+    if args.compare_lax:
+        c = digits.compare(config, blink, devices=devices)
+        # Different summation orders differ in the last bit; over many Adam steps such differences
+        # grow (the trajectories diverge chaotically), so the first epoch is the exactness check.
+        k = max(1, len(c.lax.step_losses) // config.epochs)
+        a, b = np.asarray(c.blink.step_losses[:k]), np.asarray(c.lax.step_losses[:k])
+        first = float(np.max(np.abs(a - b) / np.abs(b)))
+        lines = [digits.report(c.blink), digits.report(c.lax), digits.report_comparison(c),
+                 f"first epoch ({k} steps): largest relative loss difference vs lax.psum {first:.3e}"]
+        res, ok = c.blink, first <= 1e-5
+    else:
+        res = digits.train(config, blink, devices=devices)
+        lines, ok = [digits.report(res)], True
+    if me == 0:
+        print("\n".join(lines), flush=True)
+    if not ok:
+        print(f"process {me}: first-epoch losses of jax_blink and lax.psum differ by more than 1e-5 "
+              "relative", file=sys.stderr)
+    if res.test_accuracy < args.min_accuracy:
+        print(f"process {me}: held-out accuracy {res.test_accuracy:.4f} is below --min-accuracy "
+              f"{args.min_accuracy} (train longer: --epochs)", file=sys.stderr)
+        ok = False
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
