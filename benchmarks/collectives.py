@@ -27,6 +27,7 @@ from rich.table import Table  # noqa: E402
 
 import jax_blink  # noqa: E402
 from jax_blink import lowering  # noqa: E402
+import jax_blink.api  # noqa: E402,F401  (registers the lowerings, "ffi" included, before impls are listed)
 
 
 def _time(f, x, iters: int) -> float:
