@@ -17,6 +17,8 @@ import pathlib
 import statistics
 import time
 
+import networkx as nx
+
 from rich.console import Console
 from rich.table import Table
 
@@ -51,8 +53,11 @@ def allocation_sweep(console, name, quick):
     for k in range(2, 9):
         allocs = list(itertools.combinations(range(8), k))
         for coll in ("broadcast", "allreduce"):
-            ratios, trees, ms, speed = [], [], [], []
+            ratios, trees, ms, speed, skipped = [], [], [], [], 0
             for devs in allocs:
+                if not nx.is_strongly_connected(t.subset(devs).graph):
+                    skipped += 1  # e.g. NVLink-only GPUs with no link between them: PlanError
+                    continue
                 roots = devs if coll == "broadcast" and not quick else (devs[0],)
                 ring = ring_equiv(t, devs, coll)
                 for r in roots:
@@ -61,7 +66,8 @@ def allocation_sweep(console, name, quick):
                     trees.append(len(p.trees))
                     ms.append(dt)
                     speed.append(p.rate_gbps / ring if ring > 0 else float("inf"))
-            tab.add_row(str(k), coll, str(len(ratios)), stats(ratios),
+            tab.add_row(str(k), coll, f"{len(ratios)}" + (f" ({skipped} disconnected)" if skipped else ""),
+                        stats(ratios),
                         f"{min(trees)} / {statistics.median(trees):g} / {max(trees)}",
                         f"{min(ms):.1f} / {statistics.median(ms):.1f} / {max(ms):.1f}", stats(speed))
     console.print(tab)

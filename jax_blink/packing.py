@@ -289,7 +289,8 @@ def _spread_roots(weights, devices) -> list:
 
 
 def _round(x: float) -> float:
-    return float(round(x, WEIGHT_DECIMALS))
+    """Weights are rounded down to 1e-9 GB/s so JSON is short and the rounding never overloads a link."""
+    return float(math.floor(x * 10 ** WEIGHT_DECIMALS + 1e-6) / 10 ** WEIGHT_DECIMALS)
 
 
 def _tree_plan(topology, devices, collective, root, max_trees):
@@ -501,14 +502,29 @@ def _plan_uncached(topology, collective, devices, root, max_trees) -> Plan:
     if n == 1:
         return Plan(collective, root, devices, (), float("inf"), float("inf"), "trivial",
                     ("one device: nothing to send (rate is infinite)",))
+    flat = _flat_plan(topology, collective, devices, root, max_trees)
     groups = _node_groups(topology, list(devices))
-    if len(groups) > 1:
-        trees, notes = _hierarchical(topology, devices, collective, root, groups, max_trees)
-        bound = {"broadcast": lambda: _bounds.broadcast_bound(topology, devices, root),
-                 "reduce": lambda: _bounds.reduce_bound(topology, devices, root),
-                 "allreduce": lambda: _bounds.allreduce_bound(topology, devices)}[collective]()
-        rate = _round(sum(t.weight_gbps for t in trees))
-        return Plan(collective, root, devices, tuple(trees), rate, _round(bound), "hierarchical", tuple(notes))
+    if len(groups) == 1:
+        return flat
+    trees, notes = _hierarchical(topology, devices, collective, root, groups, max_trees)
+    rate = _round(sum(t.weight_gbps for t in trees))
+    bound = {"broadcast": lambda: _bounds.broadcast_bound(topology, devices, root),
+             "reduce": lambda: _bounds.reduce_bound(topology, devices, root),
+             "allreduce": lambda: _bounds.allreduce_bound(topology, devices)}[collective]()
+    hier = Plan(collective, root, devices, tuple(trees), rate, _round(bound), "hierarchical", tuple(notes))
+    if hier.rate_gbps > flat.rate_gbps * (1 + 1e-6):
+        return dataclasses.replace(hier, notes=hier.notes + (
+            f"three-phase plan {hier.rate_gbps:.3f} GB/s beats the flat packing over all nodes "
+            f"{flat.rate_gbps:.3f} GB/s ({flat.algorithm})",))
+    return dataclasses.replace(flat, notes=flat.notes + (
+        f"{len(groups)} nodes: the flat packing over all GPUs ({flat.rate_gbps:.3f} GB/s) is at least as fast "
+        f"as Blink's three-phase hierarchical plan ({hier.rate_gbps:.3f} GB/s: leaders feed the NICs through "
+        f"one GPU each, while flat trees spread NIC traffic over every GPU of a node)",))
+
+
+def _flat_plan(topology, collective, devices, root, max_trees) -> Plan:
+    """Exact packing over all job GPUs at once (plus the ring alternative for all-reduce)."""
+    n = len(devices)
     trees, rate, dual, table, notes = _tree_plan(topology, devices, collective, root, max_trees)
     if collective == "broadcast":
         bound = _bounds.broadcast_bound(topology, devices, root)

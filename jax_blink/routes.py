@@ -26,7 +26,7 @@ from .errors import PlanError
 from .topology import Topology, _key
 
 MAX_ROUTES_PER_PAIR = 6     # shortest routes kept per ordered GPU pair
-MAX_SWITCH_HOPS = 6         # longest switch-only path considered inside a route
+MAX_SWITCH_NODES = 16       # most switch nodes inside one route
 PRICE_TOL = 1e-9            # a column enters while its dual price < 1 - PRICE_TOL
 MAX_ITERATIONS = 2000
 
@@ -71,8 +71,12 @@ class RouteTable:
                 if a == b:
                     sw_paths[a, b] = [(a,)]
                 else:
-                    ps = itertools.islice(nx.all_simple_paths(sw, a, b, cutoff=MAX_SWITCH_HOPS), 200)
-                    sw_paths[a, b] = [tuple(p) for p in ps]
+                    # Yen's k shortest simple paths: ordered and bounded even on meshy switch graphs
+                    try:
+                        ps = itertools.islice(nx.shortest_simple_paths(sw, a, b), MAX_ROUTES_PER_PAIR)
+                        sw_paths[a, b] = [tuple(p) for p in ps if len(p) <= MAX_SWITCH_NODES]
+                    except nx.NetworkXNoPath:
+                        sw_paths[a, b] = []
         routes, inc = {}, {}
         for u in devices:
             for v in devices:

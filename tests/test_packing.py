@@ -151,13 +151,21 @@ def test_max_trees_reports_loss():
     check_plan(t, p)
 
 
-def test_multi_node_hierarchical_valid():
+def test_multi_node_flat_optimum_and_three_phase_plan_valid():
+    from jax_blink.packing import _hierarchical, _node_groups
     t = PRESETS["dgx1v-4node"]()
-    for coll in ("broadcast", "allreduce"):
-        p = plan(t, coll)
-        assert p.algorithm == "hierarchical" and len(p.devices) == 32
-        assert 0 < p.rate_gbps <= p.bound_gbps + TOL
-        check_plan(t, p)
+    devs = t.gpus
+    p = plan(t, "broadcast")
+    assert len(p.devices) == 32 and p.rate_gbps == pytest.approx(maxflow_bound(t, devs, 0), rel=1e-6)
+    assert any("three-phase" in n for n in p.notes)
+    check_plan(t, p)
+    groups = _node_groups(t, devs)
+    assert groups == [list(range(8 * k, 8 * k + 8)) for k in range(4)]
+    for coll, root in (("broadcast", 0), ("reduce", 0), ("allreduce", None)):
+        trees, notes = _hierarchical(t, tuple(devs), coll, root, groups, None)
+        hp = Plan(coll, root, tuple(devs), tuple(trees), sum(x.weight_gbps for x in trees), 0.0, "hierarchical")
+        assert 0 < hp.rate_gbps <= p.rate_gbps + TOL or coll == "allreduce"
+        check_plan(t, hp)
 
 
 def test_deterministic_json_roundtrip():
