@@ -37,7 +37,8 @@ from .routes import RouteTable, solve_packing
 from .topology import Topology, _key
 
 COLLECTIVES = ("broadcast", "reduce", "allreduce")
-MILP_NODE_LIMIT = 200   # deterministic cap on the tree-count ILP (no wall-clock limit)
+MILP_NODE_LIMIT = 200
+MILP_MAX_COLUMNS = 32    # run the exact min-count ILP only over this many generated trees   # deterministic cap on the tree-count ILP (no wall-clock limit)
 WEIGHT_DECIMALS = 9
 _CACHE: "collections.OrderedDict" = collections.OrderedDict()
 _CACHE_SIZE = 1024
@@ -234,8 +235,8 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
 
     Without ``max_trees``: reweighted-L1 LPs (Candes, Wakin, Boyd 2008) minimise sum w_t / (w_t' + eps)
     subject to the link capacities and total rate >= ``rate`` (1 - 1e-7), keeping the sparsest
-    support found; deterministic and a few milliseconds, where the exact ILP took seconds with
-    PCIe links present. With ``max_trees=k``: the ILP (scipy.optimize.milp, HiGHS, node-limited so
+    support found; then, over at most MILP_MAX_COLUMNS trees, the exact minimum-count ILP (with
+    PCIe links the column sets are larger and the ILP took seconds, so the L1 result stands). With ``max_trees=k``: the ILP (scipy.optimize.milp, HiGHS, node-limited so
     deterministic) maximising the total weight using at most k trees.
     Returns weights [T] re-optimised by an LP on the chosen trees, or None on failure.
     """
@@ -254,6 +255,19 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
             if np.count_nonzero(w > 1e-9) < np.count_nonzero(best > 1e-9):
                 best = w
         chosen = np.flatnonzero(best > 1e-9)
+        if t <= MILP_MAX_COLUMNS and len(chosen) > 1:
+            # exact minimum count over the generated trees while the ILP is small (milliseconds)
+            nl = a.shape[0]
+            res = milp(np.concatenate([np.zeros(t), np.ones(t)]),
+                       constraints=[LinearConstraint(np.hstack([a, np.zeros((nl, t))]), -np.inf, table.cap),
+                                    LinearConstraint(np.hstack([np.eye(t), -rate * np.eye(t)]), -np.inf, 0.0),
+                                    LinearConstraint(np.concatenate([np.ones(t), np.zeros(t)])[None, :],
+                                                     rate * (1 - 1e-7), np.inf)],
+                       integrality=np.concatenate([np.zeros(t), np.ones(t)]),
+                       bounds=Bounds(np.zeros(2 * t), np.concatenate([np.full(t, rate), np.ones(t)])),
+                       options={"node_limit": MILP_NODE_LIMIT, "presolve": True})
+            if res.x is not None and np.count_nonzero(res.x[t:] > 0.5) < len(chosen):
+                chosen = np.flatnonzero(res.x[t:] > 0.5)
     else:
         nl = a.shape[0]
         link = LinearConstraint(np.hstack([a, np.zeros((nl, t))]), -np.inf, table.cap)
