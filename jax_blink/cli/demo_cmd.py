@@ -32,7 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--topology", default=None,
                    help="preset name, nvidia-smi topo -m file or JSON (default: detected GPUs, else the "
                         "dgx1v preset mapped onto 8 host CPU devices)")
-    p.add_argument("--impl", default=None, help="jax_blink lowering (default: jax_blink's choice)")
+    p.add_argument("--impl", choices=("auto", "ppermute", "ffi"), default="auto",
+                   help="jax_blink lowering: auto (ffi where built, else ppermute), ppermute, ffi")
     p.add_argument("--min-accuracy", type=float, default=0.95,
                    help="exit status 1 when the held-out accuracy ends below this (default 0.95)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -121,6 +122,15 @@ def _plan_lines(topo, ndevices: int) -> list[str]:
     return lines
 
 
+def _lowering_name(impl: str, platform: str) -> str:
+    from .. import api  # noqa: F401  (importing it registers the lowerings that exist)
+    from ..primitives import choose_lowering
+
+    impl = choose_lowering(impl, [platform])[0]
+    what = {"ffi": "native XLA FFI custom call", "ppermute": "rounds of collective_permute"}.get(impl, impl)
+    return f"{impl} ({what}) on {platform}"
+
+
 def run(args) -> int:
     """Choose the topology, print the plan, train with jax_blink and lax, print the summary."""
     _force_host_devices()
@@ -137,6 +147,7 @@ def run(args) -> int:
     print(f"devices: {why}")
     for line in _plan_lines(topo, len(devices)):
         print(line)
+    print(f"lowering: {_lowering_name(args.impl, devices[0].platform)}")
     print(f"training: Flax CNN on scikit-learn digits, {config.mode}, {config.epochs} epochs, "
           f"global batch {config.batch_size} over {len(devices)} devices", flush=True)
     c = ex.compare(config, ex.blink_collectives(topo, args.impl), devices=devices)
