@@ -45,6 +45,13 @@ def stats(xs):
     return f"{min(xs):.3f} / {statistics.median(xs):.3f} / {max(xs):.3f}"
 
 
+def ring_stats(speed):
+    """Speedup stats over allocations where a ring exists; counts those without one."""
+    finite = [x for x in speed if x != float("inf")]
+    none = len(speed) - len(finite)
+    return (stats(finite) if finite else "-") + (f" ({none} no ring)" if none else "")
+
+
 def allocation_sweep(console, name, quick):
     t = PRESETS[name]()
     tab = Table(title=f"{name}: every allocation (and every root for broadcast); min / median / max")
@@ -69,7 +76,7 @@ def allocation_sweep(console, name, quick):
             tab.add_row(str(k), coll, f"{len(ratios)}" + (f" ({skipped} disconnected)" if skipped else ""),
                         stats(ratios),
                         f"{min(trees)} / {statistics.median(trees):g} / {max(trees)}",
-                        f"{min(ms):.1f} / {statistics.median(ms):.1f} / {max(ms):.1f}", stats(speed))
+                        f"{min(ms):.1f} / {statistics.median(ms):.1f} / {max(ms):.1f}", ring_stats(speed))
     console.print(tab)
 
 
