@@ -246,3 +246,16 @@ def test_random_graphs_reach_maxflow(t, data):
     assert a.rate_gbps <= bounds.allreduce_bound(t, devs) + TOL
     if not t.switches and a.algorithm == "trees":
         assert a.rate_gbps == pytest.approx(bounds.nash_williams_value(t, devs), rel=1e-6)
+
+
+def test_cli_plan_json_table_and_error(capsys):
+    from jax_blink.cli import main
+    assert main(["plan", "--topology", "dgx1v-nvlink", "--devices", "0,1,2,3", "--collective", "broadcast",
+                 "--root", "3", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["root"] == 3 and d["rate_gbps"] == pytest.approx(100.0) and d["bound_gbps"] == pytest.approx(100.0)
+    assert main(["plan", "--topology", "dgx1v-nvlink"]) == 0
+    out = capsys.readouterr().out
+    assert "85.714" in out and "ring" in out
+    assert main(["plan", "--topology", "dgx1v", "--devices", "0,9"]) == 2
+    assert "[9]" in capsys.readouterr().err
