@@ -249,3 +249,31 @@ def cluster_topology(node=None, *, nic_gbps: float | None = None, nics_per_node:
     topo = combine(nodes, nic_gbps, nics_per_node)
     return Cluster(topology=topo, device_map=device_map(gpus_per_node=len(mine.gpus)), node=mine,
                    num_processes=len(nodes))
+
+
+def three_phase_plan(topology: Topology, collective: str = "allreduce", devices=None, root=None):
+    """Blink's three-phase plan (MLSys 2020, section 5) over a multi-node topology, whatever
+    :func:`jax_blink.packing.plan` would choose (it returns a flat packing when that is at least as
+    fast): reduce on intra-node trees to one leader GPU per node, exchange between the leaders
+    across the network, broadcast on the intra-node trees, merged into weighted trees.
+
+    Args: ``devices`` topology GPU ids (default all), ``root`` for broadcast/reduce.
+    Returns a ``packing.Plan`` with ``algorithm="hierarchical"`` and the topology's bound for the
+    collective. Raises PlanError/TopologyError as ``packing.plan`` does; TopologyError when the
+    devices lie in a single node (no network phase).
+    """
+    from . import bounds, packing
+
+    devices = tuple(topology.gpus if devices is None else topology.check_devices(devices))
+    groups = packing._node_groups(topology, list(devices))
+    if len(groups) < 2:
+        raise TopologyError(f"three_phase_plan: devices {list(devices)} lie in one node of "
+                            f"{topology.name!r}; there is no cross-node phase (use packing.plan)")
+    if collective != "allreduce" and root is None:
+        root = devices[0]
+    trees, notes = packing._hierarchical(topology, devices, collective, root, groups, None)
+    bound = {"broadcast": lambda: bounds.broadcast_bound(topology, devices, root),
+             "reduce": lambda: bounds.reduce_bound(topology, devices, root),
+             "allreduce": lambda: bounds.allreduce_bound(topology, devices)}[collective]()
+    return packing.Plan(collective, root if collective != "allreduce" else None, devices, tuple(trees),
+                        sum(t.weight_gbps for t in trees), bound, "hierarchical", tuple(notes))

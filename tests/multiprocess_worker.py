@@ -54,13 +54,8 @@ emit(case="plan", algorithm=plan.algorithm, rate_gbps=plan.rate_gbps, bound_gbps
 
 
 def three_phase_plan(topology, collective, gpu_ids, root_rank):
-    """Blink's three-phase plan, whatever the planner would pick (it prefers a flat packing when that
-    is at least as fast): intra-node reduce, cross-node exchange between leaders, intra-node broadcast."""
-    devices = tuple(gpu_ids)
-    groups = packing._node_groups(topology, list(devices))
-    trees, notes = packing._hierarchical(topology, devices, collective, None, groups, None)
-    return packing.Plan(collective, None, devices, tuple(trees), sum(t.weight_gbps for t in trees),
-                        float("nan"), "hierarchical", tuple(notes))
+    """mapping.plan_group's signature, returning Blink's three phases (distributed.three_phase_plan)."""
+    return distributed.three_phase_plan(topology, collective, list(gpu_ids))
 
 
 def run(mesh, axes, dtype, shape_per_dev, blink, impl=None):
