@@ -461,8 +461,11 @@ def _fit_capacity(topology, collective, trees, notes):
 
 
 # ------------------------------------------------------------------------------ public API
+ALGORITHMS = ("auto", "trees", "ring", "hierarchical")
+
+
 def plan(topology: Topology, collective: str = "allreduce", *, devices=None, root=None,
-         max_trees: int | None = None) -> Plan:
+         max_trees: int | None = None, algorithm: str = "auto") -> Plan:
     """Plan a tree packing for ``collective`` over ``devices`` of ``topology``.
 
     Args:
@@ -471,6 +474,9 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
       devices: GPU ids of the job (rank r <-> devices[r]); default all GPUs of the topology.
       root: GPU id (broadcast/reduce; default ``devices[0]``); must be None or ignored for all-reduce.
       max_trees: at most this many trees (rate may drop; the loss is in ``notes``).
+      algorithm: "auto" (the fastest on predicted time, the reason in ``notes``), or force one:
+        "trees" (exact packing over all devices), "ring" (all-reduce only), "hierarchical" (Blink's
+        three phases, section 5; needs devices on two or more nodes).
 
     Returns a :class:`Plan` (cached; identical inputs give the identical object and JSON). One device:
     a trivial plan with no trees and ``rate_gbps = bound_gbps = inf``.
@@ -499,33 +505,43 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
             raise PlanError(f"root {root!r} is not among devices {list(devices)}; pass one of them")
     if max_trees is not None and (isinstance(max_trees, bool) or not isinstance(max_trees, int) or max_trees < 1):
         raise PlanError(f"max_trees must be a positive int or None, got {max_trees!r}")
-    key = (topology.fingerprint(), devices, collective, root, max_trees)
+    if algorithm not in ALGORITHMS:
+        raise PlanError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+    if algorithm == "ring" and collective != "allreduce":
+        raise PlanError(f"algorithm 'ring' is an all-reduce algorithm, not for {collective!r}")
+    key = (topology.fingerprint(), devices, collective, root, max_trees, algorithm)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
         return hit
-    p = _plan_uncached(topology, collective, devices, root, max_trees)
+    p = _plan_uncached(topology, collective, devices, root, max_trees, algorithm)
     _CACHE[key] = p
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return p
 
 
-def _plan_uncached(topology, collective, devices, root, max_trees) -> Plan:
+def _plan_uncached(topology, collective, devices, root, max_trees, algorithm="auto") -> Plan:
     n = len(devices)
     if n == 1:
         return Plan(collective, root, devices, (), float("inf"), float("inf"), "trivial",
                     ("one device: nothing to send (rate is infinite)",))
-    flat = _flat_plan(topology, collective, devices, root, max_trees)
     groups = _node_groups(topology, list(devices))
-    if len(groups) == 1:
-        return flat
+    if algorithm == "hierarchical" and len(groups) == 1:
+        raise PlanError(f"algorithm 'hierarchical' needs devices on two or more nodes; {list(devices)} "
+                        f"are on one node of {topology.name!r}")
+    if algorithm != "hierarchical":
+        flat = _flat_plan(topology, collective, devices, root, max_trees, algorithm)
+        if len(groups) == 1 or algorithm != "auto":
+            return flat
     trees, notes = _hierarchical(topology, devices, collective, root, groups, max_trees)
     rate = _round(sum(t.weight_gbps for t in trees))
     bound = {"broadcast": lambda: _bounds.broadcast_bound(topology, devices, root),
              "reduce": lambda: _bounds.reduce_bound(topology, devices, root),
              "allreduce": lambda: _bounds.allreduce_bound(topology, devices)}[collective]()
     hier = Plan(collective, root, devices, tuple(trees), rate, _round(bound), "hierarchical", tuple(notes))
+    if algorithm == "hierarchical":
+        return dataclasses.replace(hier, notes=hier.notes + ("three-phase plan forced (algorithm='hierarchical')",))
     if hier.rate_gbps > flat.rate_gbps * (1 + 1e-6):
         return dataclasses.replace(hier, notes=hier.notes + (
             f"three-phase plan {hier.rate_gbps:.3f} GB/s beats the flat packing over all nodes "
@@ -536,7 +552,7 @@ def _plan_uncached(topology, collective, devices, root, max_trees) -> Plan:
         f"one GPU each, while flat trees spread NIC traffic over every GPU of a node)",))
 
 
-def _flat_plan(topology, collective, devices, root, max_trees) -> Plan:
+def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto") -> Plan:
     """Exact packing over all job GPUs at once (plus the ring alternative for all-reduce)."""
     n = len(devices)
     trees, rate, dual, table, notes = _tree_plan(topology, devices, collective, root, max_trees)
@@ -549,12 +565,16 @@ def _flat_plan(topology, collective, devices, root, max_trees) -> Plan:
         b_ring, rings = _bounds.ring_packing(topology, devices, table)
         ring_rate = n * b_ring / (2 * (n - 1)) if b_ring > 0 else 0.0
         ring_fits = max_trees is None or n * len(rings) <= max_trees
-        if ring_rate > rate * (1 + 1e-6) and not ring_fits:
+        if algorithm == "ring" and (b_ring <= 0 or not ring_fits):
+            raise PlanError(f"no ring packing over devices {list(devices)} within max_trees={max_trees} "
+                            f"(it needs {n * len(rings)} trees)")
+        if algorithm == "auto" and ring_rate > rate * (1 + 1e-6) and not ring_fits:
             notes.append(f"a ring packing would reach {ring_rate:.3f} GB/s but needs {n * len(rings)} trees "
                          f"> max_trees={max_trees}")
-        elif ring_rate > rate * (1 + 1e-6):
+        elif algorithm == "ring" or (algorithm == "auto" and ring_rate > rate * (1 + 1e-6)):
+            why = "forced (algorithm='ring')" if algorithm == "ring" else f"> trees {rate:.3f} GB/s"
             notes.append(f"ring chosen: rings of {b_ring:.3f} GB/s give all-reduce rate n*B/(2(n-1)) = "
-                         f"{ring_rate:.3f} GB/s > trees {rate:.3f} GB/s")
+                         f"{ring_rate:.3f} GB/s {why}")
             rtrees = _ring_trees(rings, n)
             return Plan(collective, None, devices, tuple(rtrees), _round(sum(t.weight_gbps for t in rtrees)),
                         _round(_bounds.allreduce_bound(topology, devices)), "ring", tuple(notes))

@@ -6,6 +6,7 @@ import json
 import math
 
 import networkx as nx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -259,3 +260,30 @@ def test_cli_plan_json_table_and_error(capsys):
     assert "85.714" in out and "ring" in out
     assert main(["plan", "--topology", "dgx1v", "--devices", "0,9"]) == 2
     assert "[9]" in capsys.readouterr().err
+
+
+def test_forced_algorithms():
+    from jax_blink.presets import PRESETS
+    from jax_blink.schedule import build_schedule, execute
+
+    t = PRESETS["dgx1v-nvlink"]()
+    ring = plan(t, "allreduce", algorithm="ring")
+    assert ring.algorithm == "ring" and len(ring.trees) % 8 == 0
+    # n rings' worth of reduce/broadcast paths: the all-reduce rate n*B/(2(n-1)) with B = 150 GB/s of rings
+    assert ring.rate_gbps == pytest.approx(8 * 150 / 14, rel=1e-6)
+    s = build_schedule(ring, 1001)
+    x = np.arange(8 * 1001).reshape(8, 1001)
+    np.testing.assert_array_equal(execute(s, x), np.broadcast_to(x.sum(0), x.shape))
+    with pytest.raises(PlanError, match="all-reduce algorithm"):
+        plan(t, "broadcast", algorithm="ring")
+    with pytest.raises(PlanError, match="two or more nodes"):
+        plan(t, "allreduce", algorithm="hierarchical")
+    with pytest.raises(PlanError, match="unknown algorithm"):
+        plan(t, "allreduce", algorithm="magic")
+    multi = PRESETS["dgx1v-4node"]()
+    devs = [g for g in multi.gpus if g % 8 < 2]  # two GPUs per node
+    hier = plan(multi, "allreduce", devices=devs, algorithm="hierarchical")
+    assert hier.algorithm == "hierarchical"
+    s = build_schedule(hier, 999)
+    x = np.arange(len(devs) * 999).reshape(len(devs), 999)
+    np.testing.assert_array_equal(execute(s, x), np.broadcast_to(x.sum(0), x.shape))

@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collective", choices=COLLECTIVES, default="allreduce")
     p.add_argument("--root", type=int, default=None, help="root GPU for broadcast/reduce (default: first device)")
     p.add_argument("--max-trees", type=int, default=None, help="use at most K trees (the rate loss is reported)")
+    p.add_argument("--algorithm", choices=("auto", "trees", "ring", "hierarchical"), default="auto",
+                   help="force an algorithm (default: the fastest on predicted time)")
     p.add_argument("--json", action="store_true", help="print Plan.to_json() (infinite rates as null)")
 
 
@@ -36,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     t = load_topology(args.topology)
     if args.max_trees is not None and args.max_trees < 1:
         raise PlanError(f"--max-trees must be >= 1, got {args.max_trees}")
-    p = plan(t, args.collective, devices=args.devices, root=args.root, max_trees=args.max_trees)
+    p = plan(t, args.collective, devices=args.devices, root=args.root, max_trees=args.max_trees,
+             algorithm=args.algorithm)
     if args.json:
         print(p.to_json(indent=2))
         return 0
