@@ -29,39 +29,41 @@ from .topology import Topology
 EXACT_RING_MAX_GPUS = 9
 
 
-def _job_graph(topology: Topology, devices) -> nx.DiGraph:
+def _job_graph(topology: Topology, devices, relays=()) -> nx.DiGraph:
     try:
-        return topology.subset(list(devices)).graph
+        return topology.subset(list(devices) + list(relays)).graph
     except Exception as err:  # TopologyError names the bad device
         raise PlanError(str(err)) from None
 
 
-def broadcast_bound(topology: Topology, devices, root: int) -> float:
+def broadcast_bound(topology: Topology, devices, root: int, relays=()) -> float:
     """Upper bound (and, by Edmonds, the optimum) of broadcast rate from ``root``, GB/s.
 
     min over v in ``devices`` minus root of maxflow(root -> v) in the job's physical graph
-    (``topology.subset(devices)``; capacities ``bandwidth_gbps``). inf for one device.
+    (``topology.subset(devices + relays)``; capacities ``bandwidth_gbps``; ``relays``: GPUs outside
+    the job allowed to forward). inf for one device.
     """
-    g = _job_graph(topology, devices)
+    g = _job_graph(topology, devices, relays)
     vals = [nx.maximum_flow_value(g, root, v, capacity="bandwidth_gbps") for v in devices if v != root]
     return float(min(vals)) if vals else float("inf")
 
 
-def reduce_bound(topology: Topology, devices, root: int) -> float:
+def reduce_bound(topology: Topology, devices, root: int, relays=()) -> float:
     """Reduce-to-``root`` rate bound, GB/s: :func:`broadcast_bound` on the reversed graph."""
-    g = _job_graph(topology, devices)
+    g = _job_graph(topology, devices, relays)
     vals = [nx.maximum_flow_value(g, v, root, capacity="bandwidth_gbps") for v in devices if v != root]
     return float(min(vals)) if vals else float("inf")
 
 
-def allreduce_bound(topology: Topology, devices) -> float:
+def allreduce_bound(topology: Topology, devices, relays=()) -> float:
     """min over ordered GPU pairs of maxflow(u -> v), GB/s: bounds any all-reduce tree packing
     (each undirected tree is a broadcast arborescence from any of its GPUs). Uses 2(n-1) flows from a
     fixed GPU (a minimum directed cut separates that GPU from some v, one way or the other)."""
     devices = list(devices)
     if len(devices) < 2:
         return float("inf")
-    return min(broadcast_bound(topology, devices, devices[0]), reduce_bound(topology, devices, devices[0]))
+    return min(broadcast_bound(topology, devices, devices[0], relays),
+               reduce_bound(topology, devices, devices[0], relays))
 
 
 def _partitions(items):

@@ -38,7 +38,9 @@ from .topology import Topology, _key
 
 COLLECTIVES = ("broadcast", "reduce", "allreduce")
 MILP_NODE_LIMIT = 200
-MILP_MAX_COLUMNS = 32    # run the exact min-count ILP only over this many generated trees   # deterministic cap on the tree-count ILP (no wall-clock limit)
+L1_ROUNDS = 6            # most reweighted-L1 LPs in the tree-count reduction
+MILP_MAX_COLUMNS = 24    # exact min-count ILP only over at most this many generated trees (its root LP
+                         # alone took ~100 ms at 32 columns); deterministic, no wall-clock limit
 WEIGHT_DECIMALS = 9
 _CACHE: "collections.OrderedDict" = collections.OrderedDict()
 _CACHE_SIZE = 1024
@@ -48,16 +50,17 @@ def _is_gpu(n) -> bool:
     return isinstance(n, int)
 
 
-def _parse_routes(edges) -> list:
-    """Split hop list into GPU-level routes: consecutive hops from a GPU parent to a GPU child."""
+def _parse_routes(edges, relays=()) -> list:
+    """Split hop list into GPU-level routes: consecutive hops from a GPU parent to a GPU child.
+    GPUs in ``relays`` forward inside a route like switch nodes (they are not tree nodes)."""
     out, cur = [], None
     for a, b in edges:
-        if _is_gpu(a):
+        if _is_gpu(a) and a not in relays:
             cur = [a]
         if cur is None or cur[-1] != a:
             raise PlanError(f"tree hops {list(edges)} are not consecutive routes (hop {a!r}->{b!r})")
         cur.append(b)
-        if _is_gpu(b):
+        if _is_gpu(b) and b not in relays:
             out.append(tuple(cur))
             cur = None
     if cur is not None:
@@ -82,20 +85,24 @@ class Tree:
       reduce_edges: None: reduce runs on ``edges`` reversed (Blink; hop (a, b) then uses link b->a).
         Otherwise an in-arborescence to ``root`` in the same hop format, data flowing child -> parent
         (ring plans).
+      relays: GPUs outside the job that forward data inside this tree's routes (``plan(relays=...)``);
+        like switch nodes they are route hops, not tree nodes. Empty for ordinary plans.
     """
 
     root: int
     weight_gbps: float
     edges: tuple
     reduce_edges: tuple | None = None
+    relays: tuple = ()
 
     def routes(self, reduce: bool = False) -> list:
-        """GPU-level routes as node paths (parent first, switch hops, child last)."""
-        return _parse_routes(self.reduce_edges if (reduce and self.reduce_edges is not None) else self.edges)
+        """GPU-level routes as node paths (parent first, switch or relay-GPU hops, child last)."""
+        return _parse_routes(self.reduce_edges if (reduce and self.reduce_edges is not None) else self.edges,
+                             self.relays)
 
     def gpu_parents(self, reduce: bool = False) -> dict:
-        """{child GPU: parent GPU} with switch hops contracted; the broadcast tree, or with
-        ``reduce=True`` the reduce tree (``reduce_edges`` if set, else the same tree)."""
+        """{child GPU: parent GPU} with switch and relay-GPU hops contracted; the broadcast tree, or
+        with ``reduce=True`` the reduce tree (``reduce_edges`` if set, else the same tree)."""
         return {r[-1]: r[0] for r in self.routes(reduce)}
 
     def link_usage(self, collective: str) -> collections.Counter:
@@ -109,9 +116,13 @@ class Tree:
         return use
 
     def to_dict(self) -> dict:
-        return {"root": self.root, "weight_gbps": self.weight_gbps,
-                "edges": [list(e) for e in self.edges],
-                "reduce_edges": None if self.reduce_edges is None else [list(e) for e in self.reduce_edges]}
+        """JSON-ready dict; "relays" is present only for trees that use relay GPUs."""
+        d = {"root": self.root, "weight_gbps": self.weight_gbps,
+             "edges": [list(e) for e in self.edges],
+             "reduce_edges": None if self.reduce_edges is None else [list(e) for e in self.reduce_edges]}
+        if self.relays:
+            d["relays"] = list(self.relays)
+        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +141,9 @@ class Plan:
         orientation bound for hierarchical all-reduce).
       algorithm: "trees" | "ring" | "hierarchical" | "trivial".
       notes: why this algorithm, alternatives' rates, losses from ``max_trees``.
+      relays: GPUs outside ``devices`` that forward data inside routes (``plan(relays=...)``). A
+        relayed plan needs those GPUs to run the forwarding: the simulator models it, the JAX
+        lowerings (``schedule.build_schedule``) refuse it. Empty for ordinary plans.
     """
 
     collective: str
@@ -140,6 +154,7 @@ class Plan:
     bound_gbps: float
     algorithm: str
     notes: tuple = ()
+    relays: tuple = ()
 
     def link_loads(self) -> dict:
         """{(u, v): GB/s the plan sends over physical link u->v} (sum of usage * tree weight)."""
@@ -154,12 +169,16 @@ class Plan:
         return 0.0 if math.isinf(self.rate_gbps) else nbytes / (self.rate_gbps * 1e9)
 
     def to_dict(self) -> dict:
-        """JSON-ready dict; an infinite rate or bound (one device) is written as null."""
+        """JSON-ready dict; an infinite rate or bound (one device) is written as null; "relays" is
+        present only for plans that use relay GPUs."""
         f = lambda x: None if math.isinf(x) else x  # noqa: E731
-        return {"collective": self.collective, "root": self.root, "devices": list(self.devices),
-                "rate_gbps": f(self.rate_gbps), "bound_gbps": f(self.bound_gbps),
-                "algorithm": self.algorithm, "notes": list(self.notes),
-                "trees": [t.to_dict() for t in self.trees]}
+        d = {"collective": self.collective, "root": self.root, "devices": list(self.devices),
+             "rate_gbps": f(self.rate_gbps), "bound_gbps": f(self.bound_gbps),
+             "algorithm": self.algorithm, "notes": list(self.notes),
+             "trees": [t.to_dict() for t in self.trees]}
+        if self.relays:
+            d["relays"] = list(self.relays)
+        return d
 
     def to_json(self, **kw) -> str:
         """Deterministic JSON (see :meth:`to_dict`); round-trips through :meth:`from_json`."""
@@ -173,9 +192,11 @@ class Plan:
             hop = lambda e: (e[0], e[1])  # noqa: E731
             trees = tuple(Tree(t["root"], float(t["weight_gbps"]), tuple(hop(e) for e in t["edges"]),
                                None if t.get("reduce_edges") is None
-                               else tuple(hop(e) for e in t["reduce_edges"])) for t in d["trees"])
+                               else tuple(hop(e) for e in t["reduce_edges"]), tuple(t.get("relays", ())))
+                          for t in d["trees"])
             return cls(d["collective"], d["root"], tuple(d["devices"]), trees, inf(d["rate_gbps"]),
-                       inf(d["bound_gbps"]), d["algorithm"], tuple(d.get("notes", ())))
+                       inf(d["bound_gbps"]), d["algorithm"], tuple(d.get("notes", ())),
+                       tuple(d.get("relays", ())))
         except (KeyError, TypeError, IndexError, ValueError) as err:
             raise PlanError(f"malformed plan JSON: {err!r}") from None
 
@@ -190,7 +211,8 @@ class Plan:
         """Readable multi-line summary: algorithm, rate vs bound, notes, one line per tree."""
         fmt = lambda x: "inf" if math.isinf(x) else f"{x:.3f}"  # noqa: E731
         root = "" if self.root is None else f" root {self.root}"
-        lines = [f"{self.collective}{root} over GPUs {list(self.devices)}: {self.algorithm}, "
+        relay = f" (relay GPUs {list(self.relays)})" if self.relays else ""
+        lines = [f"{self.collective}{root} over GPUs {list(self.devices)}{relay}: {self.algorithm}, "
                  f"{len(self.trees)} tree(s), rate {fmt(self.rate_gbps)} GB/s, bound {fmt(self.bound_gbps)} GB/s"]
         lines += [f"  note: {n}" for n in self.notes]
         for i, t in enumerate(self.trees):
@@ -235,8 +257,7 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
 
     Without ``max_trees``: reweighted-L1 LPs (Candes, Wakin, Boyd 2008) minimise sum w_t / (w_t' + eps)
     subject to the link capacities and total rate >= ``rate`` (1 - 1e-7), keeping the sparsest
-    support found; then, over at most MILP_MAX_COLUMNS trees, the exact minimum-count ILP (with
-    PCIe links the column sets are larger and the ILP took seconds, so the L1 result stands). With ``max_trees=k``: the ILP (scipy.optimize.milp, HiGHS, node-limited so
+    support found; then, over at most MILP_MAX_COLUMNS trees, the exact minimum-count ILP (larger column sets, e.g. with PCIe links: the ILP took 0.1-1 s, so the L1 result stands). With ``max_trees=k``: the ILP (scipy.optimize.milp, HiGHS, node-limited so
     deterministic) maximising the total weight using at most k trees.
     Returns weights [T] re-optimised by an LP on the chosen trees, or None on failure.
     """
@@ -245,7 +266,7 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
     if max_trees is None:
         best = lp_weights
         w = lp_weights
-        for _ in range(6):
+        for _ in range(L1_ROUNDS):
             cost = 1.0 / (w + 1e-3 * rate / t)
             res = linprog(cost, A_ub=np.vstack([a, -np.ones((1, t))]),
                           b_ub=np.concatenate([table.cap, [-rate * (1 - 1e-7)]]), bounds=(0, None), method="highs")
@@ -254,6 +275,8 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
             w = res.x
             if np.count_nonzero(w > 1e-9) < np.count_nonzero(best > 1e-9):
                 best = w
+            else:  # no sparser support this round: the reweighting has settled
+                break
         chosen = np.flatnonzero(best > 1e-9)
         if t <= MILP_MAX_COLUMNS and len(chosen) > 1:
             # exact minimum count over the generated trees while the ILP is small (milliseconds)
@@ -307,18 +330,55 @@ def _round(x: float) -> float:
     return float(math.floor(x * 10 ** WEIGHT_DECIMALS + 1e-6) / 10 ** WEIGHT_DECIMALS)
 
 
-def _tree_plan(topology, devices, collective, root, max_trees):
-    """Exact LP packing + tree-count ILP on one node (no hierarchy). Returns (trees, rate, dual, notes)."""
-    table = RouteTable.build(topology, devices)
+def _drop_light_trees(table: RouteTable, cols, w, rate: float, tolerance: float):
+    """Drop the lightest trees while the re-optimised rate of the rest stays >= (1 - tolerance) * rate.
+
+    Trees sorted by weight (ties by index); binary search on how many of the lightest to drop, each
+    probe an LP (HiGHS) re-optimising the weights of the kept trees. Returns (weights [T], dropped)."""
+    order = sorted((i for i in range(len(w)) if w[i] > 1e-9), key=lambda i: (w[i], i))
+    a = np.stack([c.usage for c in cols], axis=1).astype(np.float64)
+
+    def solve(k):
+        keep = sorted(order[k:])
+        lp = linprog(-np.ones(len(keep)), A_ub=a[:, keep], b_ub=table.cap, bounds=(0, None), method="highs")
+        if lp.status != 0 or -lp.fun < rate * (1 - tolerance) - 1e-9:
+            return None
+        out = np.zeros(len(w))
+        out[keep] = lp.x
+        return out
+
+    lo, hi, best = 0, len(order) - 1, w  # invariant: dropping lo trees is fine
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        got = solve(mid)
+        if got is None:
+            hi = mid - 1
+        else:
+            lo, best = mid, got
+    return best, lo
+
+
+def _tree_plan(topology, devices, collective, root, max_trees, relays=(), target=None, rate_tolerance=0.0):
+    """Exact LP packing + tree-count ILP on one node (no hierarchy).
+
+    ``target``: an independent upper bound (max-flow) that stops column generation once reached.
+    Returns (trees, rate, dual bound, route table, notes)."""
+    table = RouteTable.build(topology, devices, relays)
     table.check_connected(f"{collective} plan")
     mode = {"broadcast": "arborescence", "reduce": "in-arborescence", "allreduce": "spanning"}[collective]
     lp_root = devices[0] if root is None else root
-    res = solve_packing(table, mode, lp_root)
+    res = solve_packing(table, mode, lp_root, target=target)
     notes = []
     w = _fewest_trees(table, res.columns, res.rate, max_trees, res.weights)
     if w is None or w.sum() < res.rate * (1 - 1e-6) and max_trees is None:
         w = res.weights
         notes.append("tree-count reduction failed; using the LP's basic solution")
+    if rate_tolerance > 0 and max_trees is None:
+        before = int(np.count_nonzero(w > 1e-9))
+        w, dropped = _drop_light_trees(table, res.columns, w, res.rate, rate_tolerance)
+        if dropped:
+            notes.append(f"rate_tolerance={rate_tolerance:g}: {before} -> {before - dropped} trees, rate "
+                         f"{float(w.sum()):.3f} of the optimum {res.rate:.3f} GB/s")
     keep = [i for i in range(len(w)) if w[i] > 1e-9]
     if max_trees is not None and len(keep) > max_trees:  # ILP failed: keep the heaviest k
         keep = sorted(sorted(keep, key=lambda i: -w[i])[:max_trees])
@@ -329,9 +389,10 @@ def _tree_plan(topology, devices, collective, root, max_trees):
     ws = [_round(w[i]) for i in keep]
     if collective == "allreduce":
         roots = _spread_roots(ws, list(devices))
-        trees = [Tree(r, wi, _orient(res.columns[i].edges, r)) for i, wi, r in zip(keep, ws, roots)]
+        trees = [Tree(r, wi, _orient(res.columns[i].edges, r), relays=relays)
+                 for i, wi, r in zip(keep, ws, roots)]
     else:
-        trees = [Tree(root, wi, _column_hops(res.columns[i], mode)) for i, wi in zip(keep, ws)]
+        trees = [Tree(root, wi, _column_hops(res.columns[i], mode), relays=relays) for i, wi in zip(keep, ws)]
     trees.sort(key=lambda t: (-t.weight_gbps, _key(t.root), [(_key(a), _key(b)) for a, b in t.edges]))
     return trees, float(sum(ws)), res.dual_bound, table, notes
 
@@ -465,7 +526,8 @@ ALGORITHMS = ("auto", "trees", "ring", "hierarchical")
 
 
 def plan(topology: Topology, collective: str = "allreduce", *, devices=None, root=None,
-         max_trees: int | None = None, algorithm: str = "auto") -> Plan:
+         max_trees: int | None = None, algorithm: str = "auto", relays=None,
+         rate_tolerance: float = 0.0) -> Plan:
     """Plan a tree packing for ``collective`` over ``devices`` of ``topology``.
 
     Args:
@@ -477,12 +539,24 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
       algorithm: "auto" (the fastest on predicted time, the reason in ``notes``), or force one:
         "trees" (exact packing over all devices), "ring" (all-reduce only), "hierarchical" (Blink's
         three phases, section 5; needs devices on two or more nodes).
+      relays: GPUs outside ``devices`` that may forward data inside routes (Blink issue "relays";
+        NCCL-style forwarding through a GPU that is not a rank): None or "none" (default), "gpus"
+        (every other GPU of the topology), or an iterable of GPU ids. Relay GPUs act like switch
+        nodes: routes pass through them, they never own data. The certificate becomes the max-flow
+        bound over the relay-allowed graph. Executing such a plan needs the relay GPUs to run the
+        forwarding: ``simulate`` models it, ``schedule.build_schedule`` (the JAX lowerings, which only
+        run on job devices) raises ScheduleError. With relays only tree packings are planned (no
+        ring alternative, no three-phase plan).
+      rate_tolerance: 0.0 (default: exact optimum). A fraction in [0, 1): drop the lightest trees
+        while the re-optimised rate stays >= (1 - rate_tolerance) * optimum (fewer, larger trees;
+        the loss is in ``notes``). Ignored when ``max_trees`` is given.
 
     Returns a :class:`Plan` (cached; identical inputs give the identical object and JSON). One device:
     a trivial plan with no trees and ``rate_gbps = bound_gbps = inf``.
 
     Raises PlanError: unknown collective, devices not GPUs of the topology, duplicate devices, root not
-    among the devices, GPUs that cannot reach each other, bad ``max_trees``.
+    among the devices, GPUs that cannot reach each other, bad ``max_trees``, ``relays`` or
+    ``rate_tolerance``.
     """
     if collective not in COLLECTIVES:
         raise PlanError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
@@ -509,19 +583,72 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
         raise PlanError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     if algorithm == "ring" and collective != "allreduce":
         raise PlanError(f"algorithm 'ring' is an all-reduce algorithm, not for {collective!r}")
-    key = (topology.fingerprint(), devices, collective, root, max_trees, algorithm)
+    if isinstance(rate_tolerance, bool) or not isinstance(rate_tolerance, (int, float)) \
+            or not 0.0 <= rate_tolerance < 1.0:
+        raise PlanError(f"rate_tolerance must be a number in [0, 1), got {rate_tolerance!r}")
+    relays = _check_relays(topology, devices, relays)
+    if relays and algorithm in ("ring", "hierarchical"):
+        raise PlanError(f"relays={list(relays)} work with tree packings only; use algorithm='auto' or "
+                        f"'trees' (got {algorithm!r})")
+    key = (topology.fingerprint(), devices, collective, root, max_trees, algorithm, relays,
+           float(rate_tolerance))
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
         return hit
-    p = _plan_uncached(topology, collective, devices, root, max_trees, algorithm)
+    if relays and len(devices) > 1:
+        p = _relay_plan(topology, collective, devices, root, max_trees, relays, float(rate_tolerance))
+    else:
+        p = _plan_uncached(topology, collective, devices, root, max_trees, algorithm, float(rate_tolerance))
     _CACHE[key] = p
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return p
 
 
-def _plan_uncached(topology, collective, devices, root, max_trees, algorithm="auto") -> Plan:
+def _check_relays(topology, devices, relays) -> tuple:
+    """Normalise ``plan(relays=...)`` to a sorted tuple of GPU ids outside ``devices``."""
+    if relays is None or relays == "none":
+        return ()
+    if relays == "gpus":
+        return tuple(g for g in topology.gpus if g not in devices)
+    if isinstance(relays, str):
+        raise PlanError(f"relays must be None, 'none', 'gpus' or a list of GPU ids, got {relays!r}")
+    try:
+        rel = list(relays)
+    except TypeError:
+        raise PlanError(f"relays must be None, 'none', 'gpus' or a list of GPU ids, got {relays!r}") from None
+    bad = [r for r in rel if isinstance(r, bool) or r not in set(topology.gpus)]
+    if bad:
+        raise PlanError(f"relays {bad} are not GPUs of topology {topology.name!r} (GPUs {topology.gpus})")
+    inside = [r for r in rel if r in devices]
+    if inside:
+        raise PlanError(f"relays {inside} are job devices {list(devices)}; relays must be other GPUs")
+    if len(set(rel)) != len(rel):
+        raise PlanError(f"relays {rel} list a GPU twice")
+    return tuple(sorted(rel))
+
+
+def _relay_plan(topology, collective, devices, root, max_trees, relays, rate_tolerance) -> Plan:
+    """Tree packing whose routes may forward through the ``relays`` GPUs (issue 7, single-pair case).
+    Certificate: the max-flow bound over the relay-allowed graph (relays behave like switch nodes)."""
+    fn = {"broadcast": lambda: _bounds.broadcast_bound(topology, devices, root, relays),
+          "reduce": lambda: _bounds.reduce_bound(topology, devices, root, relays),
+          "allreduce": lambda: _bounds.allreduce_bound(topology, devices, relays)}[collective]
+    bound = fn()
+    target = bound if collective != "allreduce" else None
+    trees, rate, dual, _, notes = _tree_plan(topology, devices, collective, root, max_trees, relays, target,
+                                             rate_tolerance)
+    used = sorted({x for t in trees for r in t.routes() for x in r[1:-1] if x in relays})
+    notes.append(f"relay GPUs {used or 'none'} of allowed {list(relays)} forward data inside routes: running "
+                 f"this plan needs them to forward (simulate models it; build_schedule refuses it)")
+    if collective == "allreduce":
+        bound = dual
+    return Plan(collective, root, devices, tuple(trees), _round(rate), _round(bound), "trees", tuple(notes),
+                relays)
+
+
+def _plan_uncached(topology, collective, devices, root, max_trees, algorithm="auto", rate_tolerance=0.0) -> Plan:
     n = len(devices)
     if n == 1:
         return Plan(collective, root, devices, (), float("inf"), float("inf"), "trivial",
@@ -531,7 +658,7 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm="au
         raise PlanError(f"algorithm 'hierarchical' needs devices on two or more nodes; {list(devices)} "
                         f"are on one node of {topology.name!r}")
     if algorithm != "hierarchical":
-        flat = _flat_plan(topology, collective, devices, root, max_trees, algorithm)
+        flat = _flat_plan(topology, collective, devices, root, max_trees, algorithm, rate_tolerance)
         if len(groups) == 1 or algorithm != "auto":
             return flat
     trees, notes = _hierarchical(topology, devices, collective, root, groups, max_trees)
@@ -552,16 +679,25 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm="au
         f"one GPU each, while flat trees spread NIC traffic over every GPU of a node)",))
 
 
-def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto") -> Plan:
+def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto", rate_tolerance=0.0) -> Plan:
     """Exact packing over all job GPUs at once (plus the ring alternative for all-reduce)."""
     n = len(devices)
-    trees, rate, dual, table, notes = _tree_plan(topology, devices, collective, root, max_trees)
     if collective == "broadcast":
         bound = _bounds.broadcast_bound(topology, devices, root)
     elif collective == "reduce":
         bound = _bounds.reduce_bound(topology, devices, root)
-    else:
+    trees, rate, dual, table, notes = _tree_plan(topology, devices, collective, root, max_trees,
+                                                 target=None if collective == "allreduce" else bound,
+                                                 rate_tolerance=rate_tolerance)
+    if collective == "allreduce":
         bound = dual
+        # any ring crosses every directed cut between job GPUs, so B_ring <= min max-flow between GPUs
+        ring_cap = n * _bounds.allreduce_bound(topology, devices) / (2 * (n - 1))
+        if algorithm == "auto" and ring_cap <= rate * (1 + 1e-6):
+            notes.append(f"trees chosen: all-reduce rate {rate:.3f} GB/s >= any ring's n*B/(2(n-1)) <= "
+                         f"{ring_cap:.3f} GB/s (B <= min max-flow between GPUs; ring packing not needed)")
+            return Plan(collective, root, devices, tuple(trees), _round(rate), _round(bound), "trees",
+                        tuple(notes))
         b_ring, rings = _bounds.ring_packing(topology, devices, table)
         ring_rate = n * b_ring / (2 * (n - 1)) if b_ring > 0 else 0.0
         ring_fits = max_trees is None or n * len(rings) <= max_trees

@@ -29,6 +29,7 @@ MAX_ROUTES_PER_PAIR = 6     # shortest routes kept per ordered GPU pair
 MAX_SWITCH_NODES = 16       # most switch nodes inside one route
 PRICE_TOL = 1e-9            # a column enters while its dual price < 1 - PRICE_TOL
 MAX_ITERATIONS = 2000
+EXTRA_COLUMNS = 4           # further columns per pricing round (solve_packing)
 
 
 @dataclasses.dataclass(eq=False)
@@ -42,6 +43,8 @@ class RouteTable:
       links: directed physical edges (u, v) in a stable order; ``cap[i]`` their GB/s (float64 [L]).
       routes: (u, v) -> list of node paths (tuples, u first, v last), shortest first.
       inc: (u, v) -> int array [R_uv, L]: how many times each route uses each link (0/1).
+      relays: GPUs outside the job allowed to forward inside routes (treated like switch nodes:
+        they are not ranks and only appear between a route's two job GPUs).
     """
 
     devices: tuple
@@ -50,17 +53,21 @@ class RouteTable:
     cap: np.ndarray
     routes: dict
     inc: dict
+    relays: tuple = ()
 
     @classmethod
-    def build(cls, topology: Topology, devices) -> "RouteTable":
+    def build(cls, topology: Topology, devices, relays=()) -> "RouteTable":
         """Enumerate routes for every ordered pair of ``devices`` (at most MAX_ROUTES_PER_PAIR each,
-        ordered by hop count, then by bottleneck bandwidth descending, then by node ids)."""
-        devices = tuple(devices)
-        g = topology.subset(devices).graph
+        ordered by hop count, then by bottleneck bandwidth descending, then by node ids).
+        ``relays``: extra GPU ids that may forward inside routes (like a switch node)."""
+        devices, relays = tuple(devices), tuple(relays)
+        g = topology.subset(devices + relays).graph
         links = sorted(g.edges(), key=lambda e: (_key(e[0]), _key(e[1])))
         index = {e: i for i, e in enumerate(links)}
         cap = np.array([g.edges[e]["bandwidth_gbps"] for e in links], dtype=np.float64)
-        switches = sorted((n for n in g if g.nodes[n]["kind"] != "gpu"), key=_key)
+        switches = sorted((n for n in g if g.nodes[n]["kind"] != "gpu" or n in relays), key=_key)
+        # relay GPUs form a mesh of paths: keep more routes so path flows can reach the max-flow bound
+        max_routes = MAX_ROUTES_PER_PAIR * (1 + len(relays))
         sw = g.subgraph(switches)
         # switch-only simple paths between the switch neighbours of GPUs, computed once.
         starts = sorted({s for d in devices for s in g.successors(d) if s in sw}, key=_key)
@@ -73,7 +80,7 @@ class RouteTable:
                 else:
                     # Yen's k shortest simple paths: ordered and bounded even on meshy switch graphs
                     try:
-                        ps = itertools.islice(nx.shortest_simple_paths(sw, a, b), MAX_ROUTES_PER_PAIR)
+                        ps = itertools.islice(nx.shortest_simple_paths(sw, a, b), max_routes)
                         sw_paths[a, b] = [tuple(p) for p in ps if len(p) <= MAX_SWITCH_NODES]
                     except nx.NetworkXNoPath:
                         sw_paths[a, b] = []
@@ -96,14 +103,14 @@ class RouteTable:
                     bott = min(g.edges[e]["bandwidth_gbps"] for e in zip(p, p[1:]))
                     return (len(p), -bott, [_key(x) for x in p])
 
-                cands = sorted(set(cands), key=rank)[:MAX_ROUTES_PER_PAIR]
+                cands = sorted(set(cands), key=rank)[:max_routes]
                 routes[u, v] = cands
                 m = np.zeros((len(cands), len(links)), dtype=np.int64)
                 for i, p in enumerate(cands):
                     for e in zip(p, p[1:]):
                         m[i, index[e]] += 1
                 inc[u, v] = m
-        return cls(devices, g, links, cap, routes, inc)
+        return cls(devices, g, links, cap, routes, inc, relays)
 
     def reachable_from(self, root) -> set:
         """GPUs reachable from ``root`` over GPU-level routes (relaying at GPUs allowed)."""
@@ -277,13 +284,33 @@ def _price(table: RouteTable, y: np.ndarray, mode: str, root) -> Column | None:
     return Column(tuple((p, c, r) for p, c, r, _ in edges), usage)
 
 
-def solve_packing(table: RouteTable, mode: str, root, warm_start: int | None = None) -> PackingResult:
+def _more_columns(table: RouteTable, y: np.ndarray, mode: str, root, col: Column, k: int) -> list:
+    """Up to ``k`` further trees that still price below 1 under ``y``: re-price after raising the
+    prices of the links the previous tree used (a multiplicative-weights step from the LP duals).
+    Several columns per LP solve cut the degenerate tail of column generation (the LP is the cost)."""
+    out, yk = [], y.copy()
+    step = 0.1 * float(y.sum()) / max(1, int(np.count_nonzero(y))) * float(table.cap.min())
+    for _ in range(k):
+        yk = yk + step * col.usage / table.cap
+        col = _price(table, yk, mode, root)
+        if col is None:
+            break
+        if float(col.usage @ y) < 1.0 - PRICE_TOL and all(col.edges != c.edges for c in out):
+            out.append(col)
+    return out
+
+
+def solve_packing(table: RouteTable, mode: str, root, warm_start: int | None = None,
+                  target: float | None = None, extra_columns: int = EXTRA_COLUMNS) -> PackingResult:
     """Maximum-rate fractional packing of spanning trees over ``table.devices``.
 
     LP: maximise sum_t w_t subject to sum_t usage_t(e) w_t <= cap(e) for every directed link e,
     w >= 0, columns = trees (``mode``: "arborescence" rooted at ``root`` for broadcast,
     "in-arborescence" into ``root`` for reduce, "spanning" for all-reduce, oriented from ``root``).
-    Column generation with HiGHS duals until no tree has dual price < 1 - PRICE_TOL.
+    Column generation with HiGHS duals until no tree has dual price < 1 - PRICE_TOL, or until the
+    rate reaches ``target`` (an independent upper bound, e.g. Edmonds' max-flow bound: then the LP is
+    optimal without a final pricing round). Each round adds the cheapest tree plus up to
+    ``extra_columns`` more that also price below 1 (see :func:`_more_columns`).
 
     Raises PlanError when no spanning tree exists (GPUs that cannot reach ``root``).
     """
@@ -313,12 +340,17 @@ def solve_packing(table: RouteTable, mode: str, root, warm_start: int | None = N
         res = linprog(-np.ones(len(cols)), A_ub=a, b_ub=table.cap, bounds=(0, None), method="highs")
         if res.status != 0:
             raise PlanError(f"tree-packing LP failed for devices {list(table.devices)}: {res.message}")
-        y = np.maximum(-np.asarray(res.ineqlin.marginals), 0.0)
         rate = float(-res.fun)
+        x = np.asarray(res.x, dtype=np.float64)
+        if target is not None and rate >= target * (1 - 1e-9):
+            return PackingResult(cols, x, rate, max(target, rate), it)
+        y = np.maximum(-np.asarray(res.ineqlin.marginals), 0.0)
         col = _price(table, y, mode, root)
         price = float(col.usage @ y)
         dual = float(table.cap @ y) / min(1.0, price) if price > 0 else float("inf")
         if price >= 1.0 - PRICE_TOL or col.edges in seen or it >= MAX_ITERATIONS:
-            return PackingResult(cols, np.asarray(res.x, dtype=np.float64), rate, max(dual, rate), it)
-        cols.append(col)
-        seen.add(col.edges)
+            return PackingResult(cols, x, rate, max(dual, rate), it)
+        for c in [col] + _more_columns(table, y, mode, root, col, extra_columns):
+            if c.edges not in seen:
+                cols.append(c)
+                seen.add(c.edges)

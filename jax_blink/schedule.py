@@ -207,6 +207,10 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
         raise ScheduleError(f"nelems must be a non-negative int, got {nelems!r}")
     if chunk_elems is not None and (int(chunk_elems) != chunk_elems or chunk_elems < 1):
         raise ScheduleError(f"chunk_elems must be a positive int, got {chunk_elems!r}")
+    if getattr(plan, "relays", ()):
+        raise ScheduleError(f"plan forwards through relay GPUs {list(plan.relays)} outside its devices "
+                            f"{list(plan.devices)}; the JAX lowerings run only on job devices. Plan "
+                            f"without relays (jax_blink.plan(..., relays=None)) to execute it.")
     devices = list(plan.devices)
     n = len(devices)
     rank = {d: r for r, d in enumerate(devices)}

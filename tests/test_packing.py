@@ -287,3 +287,49 @@ def test_forced_algorithms():
     s = build_schedule(hier, 999)
     x = np.arange(len(devs) * 999).reshape(len(devs), 999)
     np.testing.assert_array_equal(execute(s, x), np.broadcast_to(x.sum(0), x.shape))
+
+
+def test_relays_reach_maxflow_over_relay_graph_and_schedule_refuses():
+    from jax_blink.errors import ScheduleError
+    from jax_blink.schedule import build_schedule
+    from jax_blink.simulate import simulate
+
+    t = PRESETS["dgx1v-nvlink"]()
+    direct = plan(t, "broadcast", devices=[0, 1], root=0)
+    p = plan(t, "broadcast", devices=[0, 1], root=0, relays=[2, 3])
+    g = t.subset([0, 1, 2, 3]).graph
+    ref = nx.maximum_flow_value(g, 0, 1, capacity="bandwidth_gbps")
+    assert direct.rate_gbps == pytest.approx(25.0)
+    assert ref == pytest.approx(100.0)  # 0->1, 0->2->1, 0=3 (double link) ->1 and ->2->1
+    assert p.rate_gbps == pytest.approx(ref, rel=1e-6) and p.bound_gbps == pytest.approx(ref, rel=1e-6)
+    assert p.relays == (2, 3) and any(x in (2, 3) for tr in p.trees for r in tr.routes() for x in r[1:-1])
+    for tr in p.trees:  # relay GPUs are route hops, never tree nodes
+        assert tr.gpu_parents() == {1: 0}
+    for (u, v), load in p.link_loads().items():
+        assert load <= t.graph.edges[u, v]["bandwidth_gbps"] + TOL
+    assert Plan.from_json(p.to_json()).to_json() == p.to_json()
+    with pytest.raises(ScheduleError, match="relay GPUs"):
+        build_schedule(p, 1000)
+    sim = simulate(p, 1e9, topology=t)
+    assert 0.8 * ref < sim.algbw_gbps <= ref + TOL
+    assert plan(t, "broadcast", devices=[0, 1], root=0, relays="gpus").rate_gbps == pytest.approx(
+        nx.maximum_flow_value(t.graph, 0, 1, capacity="bandwidth_gbps"), rel=1e-6)
+    with pytest.raises(PlanError, match="job devices"):
+        plan(t, "broadcast", devices=[0, 1], relays=[1])
+    with pytest.raises(PlanError, match="not GPUs"):
+        plan(t, "broadcast", devices=[0, 1], relays=[42])
+    with pytest.raises(PlanError, match="tree packings only"):
+        plan(t, "allreduce", devices=[0, 1], relays=[2], algorithm="ring")
+
+
+def test_rate_tolerance_drops_light_trees_within_tolerance():
+    t = PRESETS["dgx1v"]()
+    exact = plan(t, "broadcast", root=0)
+    loose = plan(t, "broadcast", root=0, rate_tolerance=0.05)
+    assert exact.rate_gbps == pytest.approx(exact.bound_gbps, rel=1e-9)
+    assert len(loose.trees) < len(exact.trees)
+    assert exact.rate_gbps * 0.95 - TOL <= loose.rate_gbps <= exact.rate_gbps + TOL
+    assert any("rate_tolerance" in n for n in loose.notes)
+    check_plan(t, loose)
+    with pytest.raises(PlanError, match="rate_tolerance"):
+        plan(t, "broadcast", rate_tolerance=1.0)
