@@ -362,7 +362,7 @@ def _tree_plan(topology, devices, collective, root, max_trees, relays=(), target
     """Exact LP packing + tree-count ILP on one node (no hierarchy).
 
     ``target``: an independent upper bound (max-flow) that stops column generation once reached.
-    Returns (trees, rate, dual bound, route table, notes)."""
+    Returns (trees, rate, dual bound, route table, notes, exact LP rate before ``rate_tolerance``)."""
     table = RouteTable.build(topology, devices, relays)
     table.check_connected(f"{collective} plan")
     mode = {"broadcast": "arborescence", "reduce": "in-arborescence", "allreduce": "spanning"}[collective]
@@ -394,7 +394,7 @@ def _tree_plan(topology, devices, collective, root, max_trees, relays=(), target
     else:
         trees = [Tree(root, wi, _column_hops(res.columns[i], mode), relays=relays) for i, wi in zip(keep, ws)]
     trees.sort(key=lambda t: (-t.weight_gbps, _key(t.root), [(_key(a), _key(b)) for a, b in t.edges]))
-    return trees, float(sum(ws)), res.dual_bound, table, notes
+    return trees, float(sum(ws)), res.dual_bound, table, notes, res.rate
 
 
 def _ring_trees(rings, n) -> list:
@@ -482,7 +482,7 @@ def _hierarchical(topology, devices, collective, root, groups, max_trees):
     parts = [(leaders, root if root is not None else leaders[0])]
     parts += [(gs, ld) for gs, ld in zip(groups, leaders) if len(gs) > 1]
     for devs, r in parts:
-        trees, rate, _, _, _ = _tree_plan(topology, tuple(devs), collective, r if collective != "allreduce" else None,
+        trees, rate, _, _, _, _ = _tree_plan(topology, tuple(devs), collective, r if collective != "allreduce" else None,
                                           None)
         # broadcast-direction routes for every collective (reduce runs them reversed)
         comp = [(t.weight_gbps, [(x[0], x[-1], x) for x in t.routes()]) for t in trees]
@@ -637,7 +637,7 @@ def _relay_plan(topology, collective, devices, root, max_trees, relays, rate_tol
           "allreduce": lambda: _bounds.allreduce_bound(topology, devices, relays)}[collective]
     bound = fn()
     target = bound if collective != "allreduce" else None
-    trees, rate, dual, _, notes = _tree_plan(topology, devices, collective, root, max_trees, relays, target,
+    trees, rate, dual, _, notes, _ = _tree_plan(topology, devices, collective, root, max_trees, relays, target,
                                              rate_tolerance)
     used = sorted({x for t in trees for r in t.routes() for x in r[1:-1] if x in relays})
     notes.append(f"relay GPUs {used or 'none'} of allowed {list(relays)} forward data inside routes: running "
@@ -686,14 +686,14 @@ def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto",
         bound = _bounds.broadcast_bound(topology, devices, root)
     elif collective == "reduce":
         bound = _bounds.reduce_bound(topology, devices, root)
-    trees, rate, dual, table, notes = _tree_plan(topology, devices, collective, root, max_trees,
+    trees, rate, dual, table, notes, exact = _tree_plan(topology, devices, collective, root, max_trees,
                                                  target=None if collective == "allreduce" else bound,
                                                  rate_tolerance=rate_tolerance)
     if collective == "allreduce":
         bound = dual
         # any ring crosses every directed cut between job GPUs, so B_ring <= min max-flow between GPUs
         ring_cap = n * _bounds.allreduce_bound(topology, devices) / (2 * (n - 1))
-        if algorithm == "auto" and ring_cap <= rate * (1 + 1e-6):
+        if algorithm == "auto" and ring_cap <= exact * (1 + 1e-6):
             notes.append(f"trees chosen: all-reduce rate {rate:.3f} GB/s >= any ring's n*B/(2(n-1)) <= "
                          f"{ring_cap:.3f} GB/s (B <= min max-flow between GPUs; ring packing not needed)")
             return Plan(collective, root, devices, tuple(trees), _round(rate), _round(bound), "trees",
@@ -704,10 +704,10 @@ def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto",
         if algorithm == "ring" and (b_ring <= 0 or not ring_fits):
             raise PlanError(f"no ring packing over devices {list(devices)} within max_trees={max_trees} "
                             f"(it needs {n * len(rings)} trees)")
-        if algorithm == "auto" and ring_rate > rate * (1 + 1e-6) and not ring_fits:
+        if algorithm == "auto" and ring_rate > exact * (1 + 1e-6) and not ring_fits:
             notes.append(f"a ring packing would reach {ring_rate:.3f} GB/s but needs {n * len(rings)} trees "
                          f"> max_trees={max_trees}")
-        elif algorithm == "ring" or (algorithm == "auto" and ring_rate > rate * (1 + 1e-6)):
+        elif algorithm == "ring" or (algorithm == "auto" and ring_rate > exact * (1 + 1e-6)):
             why = "forced (algorithm='ring')" if algorithm == "ring" else f"> trees {rate:.3f} GB/s"
             notes.append(f"ring chosen: rings of {b_ring:.3f} GB/s give all-reduce rate n*B/(2(n-1)) = "
                          f"{ring_rate:.3f} GB/s {why}")
