@@ -291,7 +291,8 @@ def train(config: Config, coll: Collectives, data=None, devices=None,
     if config.progress:
         from tqdm.auto import tqdm
         total = config.epochs * (len(y_tr) // config.batch_size)
-        bar = tqdm(total=total, desc=f"{coll.name} {config.mode}", unit="step", leave=False)
+        bar = tqdm(total=total, desc=f"{coll.name} {config.mode}", unit="step", leave=False,
+                   disable=None)  # None: no bar when stderr is not a terminal (logs, CI)
     for epoch in range(config.epochs):
         batches = [steps.shard(x_tr[b], y_tr[b]) for b in
                    _epoch_batches(len(y_tr), config.batch_size, config.seed, epoch)]

@@ -179,7 +179,7 @@ def _progress(items, desc, enabled):
     if not enabled or len(items) < 4:
         return items
     from tqdm import tqdm
-    return tqdm(items, desc=desc, unit="size", file=sys.stderr, leave=False)
+    return tqdm(items, desc=desc, unit="size", file=sys.stderr, leave=False, disable=None)
 
 
 def measure_sweep(sizes, repeats: int, progress=True, topology=None) -> list[dict]:
