@@ -21,7 +21,8 @@ def _devices(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Register --topology, --devices, --collective, --root, --max-trees, --json."""
+    """Register --topology, --devices, --collective, --root, --max-trees, --algorithm,
+    --rate-tolerance, --relays, --json."""
     p.add_argument("--topology", required=True, metavar="SOURCE",
                    help="preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, JSON file, or 'detect'")
     p.add_argument("--devices", type=_devices, default=None, help="GPU ids of the job, e.g. 0,1,2 (default: all)")
@@ -30,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-trees", type=int, default=None, help="use at most K trees (the rate loss is reported)")
     p.add_argument("--algorithm", choices=("auto", "trees", "ring", "hierarchical"), default="auto",
                    help="force an algorithm (default: the fastest on predicted time)")
+    p.add_argument("--rate-tolerance", type=float, default=0.0, metavar="F",
+                   help="drop the lightest trees while the rate stays within this fraction (e.g. 0.01)")
+    p.add_argument("--relays", default=None, metavar="IDS|gpus",
+                   help="GPUs outside --devices that may forward data (comma list, or 'gpus' for all); "
+                        "such plans can be simulated (jax-blink bench) but not run by JAX")
     p.add_argument("--json", action="store_true", help="print Plan.to_json() (infinite rates as null)")
 
 
@@ -38,8 +44,16 @@ def run(args: argparse.Namespace) -> int:
     t = load_topology(args.topology)
     if args.max_trees is not None and args.max_trees < 1:
         raise PlanError(f"--max-trees must be >= 1, got {args.max_trees}")
+    if not 0.0 <= args.rate_tolerance < 1.0:
+        raise PlanError(f"--rate-tolerance must be in [0, 1), got {args.rate_tolerance}")
+    relays = args.relays
+    if relays not in (None, "gpus", "none"):
+        try:
+            relays = _devices(relays)
+        except argparse.ArgumentTypeError:
+            raise PlanError(f"--relays takes comma-separated GPU ids or 'gpus'; got {args.relays!r}") from None
     p = plan(t, args.collective, devices=args.devices, root=args.root, max_trees=args.max_trees,
-             algorithm=args.algorithm)
+             algorithm=args.algorithm, rate_tolerance=args.rate_tolerance, relays=relays)
     if args.json:
         print(p.to_json(indent=2))
         return 0

@@ -1,0 +1,35 @@
+"""`jax-blink plan` options: relays, rate tolerance, forced algorithms, bad input."""
+
+import json
+
+from jax_blink.cli import main
+
+
+def test_relays_reach_the_max_flow_over_relay_gpus(capsys):
+    # dgx1v-nvlink 0 -> 1: direct single link 25, via 2 (0-2 single, 2-1 double) 25,
+    # via 3 (0-3 double, 3-1 single) 25, and 0 -> 3 -> 2 -> 1 25 more: 100 GB/s.
+    assert main(["plan", "--topology", "dgx1v-nvlink", "--devices", "0,1", "--collective", "broadcast",
+                 "--relays", "2,3", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["rate_gbps"] == 100.0 and d["bound_gbps"] == 100.0
+    assert main(["plan", "--topology", "dgx1v-nvlink", "--devices", "0,1", "--collective", "broadcast",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rate_gbps"] == 25.0
+
+
+def test_rate_tolerance_trades_rate_for_trees(capsys):
+    assert main(["plan", "--topology", "dgx1v", "--json"]) == 0
+    exact = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--topology", "dgx1v", "--rate-tolerance", "0.01", "--json"]) == 0
+    loose = json.loads(capsys.readouterr().out)
+    assert len(loose["trees"]) < len(exact["trees"])
+    assert 0.99 * exact["rate_gbps"] <= loose["rate_gbps"] <= exact["rate_gbps"]
+
+
+def test_bad_options_exit_2_with_a_message(capsys):
+    assert main(["plan", "--topology", "dgx1v", "--relays", "x"]) == 2
+    assert "--relays takes" in capsys.readouterr().err
+    assert main(["plan", "--topology", "dgx1v", "--rate-tolerance", "1.5"]) == 2
+    assert "--rate-tolerance" in capsys.readouterr().err
+    assert main(["plan", "--topology", "dgx1v", "--algorithm", "hierarchical"]) == 2
+    assert "two or more nodes" in capsys.readouterr().err
