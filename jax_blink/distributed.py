@@ -253,27 +253,16 @@ def cluster_topology(node=None, *, nic_gbps: float | None = None, nics_per_node:
 
 def three_phase_plan(topology: Topology, collective: str = "allreduce", devices=None, root=None):
     """Blink's three-phase plan (MLSys 2020, section 5) over a multi-node topology, whatever
-    :func:`jax_blink.packing.plan` would choose (it returns a flat packing when that is at least as
-    fast): reduce on intra-node trees to one leader GPU per node, exchange between the leaders
-    across the network, broadcast on the intra-node trees, merged into weighted trees.
+    :func:`jax_blink.packing.plan` would choose by itself: ``packing.plan(..., algorithm=
+    "hierarchical")``. The data is partitioned over the GPU positions of a node; partition i is
+    reduced inside each node onto GPU i on intra-node trees, exchanged among the GPU i's of all
+    nodes over their NIC routes, and broadcast inside each node from GPU i.
 
     Args: ``devices`` topology GPU ids (default all), ``root`` for broadcast/reduce.
-    Returns a ``packing.Plan`` with ``algorithm="hierarchical"`` and the topology's bound for the
-    collective. Raises PlanError/TopologyError as ``packing.plan`` does; TopologyError when the
-    devices lie in a single node (no network phase).
+    Returns a ``packing.Plan`` with ``algorithm="hierarchical"`` and the topology's max-flow bound
+    for the collective. Raises PlanError as ``packing.plan`` does, including when the devices lie
+    in a single node (no network phase).
     """
-    from . import bounds, packing
+    from . import packing
 
-    devices = tuple(topology.gpus if devices is None else topology.check_devices(devices))
-    groups = packing._node_groups(topology, list(devices))
-    if len(groups) < 2:
-        raise TopologyError(f"three_phase_plan: devices {list(devices)} lie in one node of "
-                            f"{topology.name!r}; there is no cross-node phase (use packing.plan)")
-    if collective != "allreduce" and root is None:
-        root = devices[0]
-    trees, notes = packing._hierarchical(topology, devices, collective, root, groups, None)
-    bound = {"broadcast": lambda: bounds.broadcast_bound(topology, devices, root),
-             "reduce": lambda: bounds.reduce_bound(topology, devices, root),
-             "allreduce": lambda: bounds.allreduce_bound(topology, devices)}[collective]()
-    return packing.Plan(collective, root if collective != "allreduce" else None, devices, tuple(trees),
-                        sum(t.weight_gbps for t in trees), bound, "hierarchical", tuple(notes))
+    return packing.plan(topology, collective, devices=devices, root=root, algorithm="hierarchical")

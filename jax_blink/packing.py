@@ -13,9 +13,10 @@ Method (exact, where Blink used a (1-eps) multiplicative-weights approximation):
   chosen when its predicted time 2(n-1)/n * S / B_ring beats S / R_trees.
 - fewer trees (Blink's TreeGen ILP): ``scipy.optimize.milp`` over the generated trees minimises the
   tree count at the LP rate, or with ``max_trees=k`` maximises the rate with at most k trees.
-- multi-node (GPUs in several nodes joined by a "network" node): Blink's three phases expressed as
-  trees: an intra-node packing per node, a cross-node packing between one leader GPU per node over
-  the NICs, merged by weight intervals (algorithm "hierarchical").
+- multi-node (GPUs in several nodes joined by a "network" node): Blink's three phases (s. 5) as
+  trees: the data is partitioned over the GPU positions of a node; each tree of partition i is an
+  intra-node tree per node joined at GPU i by a cross-node tree among the GPU i's over the NICs;
+  weights by the same column-generation LP (algorithm "hierarchical").
 
 Plans are deterministic and cached by (topology fingerprint, devices, collective, root, max_trees).
 """
@@ -427,98 +428,178 @@ def _node_groups(topology: Topology, devices) -> list:
     return sorted(groups, key=lambda gs: devices.index(gs[0]))
 
 
-def _leader(topology: Topology, group, root) -> int:
-    """The node's GPU that talks to the network: ``root`` if here, else the GPU with the fewest hops
-    to a NIC (ties: widest first hop, then lowest id)."""
-    if root in group:
-        return root
-    g = topology.graph
-    nics = [n for n in g if g.nodes[n]["kind"] == "nic"]
+class _Part:
+    """One part of a three-phase tree (one node's intra-node tree, or the cross-node tree among the
+    partition's leaders): a RouteTable and the map of its links into the plan's global link index."""
 
-    def score(d):
-        dist = nx.single_source_shortest_path_length(g, d, cutoff=6)
-        hops = min((dist[n] for n in nics if n in dist), default=99)
-        return (hops, -max((g.edges[d, s]["bandwidth_gbps"] for s in g.successors(d)), default=0), d)
+    def __init__(self, table: RouteTable, index: dict, intra: bool):
+        if intra:  # intra-node trees stay inside the node: no route through the network
+            net = {n for n in table.graph if table.graph.nodes[n]["kind"] == "network"}
+            keep = {k: [i for i, r in enumerate(rs) if not net.intersection(r)] for k, rs in table.routes.items()}
+            table = dataclasses.replace(table, routes={k: [table.routes[k][i] for i in v] for k, v in keep.items()},
+                                        inc={k: table.inc[k][v] for k, v in keep.items()})
+        self.table = table
+        self.glob = np.array([index[e] for e in table.links], dtype=np.int64)
 
-    return min(group, key=score)
-
-
-def _merge(components, rate) -> list:
-    """Merge weighted tree lists that use disjoint GPUs into spanning trees by weight intervals.
-
-    ``components``: lists of (weight, undirected edges [(u, v, route)]), each scaled to total ``rate``;
-    the interval [a, b) of [0, rate) takes the tree of every component covering it (weight b - a).
-    """
-    cuts = {0.0, rate}
-    for comp in components:
-        acc = 0.0
-        for w, _ in comp:
-            acc += w
-            cuts.add(min(acc, rate))
-    cuts = sorted(cuts)
-    out = []
-    for a, b in zip(cuts, cuts[1:]):
-        if b - a <= 1e-9:
-            continue
-        mid, edges = (a + b) / 2, []
-        for comp in components:
-            acc = 0.0
-            for w, e in comp:
-                if acc <= mid < acc + w or w is comp[-1][0] and mid >= acc:
-                    edges.extend(e)
-                    break
-                acc += w
-            else:
-                edges.extend(comp[-1][1])
-        out.append((b - a, edges))
-    return out
+    def price(self, y: np.ndarray, mode: str, root, nlinks: int):
+        """(price, Column with global usage) of the cheapest tree of this part under global prices y."""
+        from .routes import _price
+        col = _price(self.table, y[self.glob], mode, root)
+        if col is None:
+            raise PlanError(f"three-phase plan: GPUs {list(self.table.devices)} cannot all reach GPU {root} "
+                            f"over their links")
+        usage = np.zeros(nlinks, dtype=np.int64)
+        np.add.at(usage, self.glob, col.usage)
+        return float(usage @ y), col.edges, usage
 
 
 def _hierarchical(topology, devices, collective, root, groups, max_trees):
-    """Blink's three phases (s. 5) as trees: intra-node packings + a cross-node packing on leaders."""
-    leaders = [_leader(topology, gs, root) for gs in groups]
+    """Blink's three phases (MLSys 2020, s. 5) as one tree packing, with the data partitioned by GPU.
+
+    Partition i (position i of each node's GPUs, sorted by id; ``gs[i % len(gs)]`` in smaller nodes)
+    is reduced inside every node onto that node's GPU i on an intra-node tree, exchanged among the
+    GPU i's of all nodes on a cross-node tree through their NIC routes, then broadcast inside every
+    node from GPU i (for broadcast/reduce: the root's node runs its intra-node tree from/to the root,
+    the cross-node tree starts/ends at that node's GPU i). Each column of the LP is one such tree:
+    the union of one intra-node tree per node and one cross-node tree for one partition i. The LP
+    (maximise the total weight; every physical link, intra-node and NIC alike, within capacity) is
+    solved by column generation with HiGHS; pricing splits exactly into independent minimum trees
+    per node and per cross-node part (its cost is additive over the parts' links), so the result
+    is the optimum over three-phase trees. Partition sizes are the LP's weights per i, not equal
+    shares as in the paper. The tree count is reduced like the flat packing (:func:`_fewest_trees`).
+
+    Returns (trees, notes). Raises PlanError when a node's GPUs or the partition leaders cannot
+    reach each other.
+    """
+    from types import SimpleNamespace
+
+    from .routes import MAX_ITERATIONS, PRICE_TOL, Column
     mode = {"broadcast": "arborescence", "reduce": "in-arborescence", "allreduce": "spanning"}[collective]
-    comps, rates, notes = [], [], []
-    parts = [(leaders, root if root is not None else leaders[0])]
-    parts += [(gs, ld) for gs, ld in zip(groups, leaders) if len(gs) > 1]
-    for devs, r in parts:
-        trees, rate, _, _, _, _ = _tree_plan(topology, tuple(devs), collective, r if collective != "allreduce" else None,
-                                          None)
-        # broadcast-direction routes for every collective (reduce runs them reversed)
-        comp = [(t.weight_gbps, [(x[0], x[-1], x) for x in t.routes()]) for t in trees]
-        comps.append(comp)
-        rates.append(rate)
-    rate = min(rates)
-    scaled = [[(w * rate / r, e) for w, e in comp] for comp, r in zip(comps, rates)]
-    merged = _merge(scaled, rate)
-    notes.append(f"three phases (Blink s. 5): cross-node packing over leaders {leaders} at "
-                 f"{rates[0]:.3f} GB/s, intra-node packings at {[round(r, 3) for r in rates[1:]]} GB/s; "
-                 f"rate = the slowest phase")
+    groups = [sorted(gs) for gs in groups]
+    npos = max(len(gs) for gs in groups)
+    leaders = [[gs[i % len(gs)] for gs in groups] for i in range(npos)]
+    root_node = next((k for k, gs in enumerate(groups) if root in gs), 0)
+    job = topology.subset(devices).graph
+    links = sorted(job.edges(), key=lambda e: (_key(e[0]), _key(e[1])))
+    index = {e: j for j, e in enumerate(links)}
+    cap = np.array([job.edges[e]["bandwidth_gbps"] for e in links], dtype=np.float64)
+    nl = len(links)
+    intra = [_Part(RouteTable.build(topology, gs), index, True) if len(gs) > 1 else None for gs in groups]
+    cross = [_Part(RouteTable.build(topology, ld), index, False) if len(set(ld)) > 1 else None for ld in leaders]
+    bound = {"broadcast": lambda: _bounds.broadcast_bound(topology, devices, root),
+             "reduce": lambda: _bounds.reduce_bound(topology, devices, root),
+             "allreduce": lambda: _bounds.allreduce_bound(topology, devices)}[collective]()
+
+    def price(y):
+        """Cheapest three-phase tree per partition i under link prices y: [(price, i, Column)]."""
+        memo, out = {}, []
+        for i, ld in enumerate(leaders):
+            cost, edges, usage = 0.0, [], np.zeros(nl, dtype=np.int64)
+            for k, part in enumerate(intra):
+                if part is None:
+                    continue
+                r = root if (k == root_node and mode != "spanning") else (ld[k] if mode != "spanning" else None)
+                r = part.table.devices[0] if r is None else r
+                if (k, r) not in memo:
+                    memo[k, r] = part.price(y, mode, r, nl)
+                c, e, u = memo[k, r]
+                cost, usage = cost + c, usage + u
+                edges.extend(e)
+            if cross[i] is not None:
+                c, e, u = cross[i].price(y, mode, ld[root_node], nl)
+                cost, usage = cost + c, usage + u
+                edges.extend(e)
+            out.append((cost, i, Column(tuple(edges), usage)))
+        return out
+
+    cols, part_of, seen = [], [], set()
+
+    def add(i, col):
+        if (i, col.edges) in seen:
+            return False
+        seen.add((i, col.edges))
+        cols.append(col)
+        part_of.append(i)
+        return True
+
+    # warm start: multiplicative-weights rounds (Garg-Koenemann, as Blink's TreeGen), all partitions
+    y = 1.0 / cap
+    for _ in range(4):
+        cands = price(y)
+        for _, i, col in cands:
+            add(i, col)
+            used = col.usage > 0
+            y = y * (1.0 + 0.5 * float(np.min(cap[used] / col.usage[used])) * col.usage / cap)
+    it, dual = 0, float("inf")
+    while True:
+        it += 1
+        a = np.stack([c.usage for c in cols], axis=1).astype(np.float64)
+        res = linprog(-np.ones(len(cols)), A_ub=a, b_ub=cap, bounds=(0, None), method="highs")
+        if res.status != 0:
+            raise PlanError(f"three-phase packing LP failed for devices {list(devices)}: {res.message}")
+        rate, x = float(-res.fun), np.asarray(res.x, dtype=np.float64)
+        if rate >= bound * (1 - 1e-9):
+            dual = bound
+            break
+        y = np.maximum(-np.asarray(res.ineqlin.marginals), 0.0)
+        cands = price(y)
+        best = min(c for c, _, _ in cands)
+        dual = min(dual, float(cap @ y) / min(1.0, best) if best > 0 else float("inf"))
+        new = [add(i, col) for c, i, col in cands if c < 1.0 - PRICE_TOL]
+        if best >= 1.0 - PRICE_TOL or not any(new) or it >= MAX_ITERATIONS:
+            break
+    w = _fewest_trees(SimpleNamespace(cap=cap), cols, rate, max_trees, x)
+    notes = []
+    if w is None or (max_trees is None and w.sum() < rate * (1 - 1e-6)):
+        w = x
+        notes.append("tree-count reduction failed; using the LP's basic solution")
+    keep = [j for j in range(len(w)) if w[j] > 1e-9]
+    if max_trees is not None and len(keep) > max_trees:
+        keep = sorted(sorted(keep, key=lambda j: -w[j])[:max_trees])
+    kept = float(sum(w[j] for j in keep))
+    if max_trees is not None and kept < rate * (1 - 1e-9):
+        notes.append(f"max_trees={max_trees}: rate {kept:.3f} GB/s, {100 * (1 - kept / rate):.2f}% below "
+                     f"the three-phase optimum {rate:.3f} GB/s")
     trees = []
-    ws = [_round(w) for w, _ in merged]
-    roots = _spread_roots(ws, list(devices)) if collective == "allreduce" else [root] * len(ws)
-    for (w, edges), wi, r in zip(merged, ws, roots):
-        hops = _orient(edges, r)
-        trees.append(Tree(r, wi, hops))
-    # links shared between phases (e.g. a PCIe switch carrying NIC and peer traffic): scale to fit
-    trees = _fit_capacity(topology, collective, trees, notes)
-    if max_trees is not None and len(trees) > max_trees:
-        full = sum(t.weight_gbps for t in trees)
-        trees = sorted(trees, key=lambda t: -t.weight_gbps)[:max_trees]
-        kept = sum(t.weight_gbps for t in trees)
-        notes.append(f"max_trees={max_trees}: kept the heaviest trees, rate {kept:.3f} of {full:.3f} GB/s")
+    for i in range(npos):
+        mine = [j for j in keep if part_of[j] == i]
+        ws = [_round(w[j]) for j in mine]
+        # all-reduce: the partition's trees are rooted at its leaders, load spread over the nodes
+        roots = _spread_roots(ws, leaders[i]) if mode == "spanning" else [root] * len(ws)
+        for j, wi, r in zip(mine, ws, roots):
+            if mode == "spanning":
+                hops = _orient(cols[j].edges, r)
+            else:
+                hops = _rooted_hops(cols[j].edges, mode, r)
+            trees.append(Tree(r, wi, hops))
+    trees.sort(key=lambda t: (-t.weight_gbps, _key(t.root), [(_key(a), _key(b)) for a, b in t.edges]))
+    share = collections.Counter()
+    for j in keep:
+        share[part_of[j]] += _round(w[j])
+    total = sum(share.values())
+    notes.insert(0, f"three phases (Blink s. 5): data partitioned over the {npos} GPU positions of a node "
+                    f"(shares GB/s {[round(share[i], 3) for i in range(npos)]}); partition i reduced inside "
+                    f"each node onto GPU i, exchanged among the GPU i's {leaders[0]}.. across the network, "
+                    f"broadcast inside each node; {len(trees)} trees, {total:.3f} GB/s of the max-flow bound "
+                    f"{bound:.3f} (LP over three-phase trees: {it} rounds, dual bound {dual:.3f})")
     return trees, notes
 
 
-def _fit_capacity(topology, collective, trees, notes):
-    """Scale weights down uniformly if the merged trees overload any physical link."""
-    probe = Plan(collective, None, (), tuple(trees), 0.0, 0.0, "probe")
-    worst = max((load / topology.graph.edges[e]["bandwidth_gbps"] for e, load in probe.link_loads().items()),
-                default=0.0)
-    if worst > 1 + 1e-9:
-        notes.append(f"phases share links (load {worst:.3f}x capacity): weights scaled by 1/{worst:.3f}")
-        trees = [dataclasses.replace(t, weight_gbps=_round(t.weight_gbps / worst * (1 - 1e-9))) for t in trees]
-    return trees
+def _rooted_hops(edges, mode: str, root) -> tuple:
+    """Broadcast-direction hops of (parent, child, route) edges, breadth-first from ``root`` (routes
+    run child -> parent for ``mode="in-arborescence"``, see routes.Column)."""
+    kids = collections.defaultdict(list)
+    for p, c, r in edges:
+        kids[p].append((c, tuple(r[::-1] if mode == "in-arborescence" else r)))
+    hops, queue = [], [root]
+    while queue:
+        p = queue.pop(0)
+        for c, r in sorted(kids[p], key=lambda x: (_key(x[0]), [_key(n) for n in x[1]])):
+            queue.append(c)
+            hops.extend(_hops(r))
+    if len(hops) < sum(len(r) - 1 for _, _, r in edges):
+        raise PlanError(f"three-phase tree rooted at {root} does not reach all of its edges")
+    return tuple(hops)
 
 
 # ------------------------------------------------------------------------------ public API
