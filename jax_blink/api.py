@@ -106,7 +106,7 @@ def _groups(axis_index_groups):
 
 
 def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, device_map=None,
-         chunk_elems=None):
+         chunk_elems=None, algorithm=None):
     """All-reduce sum of ``x`` over mapped axis ``axis_name`` along a tree packing (drop-in for ``lax.psum``).
 
     Args:
@@ -120,11 +120,15 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
       impl: "auto" (default: "ffi" where registered, else "ppermute"), "ppermute" or "ffi".
       device_map: ``{device.id: topology GPU}`` or callable; default ``jax_blink.set_device_map``'s or ids.
       chunk_elems: fixed pipeline chunk in elements (default: the schedule's cost model).
+      algorithm: the planner's algorithm (``jax_blink.packing.plan``): "auto" (fastest predicted),
+        "trees", "ring" or "hierarchical" (Blink's three phases, section 5: needs every group to span
+        two or more nodes of a multi-node topology). Default ``$JAX_BLINK_ALGORITHM``, else "auto".
 
     Returns: same structure/shapes as ``x``; every device holds bitwise-identical sums (all receive
     the tree roots' results). Source: Blink (MLSys 2020) section 4: reduce then broadcast on the same
     packed spanning trees.
-    Raises NameError for an unbound axis, TypeError for an unsupported dtype, TopologyError /
+    Raises NameError for an unbound axis, TypeError for an unsupported dtype, ValueError for an unknown
+    ``algorithm``, TopologyError /
     PlanError / BlinkError (at trace/lower time) when the topology does not cover the mesh devices.
     """
     axes = _parallel._maybe_skip_one_sized_axes(_axes(axis_name))
@@ -133,7 +137,7 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
     P.check_axis_names(axes, "jax_blink.psum")
     groups = _groups(axis_index_groups)
     impl = _impl(impl)
-    key = mapping.make_plan_key(topology, device_map, chunk_elems)
+    key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm)
     leaves, treedef, constant = _prepare(x, axes, "jax_blink.psum")
     if constant:
         size = len(groups[0]) if groups is not None else math.prod(P.axis_sizes(axes))
@@ -149,19 +153,19 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
 
 
 def pmean(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, device_map=None,
-          chunk_elems=None):
+          chunk_elems=None, algorithm=None):
     """Mean over ``axis_name``: ``psum(x) / axis size`` (like ``lax.pmean``; ints become floats).
 
     Same arguments and errors as :func:`psum`.
     """
     s = psum(x, axis_name, axis_index_groups=axis_index_groups, topology=topology, impl=impl,
-             device_map=device_map, chunk_elems=chunk_elems)
+             device_map=device_map, chunk_elems=chunk_elems, algorithm=algorithm)
     axes = _axes(axis_name)
     n = len(axis_index_groups[0]) if axis_index_groups is not None else math.prod(P.axis_sizes(axes))
     return jax.tree_util.tree_map(lambda v: v / n, s)
 
 
-def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_elems):
+def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_elems, algorithm):
     axes = _parallel._maybe_skip_one_sized_axes(_axes(axis_name))
     api = f"jax_blink.{prim_name}"
     if not axes:
@@ -172,7 +176,11 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
         raise ValueError(f"{api}: root must be a rank in [0, {size}) over axes {axes}, got {root!r}")
     root = int(root)
     impl = _impl(impl)
-    key = mapping.make_plan_key(topology, device_map, chunk_elems)
+    key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm)
+    if key.algorithm == "ring":
+        raise ValueError(f"{api}: algorithm 'ring' is an all-reduce algorithm (from "
+                         f"{'algorithm=' if algorithm is not None else mapping.ENV_ALGORITHM}); use "
+                         "'auto', 'trees' or 'hierarchical'")
     leaves, treedef, constant = _prepare(x, axes, api)
     prim = P.blink_broadcast_p if prim_name == "broadcast" else P.blink_reduce_p
     vma = bool(config._check_vma.value)
@@ -182,19 +190,22 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
     return jax.tree_util.tree_unflatten(treedef, _bucketed(leaves, axes, bind))
 
 
-def broadcast(x, axis_name, root=0, *, topology=None, impl=None, device_map=None, chunk_elems=None):
+def broadcast(x, axis_name, root=0, *, topology=None, impl=None, device_map=None, chunk_elems=None,
+              algorithm=None):
     """Every device along ``axis_name`` gets the operand of rank ``root`` (Blink section 3, broadcast trees).
 
     Args: ``x`` pytree; ``root`` rank over ``axis_name`` (row-major over a tuple, as
     ``lax.axis_index``); other arguments as :func:`psum`. Under ``check_vma=True`` the result is
-    invariant over ``axis_name``. Raises ValueError for a root out of range, plus :func:`psum`'s errors.
+    invariant over ``axis_name``. ``algorithm``: as :func:`psum` except "ring" (ValueError).
+    Raises ValueError for a root out of range, plus :func:`psum`'s errors.
     """
-    return _rooted("broadcast", x, axis_name, root, topology, impl, device_map, chunk_elems)
+    return _rooted("broadcast", x, axis_name, root, topology, impl, device_map, chunk_elems, algorithm)
 
 
-def reduce(x, axis_name, root=0, *, topology=None, impl=None, device_map=None, chunk_elems=None):
+def reduce(x, axis_name, root=0, *, topology=None, impl=None, device_map=None, chunk_elems=None,
+           algorithm=None):
     """Sum over ``axis_name`` on rank ``root``, zeros on every other device (Blink reduce trees).
 
     Arguments and errors as :func:`broadcast`. bool becomes int32; integer sums wrap.
     """
-    return _rooted("reduce", x, axis_name, root, topology, impl, device_map, chunk_elems)
+    return _rooted("reduce", x, axis_name, root, topology, impl, device_map, chunk_elems, algorithm)

@@ -28,6 +28,7 @@ from .errors import TopologyError
 from .topology import Topology
 
 ENV_TOPOLOGY = "JAX_BLINK_TOPOLOGY"
+ENV_ALGORITHM = "JAX_BLINK_ALGORITHM"
 
 _GLOBAL_DEVICE_MAP: Any = None
 
@@ -79,15 +80,27 @@ class PlanKey:
       topology: a Topology, a preset name / file path (str), or None (environment / detection).
       device_map: a frozen user mapping, or None for the default mapping.
       chunk_elems: fixed chunk size in elements for the schedule, or None for the cost model.
+      algorithm: ``packing.plan``'s algorithm: "auto" (default), "trees", "ring" (all-reduce only)
+        or "hierarchical" (Blink's three phases, section 5; groups spanning two or more nodes).
     """
 
     topology: Any = None
     device_map: Any = None
     chunk_elems: int | None = None
+    algorithm: str = "auto"
 
 
-def make_plan_key(topology=None, device_map=None, chunk_elems=None) -> PlanKey:
-    """Build a :class:`PlanKey` from the public-API arguments (reads ``JAX_BLINK_TOPOLOGY``)."""
+def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=None) -> PlanKey:
+    """Build a :class:`PlanKey` from the public-API arguments (reads ``JAX_BLINK_TOPOLOGY`` and, when
+    ``algorithm`` is None, ``JAX_BLINK_ALGORITHM``; default "auto"). Raises ValueError for an
+    unknown algorithm, naming where it came from."""
+    from .packing import ALGORITHMS
+    where = "algorithm="
+    if algorithm is None:
+        algorithm = os.environ.get(ENV_ALGORITHM) or "auto"
+        where = ENV_ALGORITHM
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{where} must be one of {ALGORITHMS}, got {algorithm!r}")
     if topology is None:
         topology = os.environ.get(ENV_TOPOLOGY) or None
     if topology is not None and not isinstance(topology, (Topology, str, os.PathLike)):
@@ -100,7 +113,7 @@ def make_plan_key(topology=None, device_map=None, chunk_elems=None) -> PlanKey:
         raise TypeError(f"device_map must be a dict or a callable, got {type(dm).__name__}")
     if chunk_elems is not None and (int(chunk_elems) != chunk_elems or chunk_elems < 1):
         raise ValueError(f"chunk_elems must be a positive int, got {chunk_elems!r}")
-    return PlanKey(topology, _Frozen(dm) if dm is not None else None, chunk_elems)
+    return PlanKey(topology, _Frozen(dm) if dm is not None else None, chunk_elems, algorithm)
 
 
 @functools.lru_cache(maxsize=64)
@@ -191,8 +204,10 @@ def device_table(devices_flat, groups) -> np.ndarray:
     return np.asarray(rows, np.int64).reshape(-1, 3)
 
 
-def plan_group(topology: Topology, collective: str, gpu_ids: list[int], root_rank: int | None):
-    """The packing plan for one group (``jax_blink.packing.plan``), with a clear coverage error."""
+def plan_group(topology: Topology, collective: str, gpu_ids: list[int], root_rank: int | None,
+               algorithm: str = "auto"):
+    """The packing plan for one group (``jax_blink.packing.plan`` with ``algorithm``), with a clear
+    coverage error (TopologyError); PlanError from the planner, e.g. "hierarchical" on one node."""
     from . import packing
     missing = [g for g in gpu_ids if g not in set(topology.gpus)]
     if missing:
@@ -201,4 +216,4 @@ def plan_group(topology: Topology, collective: str, gpu_ids: list[int], root_ran
             f"to GPUs {gpu_ids}; {missing} are not in it. Pass a topology covering these devices, or "
             "device_map= / jax_blink.set_device_map to map JAX devices onto its GPUs")
     root = gpu_ids[root_rank] if root_rank is not None else None
-    return packing.plan(topology, collective, devices=list(gpu_ids), root=root)
+    return packing.plan(topology, collective, devices=list(gpu_ids), root=root, algorithm=algorithm)

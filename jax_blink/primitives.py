@@ -254,7 +254,7 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
     for members in groups:
         gpus = tuple(all_ids[p] for p in members)
         if gpus not in cache:
-            plan = mapping.plan_group(topo, collective, list(gpus), root)
+            plan = mapping.plan_group(topo, collective, list(gpus), root, key.algorithm)
             cache[gpus] = build_schedule(plan, nelems, itemsize=itemsize, chunk_elems=key.chunk_elems)
         schedules.append(cache[gpus])
     return _lowering.LoweringRequest(collective=collective, schedules=tuple(schedules), device_table=table,

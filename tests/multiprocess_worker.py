@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_blink  # noqa: E402
-from jax_blink import mapping, packing  # noqa: E402
+from jax_blink import packing  # noqa: E402
 
 me, nproc = jax.process_index(), jax.process_count()
 cluster = distributed.cluster_topology(nic_gbps=12.5)
@@ -53,12 +53,7 @@ emit(case="plan", algorithm=plan.algorithm, rate_gbps=plan.rate_gbps, bound_gbps
      device_map=sorted(cluster.device_map.items()))
 
 
-def three_phase_plan(topology, collective, gpu_ids, root_rank):
-    """mapping.plan_group's signature, returning Blink's three phases (distributed.three_phase_plan)."""
-    return distributed.three_phase_plan(topology, collective, list(gpu_ids))
-
-
-def run(mesh, axes, dtype, shape_per_dev, blink, impl=None):
+def run(mesh, axes, dtype, shape_per_dev, blink, impl=None, algorithm=None):
     """Per-device results of psum over ``axes`` (each device's copy kept: out sharded over all axes)."""
     names = mesh.axis_names
     spec = P(names)  # leading dim split over every mesh axis: one block per device
@@ -66,7 +61,7 @@ def run(mesh, axes, dtype, shape_per_dev, blink, impl=None):
     def body(x):
         if blink:
             return jax_blink.psum(x, axes, impl=impl or a.impl, topology=cluster.topology,
-                                  device_map=cluster.device_map)
+                                  device_map=cluster.device_map, algorithm=algorithm)
         return jax.lax.psum(x, axes)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
@@ -82,16 +77,8 @@ def run(mesh, axes, dtype, shape_per_dev, blink, impl=None):
     return host, np.asarray(y), hlo
 
 
-def check(name, mesh, axes, dtype, shape_per_dev=(3, 37), force_three_phase=False):
-    if force_three_phase:  # the lowering plans through mapping.plan_group: make it return three phases
-        orig = mapping.plan_group
-        mapping.plan_group = three_phase_plan
-        try:
-            host, yb, hlo = run(mesh, axes, dtype, shape_per_dev, True)
-        finally:
-            mapping.plan_group = orig
-    else:
-        host, yb, hlo = run(mesh, axes, dtype, shape_per_dev, True)
+def check(name, mesh, axes, dtype, shape_per_dev=(3, 37), algorithm=None):
+    host, yb, hlo = run(mesh, axes, dtype, shape_per_dev, True, algorithm=algorithm)
     _, yl, _ = run(mesh, axes, dtype, shape_per_dev, False)
     # Per-device blocks in mesh order; group members (devices sharing a psum) must be bitwise equal.
     mshape = mesh.devices.shape
@@ -123,7 +110,7 @@ if a.mode == "check":
     grid = Mesh(devs.reshape(nproc, G), ("node", "local"))
     check("grid_both_axes_f32", grid, ("node", "local"), np.float32)
     check("grid_cross_node_axis_f32", grid, "node", np.float32)
-    hp = three_phase_plan(cluster.topology, "allreduce", list(range(N)), None)
+    hp = distributed.three_phase_plan(cluster.topology, "allreduce", list(range(N)))
     def leaders_per_node(tree):  # GPUs of each node with a cross-node tree edge (three phases: 1)
         ends = {}
         for c, par in tree.gpu_parents().items():
@@ -136,7 +123,9 @@ if a.mode == "check":
          crosses_network=all(any("network" in str(e) for e in t.edges) for t in hp.trees),
          max_leaders_per_node=max(leaders_per_node(t) for t in hp.trees))
     # distinct shape: build_request caches per (mesh, shape, ...) and must not reuse flat_f32's plan
-    check("three_phase_f32", flat, "i", np.float32, shape_per_dev=(2, 41), force_three_phase=True)
+    packing._CACHE.clear()  # then the lowering's own plan() call is the only one recorded
+    check("three_phase_f32", flat, "i", np.float32, shape_per_dev=(2, 41), algorithm="hierarchical")
+    emit(case="three_phase_lowered", algorithms=sorted({k[5] for k in packing._CACHE if len(k[1]) == N}))
     # impl="ffi" is an in-process custom call: across processes it must be refused clearly.
     try:
         run(flat, "i", np.float32, (1, 4), True, impl="ffi")

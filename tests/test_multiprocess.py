@@ -164,6 +164,8 @@ def test_psum_across_processes_matches_lax(nproc, local):
     tp = per[0]["three_phase_plan"]
     assert tp["ntrees"] >= 1 and tp["crosses_network"] and tp["rate_gbps"] > 0
     assert tp["max_leaders_per_node"] == 1, tp  # cross-node phase only between the nodes' leaders
+    # psum(algorithm="hierarchical") reached the planner: the lowering planned the three phases only
+    assert all(r["three_phase_lowered"]["algorithms"] == ["hierarchical"] for r in per), per
     cases = ["flat_f32", "flat_i32", "permuted_f32", "grid_both_axes_f32", "grid_cross_node_axis_f32",
              "three_phase_f32"]
     for p, recs in enumerate(per):
