@@ -8,8 +8,10 @@ For N in {2, 4, 8} nodes of the ``dgx1v`` preset and 1..4 NICs of 12.5 GB/s (100
   the planner's certificate (``Plan.bound_gbps``, LP dual of the tree packing); a plan's time for S
   bytes is S / rate;
 - planner: ``jax_blink.packing.plan(topology, "allreduce")`` (what ``jax_blink.psum`` runs);
-- three-phase: ``jax_blink.distributed.three_phase_plan`` (Blink, MLSys 2020, section 5: reduce on
-  intra-node trees to a leader GPU, leaders exchange over the network, broadcast inside nodes);
+- three-phase: ``jax_blink.distributed.three_phase_plan`` = ``plan(..., algorithm="hierarchical")``
+  (Blink, MLSys 2020, section 5: data partitioned over a node's GPUs; partition i reduced on
+  intra-node trees onto GPU i, exchanged among the GPU i's of all nodes over their NICs, broadcast
+  inside nodes; tree weights by an LP over such trees);
 - ring: ``jax_blink.baselines.ring_plan`` over all GPUs (NCCL's flat ring; rate n b / (2(n-1))).
 
 Each plan's rate (GB/s, S / predicted time) and its simulated algbw (``jax_blink.simulate``,
