@@ -21,20 +21,9 @@ from __future__ import annotations
 import math
 
 from . import bounds as _bounds
-from .errors import PlanError, TopologyError
-from .packing import Plan, Tree, _ring_trees
+from .errors import PlanError
+from .packing import Plan, Tree, _ring_trees, job_devices
 from .simulate import route
-
-
-def _devices(topology, devices) -> tuple:
-    devices = tuple(topology.gpus if devices is None else devices)
-    try:
-        topology.check_devices(devices)
-    except TopologyError as err:
-        raise PlanError(str(err)) from None
-    if not devices:
-        raise PlanError("a baseline needs at least one device")
-    return devices
 
 
 def _hops(path) -> list:
@@ -52,7 +41,7 @@ def ring_plan(topology, collective: str = "allreduce", *, devices=None, root=Non
     """
     if collective not in ("allreduce", "broadcast", "reduce"):
         raise PlanError(f"unknown collective {collective!r}; expected allreduce, broadcast or reduce")
-    devices = _devices(topology, devices)
+    devices = job_devices(topology, devices)
     n = len(devices)
     if collective != "allreduce":
         root = devices[0] if root is None else root
@@ -128,7 +117,7 @@ def double_binary_tree_plan(topology, *, devices=None) -> Plan:
     (``rate_gbps`` = 2 w with w = min over links of capacity / uses). Raises PlanError on bad devices
     or a pair of GPUs with no route.
     """
-    devices = _devices(topology, devices)
+    devices = job_devices(topology, devices)
     n = len(devices)
     if n == 1:
         return Plan("allreduce", None, devices, (), math.inf, math.inf, "trivial", ("one device",))

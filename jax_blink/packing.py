@@ -606,6 +606,21 @@ def _rooted_hops(edges, mode: str, root) -> tuple:
 ALGORITHMS = ("auto", "trees", "ring", "hierarchical")
 
 
+def job_devices(topology: Topology, devices=None) -> tuple:
+    """The job's GPU ids as a tuple (default: every GPU of ``topology``), validated.
+
+    Raises PlanError naming the devices that are not GPUs of the topology, duplicates, or an empty list.
+    """
+    devices = tuple(topology.gpus if devices is None else devices)
+    try:
+        topology.check_devices(devices)
+    except TopologyError as err:
+        raise PlanError(str(err)) from None
+    if not devices:
+        raise PlanError("a plan needs at least one device")
+    return devices
+
+
 def plan(topology: Topology, collective: str = "allreduce", *, devices=None, root=None,
          max_trees: int | None = None, algorithm: str = "auto", relays=None,
          rate_tolerance: float = 0.0) -> Plan:
@@ -643,13 +658,7 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
         raise PlanError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
     if not isinstance(topology, Topology):
         raise PlanError(f"plan needs a jax_blink.Topology, got {type(topology).__name__}")
-    devices = tuple(topology.gpus if devices is None else devices)
-    try:
-        topology.check_devices(devices)
-    except TopologyError as err:
-        raise PlanError(str(err)) from None
-    if not devices:
-        raise PlanError("plan needs at least one device")
+    devices = job_devices(topology, devices)
     if collective == "allreduce":
         if root is not None and root not in devices:
             raise PlanError(f"root {root!r} is not among devices {list(devices)}")
