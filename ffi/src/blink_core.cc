@@ -119,6 +119,50 @@ std::string DecodeSchedules(const int64_t* data, size_t n, std::vector<Schedule>
   return "";
 }
 
+namespace {
+// True when op (reading src, writing out[dst]) cannot move past step g: g writes what the op reads
+// or writes, or g reads the op's destination output.
+bool Conflicts(const Step& g, const Operand& src, int32_t dst) {
+  for (int32_t w : g.writes)
+    if (w == dst || (!src.input && w == src.rank)) return true;
+  for (const Operand& r : g.reads)
+    if (!r.input && r.rank == dst) return true;
+  return false;
+}
+}  // namespace
+
+std::vector<Step> FuseOps(const std::vector<Op>& ops) {
+  std::vector<Step> steps;
+  for (const Op& op : ops) {
+    const Operand src{op.src, op.src_from_input};
+    bool merged = false;
+    for (size_t i = steps.size(); i-- > 0;) {
+      Step& g = steps[i];
+      if (g.kind == op.kind) {
+        if (op.kind == 0 && g.writes[0] == op.dst) {  // dst already materialised by g
+          g.reads.push_back(src);
+          merged = true;
+          break;
+        }
+        if (op.kind == 1 && g.reads[0].rank == src.rank && g.reads[0].input == src.input) {
+          g.writes.push_back(op.dst);
+          merged = true;
+          break;
+        }
+      }
+      if (Conflicts(g, src, op.dst)) break;
+    }
+    if (merged) continue;
+    Step st;
+    st.kind = op.kind;
+    if (op.kind == 0) st.reads.push_back(Operand{op.dst, op.dst_from_input});
+    st.reads.push_back(src);
+    st.writes.push_back(op.dst);
+    steps.push_back(std::move(st));
+  }
+  return steps;
+}
+
 std::string BuildExecPlan(const Schedule& s, ExecPlan* out) {
   out->schedule = s;
   const int64_t nr = s.nranks, C = static_cast<int64_t>(s.chunk_offset.size());
@@ -141,6 +185,7 @@ std::string BuildExecPlan(const Schedule& s, ExecPlan* out) {
     byc[t.chunk].ops.push_back(op);
   }
   for (int64_t c = 0; c < C; ++c) {
+    byc[c].steps = FuseOps(byc[c].ops);
     int64_t root = s.seg_root[byc[c].segment];
     for (int32_t r = 0; r < nr; ++r) {
       if (s.collective == Collective::kReduce && r != root) byc[c].zero.push_back(r);

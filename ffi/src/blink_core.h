@@ -57,10 +57,23 @@ struct Op {
   bool dst_from_input;   // reduce into a not yet materialised dst: first operand is dst's input
 };
 
+// Ops fused into one pass: a reduce step computes out[writes[0]] = reads[0] + reads[1] + ... (adds
+// left to right: the schedule's summation order); a copy step sets out[w] = reads[0] for every w.
+struct Operand {
+  int32_t rank;
+  bool input;  // read the rank's input (not yet materialised) rather than its output
+};
+struct Step {
+  int32_t kind;                 // 0 reduce, 1 copy (as Op::kind)
+  std::vector<Operand> reads;   // reduce: first operand, then the sources in row order; copy: source
+  std::vector<int32_t> writes;  // reduce: the destination; copy: every destination
+};
+
 struct ChunkPlan {
   int64_t offset = 0, length = 0;   // elements
   int64_t segment = -1;
   std::vector<Op> ops;              // in transfer-row order (deterministic summation order)
+  std::vector<Step> steps;          // ops fused (FuseOps); same results bit for bit
   std::vector<int32_t> copy_in;     // ranks whose output = input at the end (never materialised)
   std::vector<int32_t> zero;        // ranks whose output is zeroed at the end (reduce, non-root)
 };
@@ -73,6 +86,12 @@ struct ExecPlan {
   int64_t max_chunk = 0;
 };
 std::string BuildExecPlan(const Schedule& s, ExecPlan* out);
+
+// Fuses a chunk's ops: each op joins the latest earlier step of its kind with the same destination
+// (reduce) or the same source (copy) when no step in between touches what it reads or writes; else it
+// starts a new step. Moving an op only past independent steps keeps every value and the order of the
+// adds into each destination, so the results are those of the ops in row order, bit for bit.
+std::vector<Step> FuseOps(const std::vector<Op>& ops);
 
 // Device table: rows (device_id, group, rank).
 struct DeviceTable {

@@ -1,7 +1,11 @@
-// CPU executor. The schedule's rows for one chunk are applied in row order to small tiles of the chunk
-// (the pipelining unit), so the partial sums of a tile stay in cache while they travel up the tree and
-// the results travel down. Every element sees exactly the adds of the schedule, in row order: the bits
-// equal a row-by-row execution. fp16/bf16 add in fp32 and round once per add (as the CUDA kernels do).
+// CPU executor. Each chunk is cut into tiles (the pipelining unit) and a tile goes through the WHOLE
+// tree while it is cache resident: the reduce steps (a parent adds its children's tile into its own, k
+// children fused into one pass out = first + c1 + ... + ck, added left to right in row order) and then
+// the broadcast copies down. So memory traffic is about the inputs read once and the outputs written
+// once. Every element sees exactly the adds of the schedule, in row order: the bits equal a row-by-row
+// execution (schedule.execute). fp16/bf16 add in fp32 and round once per add (as the CUDA kernels do).
+// Threads: the caller plus JAX_BLINK_CPU_THREADS - 1 helpers (default: one thread per core) claim tiles;
+// nobody waits for another: the thread finishing the last tile completes every participant's future.
 #include "cpu_executor.h"
 
 #include <algorithm>
@@ -15,82 +19,119 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 namespace jax_blink {
 namespace {
 
-using AddFn = void (*)(const void* a, const void* b, void* out, int64_t n);
+// out[i] = first[i] + s[0][i] + ... + s[k-1][i], added left to right (the schedule's order).
+using SumFn = void (*)(void* out, const void* first, const void* const* s, int k, int64_t n);
 
+// Element adds. Integers add as unsigned (wrapping, bitwise what XLA's signed add gives); fp16/bf16
+// add in fp32 and round after every add (as the CUDA kernels do).
 template <typename T>
-void AddPlain(const void* a, const void* b, void* out, int64_t n) {
-  const T* x = static_cast<const T*>(a);
-  const T* y = static_cast<const T*>(b);
-  T* o = static_cast<T*>(out);  // may alias x (dst += src in place)
-  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(x[i] + y[i]);
-}
-
-// Wrapping integer add (signed overflow wraps, like XLA's add).
-template <typename S, typename U>
-void AddWrap(const void* a, const void* b, void* out, int64_t n) {
-  const S* x = static_cast<const S*>(a);
-  const S* y = static_cast<const S*>(b);
-  S* o = static_cast<S*>(out);
-  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<S>(static_cast<U>(x[i]) + static_cast<U>(y[i]));
-}
-
-void AddF16(const void* a, const void* b, void* out, int64_t n) {
+struct PlainAdd {
+  using V = T;
+  static V Add(V a, V b) { return static_cast<V>(a + b); }
+};
+struct F16Add {
 #if defined(__FLT16_MAX__)
-  const _Float16* x = static_cast<const _Float16*>(a);
-  const _Float16* y = static_cast<const _Float16*>(b);
-  _Float16* o = static_cast<_Float16*>(out);
-  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<_Float16>(static_cast<float>(x[i]) + static_cast<float>(y[i]));
+  using V = _Float16;
+  static V Add(V a, V b) { return static_cast<V>(static_cast<float>(a) + static_cast<float>(b)); }
 #else
 #error "jax_blink needs a compiler with _Float16 (GCC >= 12 or Clang >= 15 on x86-64/aarch64)"
 #endif
+};
+struct BF16Add {
+  using V = uint16_t;
+  static float ToF32(V h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static V Add(V a, V b) {  // round to nearest even, NaN stays NaN
+    float f = ToF32(a) + ToF32(b);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<V>((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<V>(u >> 16);
+  }
+};
+
+// K sources in one pass: the partial sum stays in a register, so the destination is written once.
+// The sources never alias the output (different ranks' buffers); `first` may be the output itself.
+template <class A, int K>
+void SumK(typename A::V* out, const typename A::V* first, const void* const* s, int64_t n) {
+  using V = typename A::V;
+  const V* __restrict__ p[K];
+  for (int k = 0; k < K; ++k) p[k] = static_cast<const V*>(s[k]);
+  for (int64_t i = 0; i < n; ++i) {
+    V a = first[i];
+    for (int k = 0; k < K; ++k) a = A::Add(a, p[k][i]);
+    out[i] = a;
+  }
 }
 
-inline float Bf16ToF32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t F32ToBf16(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-void AddBF16(const void* a, const void* b, void* out, int64_t n) {
-  const uint16_t* x = static_cast<const uint16_t*>(a);
-  const uint16_t* y = static_cast<const uint16_t*>(b);
-  uint16_t* o = static_cast<uint16_t*>(out);
-  for (int64_t i = 0; i < n; ++i) o[i] = F32ToBf16(Bf16ToF32(x[i]) + Bf16ToF32(y[i]));
+template <class A>
+void Sum(void* out, const void* first, const void* const* s, int k, int64_t n) {
+  using V = typename A::V;
+  V* o = static_cast<V*>(out);
+  const V* f = static_cast<const V*>(first);
+  while (k > 0) {  // more than 8 sources: 8 at a time, continuing from the partial sum in out
+    int m = std::min(k, 8);
+    switch (m) {
+      case 1: SumK<A, 1>(o, f, s, n); break;
+      case 2: SumK<A, 2>(o, f, s, n); break;
+      case 3: SumK<A, 3>(o, f, s, n); break;
+      case 4: SumK<A, 4>(o, f, s, n); break;
+      case 5: SumK<A, 5>(o, f, s, n); break;
+      case 6: SumK<A, 6>(o, f, s, n); break;
+      case 7: SumK<A, 7>(o, f, s, n); break;
+      default: SumK<A, 8>(o, f, s, n); break;
+    }
+    s += m;
+    k -= m;
+    f = o;
+  }
 }
 
-// Adds n *elements*; complex types add their real and imaginary parts.
+// Sum over n *elements*; complex types add their real and imaginary parts (lanes scalars each).
 struct Adder {
-  AddFn fn;
-  int64_t lanes;  // scalars per element
+  SumFn fn;
+  int64_t lanes;
 };
 Adder AdderFor(Dtype t) {
   switch (t) {
-    case Dtype::kF16: return {AddF16, 1};
-    case Dtype::kBF16: return {AddBF16, 1};
-    case Dtype::kF32: return {AddPlain<float>, 1};
-    case Dtype::kF64: return {AddPlain<double>, 1};
-    case Dtype::kC64: return {AddPlain<float>, 2};
-    case Dtype::kC128: return {AddPlain<double>, 2};
-    case Dtype::kS8: return {AddWrap<int8_t, uint8_t>, 1};
-    case Dtype::kS16: return {AddWrap<int16_t, uint16_t>, 1};
-    case Dtype::kS32: return {AddWrap<int32_t, uint32_t>, 1};
-    case Dtype::kS64: return {AddWrap<int64_t, uint64_t>, 1};
-    case Dtype::kU8: return {AddPlain<uint8_t>, 1};
-    case Dtype::kU16: return {AddPlain<uint16_t>, 1};
-    case Dtype::kU32: return {AddPlain<uint32_t>, 1};
-    case Dtype::kU64: return {AddPlain<uint64_t>, 1};
+    case Dtype::kF16: return {Sum<F16Add>, 1};
+    case Dtype::kBF16: return {Sum<BF16Add>, 1};
+    case Dtype::kF32: return {Sum<PlainAdd<float>>, 1};
+    case Dtype::kF64: return {Sum<PlainAdd<double>>, 1};
+    case Dtype::kC64: return {Sum<PlainAdd<float>>, 2};
+    case Dtype::kC128: return {Sum<PlainAdd<double>>, 2};
+    case Dtype::kS8: case Dtype::kU8: return {Sum<PlainAdd<uint8_t>>, 1};
+    case Dtype::kS16: case Dtype::kU16: return {Sum<PlainAdd<uint16_t>>, 1};
+    case Dtype::kS32: case Dtype::kU32: return {Sum<PlainAdd<uint32_t>>, 1};
+    case Dtype::kS64: case Dtype::kU64: return {Sum<PlainAdd<uint64_t>>, 1};
   }
   return {nullptr, 0};
+}
+
+int EnvInt(const char* name, int lo, int hi, int fallback) {
+  const char* env = std::getenv(name);
+  if (!env) return fallback;
+  int v = std::atoi(env);
+  return v >= lo && v <= hi ? v : fallback;
+}
+
+// Threads that execute a meeting (the caller included): JAX_BLINK_CPU_THREADS, else the cores.
+int CpuThreads() {
+  static const int n = EnvInt("JAX_BLINK_CPU_THREADS", 1, 256,
+                              static_cast<int>(std::min(16u, std::max(1u, std::thread::hardware_concurrency()))));
+  return n;
 }
 
 class Pool {
@@ -109,13 +150,10 @@ class Pool {
   }
 
  private:
+  // Helpers = threads - 1: the calling thread works too, so with one thread per core nothing is
+  // oversubscribed (XLA's own threads are idle while their calls' futures are pending).
   Pool() {
-    unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-    n_ = std::min(hw, 16u);
-    if (const char* env = std::getenv("JAX_BLINK_CPU_THREADS")) {
-      int v = std::atoi(env);
-      if (v >= 1 && v <= 256) n_ = static_cast<unsigned>(v);
-    }
+    n_ = static_cast<unsigned>(CpuThreads() - 1);
     for (unsigned i = 0; i < n_; ++i) std::thread([this] { Loop(); }).detach();
   }
   void Loop() {
@@ -136,6 +174,24 @@ class Pool {
   std::deque<std::function<void()>> q_;
 };
 
+// Output buffers are usually fresh pages from XLA's allocator: every 4 KiB page faults (and is zeroed
+// by the kernel) on first touch, which costs more than the all-reduce itself at tens of MiB. Asking
+// for transparent huge pages on the 2 MiB-aligned interior of a large output makes that one fault per
+// 2 MiB. A hint only (contents unchanged); no effect where THP is disabled. JAX_BLINK_CPU_HUGEPAGES=0
+// turns it off.
+void AdviseHugePages(void* p, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (bytes < static_cast<int64_t>(4 * kHuge)) return;
+  uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 struct Job {
   std::shared_ptr<Meeting> meeting;
   Adder add;
@@ -154,14 +210,24 @@ struct Job {
     int64_t start = cp.offset + (t - first_tile[c]) * tile;
     int64_t len = std::min(tile, cp.offset + cp.length - start);
     size_t off = static_cast<size_t>(start) * esize, bytes = static_cast<size_t>(len) * esize;
-    for (const Op& op : cp.ops) {
-      const char* src = (op.src_from_input ? in[op.src] : out[op.src]) + off;
-      char* dst = out[op.dst] + off;
-      if (op.kind == 1) {
-        std::memcpy(dst, src, bytes);
-      } else {
-        const char* a = (op.dst_from_input ? in[op.dst] : out[op.dst]) + off;
-        add.fn(a, src, dst, len * add.lanes);
+    const void* srcs[64];
+    for (const Step& st : cp.steps) {
+      if (st.kind == 1) {
+        const char* src = (st.reads[0].input ? in[st.reads[0].rank] : out[st.reads[0].rank]) + off;
+        for (int32_t w : st.writes) std::memcpy(out[w] + off, src, bytes);
+        continue;
+      }
+      const int k = static_cast<int>(st.reads.size()) - 1;
+      const char* first = (st.reads[0].input ? in[st.reads[0].rank] : out[st.reads[0].rank]) + off;
+      char* dst = out[st.writes[0]] + off;
+      for (int j = 0; j < k; j += 64) {  // at most 64 source pointers at a time
+        const int m = std::min(k - j, 64);
+        for (int i = 0; i < m; ++i) {
+          const Operand& r = st.reads[1 + j + i];
+          srcs[i] = (r.input ? in[r.rank] : out[r.rank]) + off;
+        }
+        add.fn(dst, first, srcs, m, len * add.lanes);
+        first = dst;
       }
     }
     for (int32_t r : cp.copy_in) std::memcpy(out[r] + off, in[r] + off, bytes);
@@ -181,30 +247,34 @@ struct Job {
 }  // namespace
 
 void ExecuteOnCpu(std::shared_ptr<Meeting> meeting) {
+  // 32 KiB tiles: a star tree over 8 ranks touches 16 such buffers per tile (512 KiB), within L2.
+  constexpr int64_t kTileBytes = 32 << 10;
+  // A helper's wake-up costs tens of microseconds: only worth it from 1 MiB moved (all ranks).
+  constexpr int64_t kHelperBytes = 1 << 20;
+  static const bool huge = EnvInt("JAX_BLINK_CPU_HUGEPAGES", 0, 1, 1) == 1;
   auto job = std::make_shared<Job>();
   Meeting& m = *meeting;
   job->meeting = meeting;
   const Dtype dt = m.arrivals[0].dtype;
   job->add = AdderFor(dt);
   job->esize = DtypeSize(dt);
-  // Tiles of 16 KiB per rank buffer: the tile's partial sums stay in L1/L2 across the tree's rows.
-  job->tile = std::max<int64_t>(1, 16384 / static_cast<int64_t>(job->esize));
+  job->tile = std::max<int64_t>(1, kTileBytes / static_cast<int64_t>(job->esize));
   for (const auto& cp : m.plan->chunks) {
     job->first_tile.push_back(job->total);
     job->total += (cp.length + job->tile - 1) / job->tile;
   }
+  const int64_t rank_bytes = m.plan->schedule.nelems * static_cast<int64_t>(job->esize);
   for (auto& a : m.arrivals) {
     job->in.push_back(static_cast<const char*>(a.in));
     job->out.push_back(static_cast<char*>(a.out));
+    if (huge) AdviseHugePages(a.out, rank_bytes);
   }
   if (job->total == 0) {
     meeting->Finish("");
     return;
   }
-  const int64_t bytes = m.plan->schedule.nelems * static_cast<int64_t>(job->esize) *
-                        static_cast<int64_t>(m.arrivals.size());
-  // Helpers only pay off for large operands (a wake-up costs a few microseconds).
-  int64_t helpers = std::min<int64_t>({Pool::Get().size(), job->total - 1, bytes / (256 << 10)});
+  const int64_t bytes = rank_bytes * static_cast<int64_t>(m.arrivals.size());
+  int64_t helpers = std::min<int64_t>({Pool::Get().size(), job->total - 1, bytes / kHelperBytes});
   for (int64_t i = 0; i < helpers; ++i) Pool::Get().Post([job] { Job::Work(job); });
   Job::Work(job);
 }
