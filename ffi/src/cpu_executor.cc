@@ -63,13 +63,27 @@ struct BF16Add {
 };
 
 // K sources in one pass: the partial sum stays in a register, so the destination is written once.
+// Each source is prefetched 2 KiB ahead: K+1 concurrent read streams outrun the hardware prefetcher
+// (measured ~5-10% less time at 16-64 MiB per rank on the 2-core EPYC VM).
 // The sources never alias the output (different ranks' buffers); `first` may be the output itself.
 template <class A, int K>
 void SumK(typename A::V* out, const typename A::V* first, const void* const* s, int64_t n) {
   using V = typename A::V;
   const V* __restrict__ p[K];
   for (int k = 0; k < K; ++k) p[k] = static_cast<const V*>(s[k]);
-  for (int64_t i = 0; i < n; ++i) {
+  constexpr int64_t kLine = 64 / sizeof(V) > 0 ? 64 / sizeof(V) : 1;
+  constexpr uintptr_t kAheadBytes = 2048;
+  int64_t i = 0;
+  for (; i + kLine <= n; i += kLine) {
+    for (int k = 0; k < K; ++k)  // an address hint (may lie past the buffer; prefetches never fault)
+      __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p[k] + i) + kAheadBytes), 0, 0);
+    for (int64_t j = i; j < i + kLine; ++j) {
+      V a = first[j];
+      for (int k = 0; k < K; ++k) a = A::Add(a, p[k][j]);
+      out[j] = a;
+    }
+  }
+  for (; i < n; ++i) {
     V a = first[i];
     for (int k = 0; k < K; ++k) a = A::Add(a, p[k][i]);
     out[i] = a;
