@@ -136,11 +136,15 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
         return x
     P.check_axis_names(axes, "jax_blink.psum")
     groups = _groups(axis_index_groups)
+    size = math.prod(P.axis_sizes(axes))
+    if groups is not None and sorted(i for g in groups for i in g) != list(range(size)):
+        raise ValueError(f"jax_blink.psum: axis_index_groups {[list(g) for g in groups]} must cover every "
+                         f"index of axes {axes} (size {size}) exactly once")
     impl = _impl(impl)
     key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm)
     leaves, treedef, constant = _prepare(x, axes, "jax_blink.psum")
     if constant:
-        size = len(groups[0]) if groups is not None else math.prod(P.axis_sizes(axes))
+        size = len(groups[0]) if groups is not None else size
         return jax.tree_util.tree_unflatten(treedef, [_lax._const(leaf, size) * leaf for leaf in leaves])
     if config._check_vma.value:
         if groups is not None:
@@ -184,18 +188,25 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
     leaves, treedef, constant = _prepare(x, axes, api)
     prim = P.blink_broadcast_p if prim_name == "broadcast" else P.blink_reduce_p
     vma = bool(config._check_vma.value)
-    if constant and prim_name == "broadcast":
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+    if prim_name == "broadcast":
+        # broadcast moves values without adding: a bool operand stays bool (prepared as int32).
+        was_bool = [dtypes.dtype(leaf) == np.bool_ for leaf in jax.tree_util.tree_leaves(x)]
+        if constant:
+            out = [jnp.asarray(leaf, bool) if b else leaf for leaf, b in zip(leaves, was_bool)]
+            return jax.tree_util.tree_unflatten(treedef, out)
     bind = lambda v: prim.bind(v, axes=axes, root=root, impl=impl, key=key, vma=vma)
-    return jax.tree_util.tree_unflatten(treedef, _bucketed(leaves, axes, bind))
+    out = _bucketed(leaves, axes, bind)
+    if prim_name == "broadcast":
+        out = [lax.convert_element_type(o, np.bool_) if b else o for o, b in zip(out, was_bool)]
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def broadcast(x, axis_name, root=0, *, topology=None, impl=None, device_map=None, chunk_elems=None,
               algorithm=None):
     """Every device along ``axis_name`` gets the operand of rank ``root`` (Blink section 3, broadcast trees).
 
-    Args: ``x`` pytree; ``root`` rank over ``axis_name`` (row-major over a tuple, as
-    ``lax.axis_index``); other arguments as :func:`psum`. Under ``check_vma=True`` the result is
+    Args: ``x`` pytree (dtypes kept, bool included); ``root`` rank over ``axis_name`` (row-major
+    over a tuple, as ``lax.axis_index``); other arguments as :func:`psum`. Under ``check_vma=True`` the result is
     invariant over ``axis_name``. ``algorithm``: as :func:`psum` except "ring" (ValueError).
     Raises ValueError for a root out of range, plus :func:`psum`'s errors.
     """

@@ -101,8 +101,12 @@ def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=No
         where = ENV_ALGORITHM
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{where} must be one of {ALGORITHMS}, got {algorithm!r}")
-    if topology is None:
-        topology = os.environ.get(ENV_TOPOLOGY) or None
+    if topology is None and os.environ.get(ENV_TOPOLOGY):
+        topology = os.environ[ENV_TOPOLOGY]
+        try:
+            _load(topology)
+        except TopologyError as err:
+            raise TopologyError(f"{ENV_TOPOLOGY}={topology!r}: {err}") from None
     if topology is not None and not isinstance(topology, (Topology, str, os.PathLike)):
         raise TypeError(f"topology must be a Topology, a preset name or a file path, got "
                         f"{type(topology).__name__}")
@@ -118,17 +122,8 @@ def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=No
 
 @functools.lru_cache(maxsize=64)
 def _load(spec: str) -> Topology:
-    from . import presets
-    if spec in presets.PRESETS:
-        return presets.PRESETS[spec]()
-    if os.path.exists(spec):
-        try:
-            from .discovery import load_topology
-        except ImportError as e:  # pragma: no cover - discovery is another module of the package
-            raise TopologyError(f"cannot load topology file {spec!r}: {e}") from e
-        return load_topology(spec)
-    raise TopologyError(f"topology {spec!r} is neither a preset ({', '.join(sorted(presets.PRESETS))}) "
-                        f"nor an existing file; set topology= or {ENV_TOPOLOGY} to one of those")
+    from .discovery import load_topology
+    return load_topology(spec)
 
 
 def resolve_topology(spec, platform: str, gpu_ids: list[int]) -> Topology:
@@ -141,13 +136,7 @@ def resolve_topology(spec, platform: str, gpu_ids: list[int]) -> Topology:
     if isinstance(spec, str):
         return _load(spec)
     if platform in ("cuda", "rocm", "gpu"):
-        try:
-            from .discovery import detect
-        except ImportError:
-            detect = getattr(Topology, "detect", None)
-        if detect is None:
-            raise TopologyError("no topology given and GPU topology detection is unavailable; pass "
-                                f"topology= or set {ENV_TOPOLOGY}")
+        from .discovery import detect
         return detect()
     return _host(max(gpu_ids) + 1)
 

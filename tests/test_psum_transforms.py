@@ -158,3 +158,24 @@ def test_bad_input_errors():
     if lowering.find_lowering("ffi", "cpu") is None:
         with pytest.raises(BlinkError, match="no lowering registered"):
             jax.pmap(lambda v: jax_blink.psum(v, "i", impl="ffi"), axis_name="i")(jnp.ones(2))
+
+
+def test_user_test_regressions_bool_broadcast_groups_host_preset(monkeypatch):
+    """Found by a fresh-user test: broadcast keeps bool; partial groups refused; host<N> names work."""
+    import jax_blink
+    from jax_blink import TopologyError
+
+    flags = jnp.arange(8) % 3 == 0
+    out = jax.pmap(lambda v: jax_blink.broadcast(v, "i", root=3), axis_name="i")(flags)
+    assert out.dtype == jnp.bool_
+    np.testing.assert_array_equal(np.asarray(out), np.full(8, True))  # rank 3: 3 % 3 == 0
+    out = jax.pmap(lambda v: jax_blink.broadcast(True, "i"), axis_name="i")(flags)
+    assert out.dtype == jnp.bool_
+    with pytest.raises(ValueError, match="cover every index"):
+        jax.pmap(lambda v: jax_blink.psum(v, "i", axis_index_groups=[[0, 1], [2, 3]]),
+                 axis_name="i")(jnp.arange(8.0))
+    y = jax.pmap(lambda v: jax_blink.psum(v, "i", topology="host8"), axis_name="i")(jnp.arange(8.0))
+    np.testing.assert_array_equal(np.asarray(y), np.full(8, 28.0))
+    monkeypatch.setenv("JAX_BLINK_TOPOLOGY", "no-such-machine")
+    with pytest.raises(TopologyError, match="JAX_BLINK_TOPOLOGY='no-such-machine'"):
+        jax.pmap(lambda v: jax_blink.psum(v, "i"), axis_name="i")(jnp.arange(8.0))
