@@ -51,6 +51,8 @@ _AFFINITY_WORDS = {"CPU", "NUMA", "Affinity", "ID", "GPU"}
 _AFFINITY_PHRASES = (("GPU", "NUMA", "ID"), ("CPU", "Affinity"), ("NUMA", "Affinity"))
 _RESERVED_PREFIXES = ("cpu", "pcie-", "nvswitch", "gpu", "host", "network")
 _LEGEND_RE = re.compile(r"\s*(NIC\d+)\s*:\s*(\S+)\s*$")
+# ANSI escape sequences: nvidia-smi underlines the header (ESC[4m ... ESC[0m) on a terminal.
+_ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 _EXPECTED_TOPO = "X, NV<n>, PIX, PXB, PHB, NODE or SYS"
 _EXPECTED_P2P = "X, OK, NS, GNS, CNS, TNS or U"
@@ -72,7 +74,8 @@ def parse_topo(text: str, *, nvlink_gbps: float = 25.0, pcie_gbps: float = 12.0,
     """Parse ``nvidia-smi topo -m`` text (optionally followed by ``topo -p2p`` output).
 
     Args:
-      text: the pasted output (str or UTF-8 bytes).
+      text: the pasted output (str or UTF-8 bytes); ANSI escape codes (the underlined header
+        nvidia-smi prints on a terminal) are ignored.
       nvlink_gbps: GB/s per direction of one NVLink (25 for V100/A100/H100, 20 for P100).
       pcie_gbps: GB/s per direction of every PCIe hop (12 for gen3 x16, 24 for gen4).
       inter_socket_gbps: GB/s per direction between two CPU sockets (QPI/UPI/xGMI).
@@ -88,6 +91,10 @@ def parse_topo(text: str, *, nvlink_gbps: float = 25.0, pcie_gbps: float = 12.0,
         text = bytes(text).decode("utf-8", errors="replace")
     if not isinstance(text, str):
         raise TopologyError(f"nvidia-smi topo -m input must be text, got {type(text).__name__}")
+    if "\x00" in text:
+        raise TopologyError("input is binary data (it holds NUL bytes), not the text output of "
+                            "`nvidia-smi topo -m`")
+    text = _ANSI_RE.sub("", text)
     if not text.strip():
         raise TopologyError("empty input: expected the output of `nvidia-smi topo -m` "
                             "(a header line starting with GPU0, then one row per GPU)")

@@ -289,3 +289,25 @@ def test_mutated_real_files_raise_only_topology_error(topology_dir, data):
         k = data.draw(st.integers(0, len(toks) - 1))
         toks[k] = data.draw(st.sampled_from(["", "X", "NV3", "GPU9", "PIX", "OK", "\n", "GPU0", "junk", "NIC0"]))
     _only_topology_errors("".join(toks))
+
+
+# ----------------------------------------------------------------------------- terminal output
+@pytest.mark.parametrize("name", ["dgx1v_v100.txt", "h100_sxm_nvswitch.txt", "two_gpus_pix_no_p2p.txt"])
+def test_ansi_underlined_header_parses_like_the_plain_file(topology_dir, name):
+    """On a terminal nvidia-smi underlines the header: ESC[4m GPU0\\tGPU1 ... ESC[0m."""
+    text = read(topology_dir, name)
+    plain = parse_topo(text)
+    lines = text.splitlines()
+    k = next(i for i, ln in enumerate(lines) if ln.split() and ln.split()[0] == "GPU0")
+    lines[k] = "\x1b[4m" + "\t".join(lines[k].split()) + "\x1b[0m"
+    lines.insert(0, "\x1b[1;32muser@host\x1b[0m$ nvidia-smi topo -m")
+    escaped = "\n".join(lines) + "\n"
+    assert "\x1b[4mGPU0\t" in escaped
+    t = parse_topo(escaped)
+    assert t == plain and t.fingerprint() == plain.fingerprint()
+    assert nvlink_table(t) == nvlink_table(plain) and t.gpus == plain.gpus
+
+
+def test_binary_input_says_it_is_not_text():
+    with pytest.raises(TopologyError, match="binary data .* not the text output of `nvidia-smi topo -m`"):
+        parse_topo(b"\x7fELF\x02\x01\x01\x00\x00\x00GPU0 GPU1")
