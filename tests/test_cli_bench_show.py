@@ -56,3 +56,129 @@ def test_show_png(tmp_path, capsys):
     assert "3 panels (2 trees)" in capsys.readouterr().out
     assert main(["show", "--topology", "dgx1v", "--devices", "0,1,4", "--collective", "broadcast",
                  "--algorithm", "tree", "--png", str(out)]) == 2
+
+
+def test_sizes_take_tebibytes_as_the_help_says(capsys):
+    from jax_blink.cli import build_parser
+    from jax_blink.cli.bench_cmd import human_bytes
+    assert parse_sizes("1T") == [1 << 40] and parse_sizes("512G..1T") == [512 << 30, 1 << 40]
+    assert human_bytes(1 << 40) == "1T" and human_bytes(3 << 39) == "1.5T"
+    help_text = build_parser("bench")._subparsers._group_actions[0].choices["bench"].format_help()
+    assert "K/M/G/T = KiB/MiB/GiB/TiB" in " ".join(help_text.split())
+    with pytest.raises(BlinkError, match="K/M/G/T suffix"):
+        parse_sizes("1P")
+
+
+def test_devices_syntax_is_shared_and_strict():
+    from jax_blink.cli._args import parse_devices as shared
+    assert parse_devices is shared
+    assert parse_devices("0,1,4") == [0, 1, 4] and parse_devices("0-3") == [0, 1, 2, 3]
+    assert parse_devices(" 0-2, 5 ") == [0, 1, 2, 5] and parse_devices(None) is None
+    for bad, msg in [("0,,1", "empty item"), ("0,1,", "empty item"), ("", "is empty"),
+                     ("0,1,1", "GPU 1 more than once"), ("0-2,2", "GPU 2 more than once"),
+                     ("0,-1", "'-1' is negative"), ("a", "'a' is not a GPU id"), ("1.5", "not a GPU id"),
+                     ("3-1", "ends below its start")]:
+        with pytest.raises(BlinkError, match=msg):
+            parse_devices(bad)
+
+
+@pytest.mark.parametrize("cmd", ["plan", "bench", "show"])
+def test_devices_option_is_the_same_in_every_command(cmd, capsys, tmp_path):
+    extra = {"plan": ["--json"], "bench": ["--sizes", "1M"], "show": ["--png", str(tmp_path / "t.png")]}[cmd]
+    assert main([cmd, "--topology", "dgx1v", "--devices", "0-2,5", *extra]) == 0
+    out = capsys.readouterr().out
+    want = {"plan": '"devices": [\n    0,\n    1,\n    2,\n    5\n  ]', "bench": "GPUs [0, 1, 2, 5]",
+            "show": "GPUs [0, 1, 2, 5]"}[cmd]
+    assert want in out
+    for bad, msg in [("0,,1", "empty item"), ("0,1,1", "more than once"), ("0,-1", "negative"),
+                     ("x", "not a GPU id")]:
+        with pytest.raises(SystemExit) as exc:
+            main([cmd, "--topology", "dgx1v", "--devices", bad, *extra])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --devices" in err and msg in err, err
+
+
+@pytest.mark.parametrize("cmd", ["plan", "bench", "show"])
+def test_root_with_allreduce_is_an_error(cmd, capsys, tmp_path):
+    extra = {"plan": [], "bench": ["--sizes", "1M"], "show": ["--png", str(tmp_path / "t.png")]}[cmd]
+    assert main([cmd, "--topology", "dgx1v", "--root", "4", *extra]) == 2
+    assert "--root 4 is for --collective broadcast or reduce" in capsys.readouterr().err
+    assert not (tmp_path / "t.png").exists()
+
+
+@pytest.mark.parametrize("cmd", ["bench", "show"])
+def test_plan_file_that_is_not_utf8_or_json_is_a_clean_error(cmd, capsys, tmp_path):
+    extra = ["--sizes", "1M"] if cmd == "bench" else ["--png", str(tmp_path / "t.png")]
+    bad = tmp_path / "garbage.bin"
+    bad.write_bytes(b"\x89\xfb\x00\xff binary")
+    assert main([cmd, "--topology", "dgx1v", "--plan", str(bad), *extra]) == 2
+    assert "is not a plan JSON file (not UTF-8 text)" in capsys.readouterr().err
+    assert main([cmd, "--topology", "dgx1v", "--plan", str(tmp_path), *extra]) == 2
+    assert "is a directory, not a plan JSON file" in capsys.readouterr().err
+    assert main([cmd, "--topology", "dgx1v", "--plan", str(tmp_path / "none.json"), *extra]) == 2
+    assert "cannot read --plan" in capsys.readouterr().err
+    txt = tmp_path / "notes.txt"
+    txt.write_text("hello")
+    assert main([cmd, "--topology", "dgx1v", "--plan", str(txt), *extra]) == 2
+    assert "notes.txt': plan JSON is not valid JSON" in capsys.readouterr().err
+
+
+def test_plan_made_for_another_topology_names_the_missing_nodes(capsys, tmp_path):
+    f = tmp_path / "p.json"
+    assert main(["plan", "--topology", "dgx1v", "--json"]) == 0
+    f.write_text(capsys.readouterr().out)
+    assert main(["bench", "--topology", "dgx1v", "--plan", str(f), "--sizes", "1M"]) == 0
+    capsys.readouterr()
+    # dgx2 has all 8 GPU ids but one NVSwitch: dgx1v's PCIe switches and direct NVLinks are absent
+    assert main(["bench", "--topology", "dgx2", "--plan", str(f), "--sizes", "1M"]) == 2
+    err = capsys.readouterr().err
+    assert "was made for another topology" in err and "not in topology 'dgx2'" in err
+    assert "nodes pcie-switch-0, pcie-switch-1, pcie-switch-2, pcie-switch-3" in err
+    assert "links 0->1, 0->2" in err and "no route" not in err
+    # same nodes minus the PCIe tree: only the switch nodes are missing
+    assert main(["show", "--topology", "dgx1v-nvlink", "--plan", str(f), "--png",
+                 str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err
+    assert "nodes pcie-switch-0" in err and "links" not in err.split("not in topology")[0]
+    # a plan using a link the topology lacks, between nodes it has
+    d = json.loads(f.read_text())
+    t0 = d["trees"][0]
+    d["trees"] = [t0 | {"edges": [[0, 6]] + [e for e in t0["edges"] if e[1] != 6]}]
+    assert preset("dgx1v").bandwidth(0, 6) == 0.0
+    f.write_text(json.dumps(d))
+    assert main(["bench", "--topology", "dgx1v", "--plan", str(f), "--sizes", "1M"]) == 2
+    err = capsys.readouterr().err
+    assert "links 0->6" in err and "nodes" not in err
+
+
+def test_show_png_path_written_is_the_path_printed(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    base = ["show", "--topology", "dgx1v", "--devices", "0,1", "--collective", "broadcast"]
+    assert main([*base, "--png", "trees"]) == 0
+    assert "wrote trees.png:" in capsys.readouterr().out
+    assert (tmp_path / "trees.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "trees").exists()
+    assert main([*base, "--png", "trees.jpg"]) == 0
+    assert "wrote trees.jpg.png:" in capsys.readouterr().out
+    assert (tmp_path / "trees.jpg.png").read_bytes()[:4] == b"\x89PNG"
+    assert main([*base, "--png", "T.PNG"]) == 0
+    assert "wrote T.PNG:" in capsys.readouterr().out and (tmp_path / "T.PNG").exists()
+    (tmp_path / "somedir").mkdir()
+    for bad, msg in [("", "--png is empty"), ("  ", "--png is empty"), ("somedir", "is a directory"),
+                     ("somedir/", "is a directory"), (str(tmp_path / "somedir"), "is a directory")]:
+        assert main([*base, "--png", bad]) == 2
+        assert msg in capsys.readouterr().err
+    assert not (tmp_path / ".png").exists() and not (tmp_path / "somedir.png").exists()
+    assert main([*base, "--png", "nodir/t.png"]) == 2
+    assert "cannot write --png 'nodir/t.png'" in capsys.readouterr().err
+
+
+def test_show_ring_is_for_allreduce_like_plan(capsys, tmp_path):
+    png = str(tmp_path / "t.png")
+    assert main(["show", "--topology", "dgx1v", "--algorithm", "ring", "--collective", "broadcast",
+                 "--png", png]) == 2
+    assert "ring is an all-reduce algorithm" in capsys.readouterr().err
+    assert main(["plan", "--topology", "dgx1v", "--algorithm", "ring", "--collective", "broadcast"]) == 2
+    assert "ring' is an all-reduce algorithm" in capsys.readouterr().err
+    assert main(["show", "--topology", "dgx1v", "--devices", "0-3", "--algorithm", "ring", "--png", png]) == 0
+    assert "ring" in capsys.readouterr().out

@@ -33,3 +33,20 @@ def test_bad_options_exit_2_with_a_message(capsys):
     assert "--rate-tolerance" in capsys.readouterr().err
     assert main(["plan", "--topology", "dgx1v", "--algorithm", "hierarchical"]) == 2
     assert "two or more nodes" in capsys.readouterr().err
+
+
+def test_devices_ranges_and_relays_share_one_parser(capsys):
+    assert main(["plan", "--topology", "dgx1v", "--devices", "0-2,5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["devices"] == [0, 1, 2, 5]
+    assert main(["plan", "--topology", "dgx1v-nvlink", "--devices", "0,1", "--collective", "broadcast",
+                 "--relays", "2-3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rate_gbps"] == 100.0
+    assert main(["plan", "--topology", "dgx1v", "--relays", "2,,3"]) == 2
+    assert "--relays '2,,3' has an empty item" in capsys.readouterr().err
+
+
+def test_root_is_only_for_broadcast_and_reduce(capsys):
+    assert main(["plan", "--topology", "dgx1v", "--collective", "allreduce", "--root", "4"]) == 2
+    assert "--root 4 is for --collective broadcast or reduce" in capsys.readouterr().err
+    assert main(["plan", "--topology", "dgx1v", "--collective", "reduce", "--root", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["root"] == 4

@@ -327,3 +327,32 @@ def test_cli_table_and_errors(capsys, topology_dir):
     assert "450" in capsys.readouterr().out
     assert main(["topology", "nope"]) == 2
     assert "not a preset name or an existing file" in capsys.readouterr().err
+
+
+def test_cli_bandwidth_options_must_be_positive_and_apply(capsys, topology_dir, tmp_path):
+    f = str(topology_dir / "dgx1v_v100.txt")
+    for bad in ("-5", "0", "nan", "inf", "x"):
+        for opt in ("--nvlink-gbps", "--pcie-gbps"):
+            with pytest.raises(SystemExit) as exc:
+                main(["topology", f, opt, bad])
+            assert exc.value.code == 2
+            assert f"argument {opt}: must be a finite number of GB/s > 0, got '{bad}'" in capsys.readouterr().err
+    assert main(["topology", f, "--nvlink-gbps", "20", "--json"]) == 0
+    t = Topology.from_json(capsys.readouterr().out)
+    assert t.bandwidth(0, 3) == 40.0 and t.bandwidth(0, 1) == 20.0  # NV2 and NV1 at 20 GB/s per link
+    # presets and JSON models have fixed bandwidths: the option would be silently ignored
+    assert main(["topology", "dgx1v", "--nvlink-gbps", "20"]) == 2
+    assert "the preset 'dgx1v' has fixed bandwidths" in capsys.readouterr().err
+    j = tmp_path / "m.json"
+    j.write_text(preset("dgx1v").to_json())
+    assert main(["topology", str(j), "--pcie-gbps", "24"]) == 2
+    assert "JSON model" in capsys.readouterr().err
+
+
+def test_cli_binary_file_is_a_clean_error(capsys, tmp_path):
+    b = tmp_path / "prog"
+    b.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)))
+    assert main(["topology", str(b)]) == 2
+    assert "binary data" in capsys.readouterr().err
+    assert main(["topology", str(tmp_path)]) == 2
+    assert "is not a preset name or an existing file" in capsys.readouterr().err

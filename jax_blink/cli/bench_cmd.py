@@ -12,6 +12,10 @@ import re
 import sys
 
 from ..errors import BlinkError, PlanError
+from ._args import add_job_arguments, check_plan_fits_topology, check_root, parse_devices, read_text
+
+__all__ = ["add_common", "human_bytes", "human_time", "load_inputs", "parse_devices", "parse_size",
+           "parse_sizes", "run"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -19,7 +23,7 @@ MAX_SWEEP = 64
 
 
 def parse_size(text: str) -> int:
-    """Bytes of one size: ``4096``, ``4K``, ``1M``, ``1.5G``, ``64KiB`` (K/M/G = KiB/MiB/GiB).
+    """Bytes of one size: ``4096``, ``4K``, ``1M``, ``1.5G``, ``64KiB``, ``1T`` (K/M/G/T = KiB/MiB/GiB/TiB).
 
     Raises BlinkError on bad syntax or a size that is not a positive whole number of bytes.
     """
@@ -27,8 +31,8 @@ def parse_size(text: str) -> int:
         raise BlinkError(f"bad size {text!r}: sizes must be a positive whole number of bytes")
     m = _SIZE.match(str(text))
     if not m:
-        raise BlinkError(f"bad size {text!r}: expected a number with an optional K/M/G suffix "
-                         f"(KiB/MiB/GiB), e.g. 4K, 1M, 64M, 1G")
+        raise BlinkError(f"bad size {text!r}: expected a number with an optional K/M/G/T suffix "
+                         f"(KiB/MiB/GiB/TiB), e.g. 4K, 1M, 64M, 1G")
     value = float(m.group(1)) * _UNITS[m.group(2).upper()]
     if value <= 0 or value != int(value):
         raise BlinkError(f"bad size {text!r}: sizes must be a positive whole number of bytes")
@@ -63,26 +67,9 @@ def parse_sizes(text: str) -> list[int]:
     return sorted(set(out))
 
 
-def parse_devices(text: str | None) -> list[int] | None:
-    """``"0,1,2"`` or ``"0-3,6"`` -> [0, 1, 2, 3, 6]; None stays None. Raises BlinkError."""
-    if text is None:
-        return None
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not m:
-            raise BlinkError(f"bad --devices {text!r}: expected GPU ids like 0,1,2 or 0-3")
-        a, b = int(m.group(1)), int(m.group(2) or m.group(1))
-        if b < a:
-            raise BlinkError(f"bad --devices range {part!r}")
-        out.extend(range(a, b + 1))
-    return out
-
-
 def human_bytes(n: float) -> str:
     """1024 -> '1K', 1.5 MiB -> '1.5M' (binary units, as --sizes takes them)."""
-    for unit, k in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+    for unit, k in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= k:
             v = n / k
             return f"{v:g}{unit}" if v == int(v) else f"{v:.3g}{unit}"
@@ -99,42 +86,41 @@ def human_time(s: float) -> str:
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    """Options shared by ``bench`` and ``show``: topology, devices, collective, root, plan file."""
-    p.add_argument("--topology", required=True, metavar="SOURCE",
-                   help="preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, JSON file, or 'detect'")
-    p.add_argument("--devices", default=None, help="GPU ids of the job, e.g. 0,1,4 or 0-3 (default: all)")
-    p.add_argument("--collective", default="allreduce", choices=("allreduce", "broadcast", "reduce"))
-    p.add_argument("--root", type=int, default=None, help="root GPU for broadcast/reduce (default: first device)")
+    """Options shared by ``bench`` and ``show``: the job options of ``plan`` plus a plan file."""
+    add_job_arguments(p)
     p.add_argument("--plan", default=None, metavar="FILE",
                    help="use this plan (JSON from `jax-blink plan --json`) instead of planning")
 
 
 def load_inputs(args):
-    """(topology, devices, blink plan) from the common options; checks a --plan file against them."""
+    """(topology, devices, blink plan) from the common options; checks a --plan file against them.
+
+    Raises BlinkError/PlanError for --root with an all-reduce, an unreadable or non-JSON plan
+    file, and a plan for other devices, another collective or root, or another topology.
+    """
     from ..discovery import load_topology
     from ..packing import Plan, plan
 
+    check_root(args)
     topo = load_topology(args.topology)
-    devices = parse_devices(args.devices)
+    devices = args.devices
     if args.plan is None:
         p = plan(topo, args.collective, devices=devices, root=args.root)
         return topo, list(p.devices), p
+    text = read_text(args.plan, "--plan", "a plan JSON file")
     try:
-        with open(args.plan) as f:
-            p = Plan.from_json(f.read())
-    except OSError as err:
-        raise PlanError(f"cannot read --plan {args.plan!r}: {err}") from None
+        p = Plan.from_json(text)
+    except PlanError as err:
+        raise PlanError(f"--plan {args.plan!r}: {err}; write one with `jax-blink plan --json`") from None
     if devices is not None and list(p.devices) != devices:
+        given = ",".join(map(str, devices))
         raise PlanError(f"--plan {args.plan!r} is for devices {list(p.devices)}, not the --devices "
-                        f"{devices} given; re-plan with `jax-blink plan --devices {args.devices}`")
+                        f"{devices} given; re-plan with `jax-blink plan --devices {given}`")
     if p.collective != args.collective:
         raise PlanError(f"--plan {args.plan!r} is a {p.collective} plan, not {args.collective}")
     if args.root is not None and p.root != args.root:
         raise PlanError(f"--plan {args.plan!r} has root {p.root}, not --root {args.root}")
-    try:
-        topo.check_devices(p.devices)
-    except BlinkError as err:
-        raise PlanError(f"--plan {args.plan!r} does not fit topology {topo.name!r}: {err}") from None
+    check_plan_fits_topology(p, topo, args.plan, args.topology)
     return topo, list(p.devices), p
 
 
@@ -143,7 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p)
     p.add_argument("--sizes", default="1K..1G",
                    help="bytes per GPU: a range in powers of two (1K..1G) and/or a list (4K,1M,64M); "
-                        "K/M/G = KiB/MiB/GiB (default 1K..1G)")
+                        "K/M/G/T = KiB/MiB/GiB/TiB (default 1K..1G)")
     p.add_argument("--latency-us", type=float, default=None,
                    help="per-send latency of the simulator in microseconds (default: simulate.DEFAULT_LATENCY_US)")
     p.add_argument("--measure", action="store_true",

@@ -9,25 +9,15 @@ import sys
 
 from ..bounds import ring_rate
 from ..discovery import load_topology
-from ..errors import PlanError
-from ..packing import COLLECTIVES, plan
-
-
-def _devices(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip() != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--devices takes comma-separated GPU ids like 0,1,2; got {text!r}") from None
+from ..errors import BlinkError, PlanError
+from ..packing import plan
+from ._args import add_job_arguments, check_root, parse_devices
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register --topology, --devices, --collective, --root, --max-trees, --algorithm,
     --rate-tolerance, --relays, --json."""
-    p.add_argument("--topology", required=True, metavar="SOURCE",
-                   help="preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, JSON file, or 'detect'")
-    p.add_argument("--devices", type=_devices, default=None, help="GPU ids of the job, e.g. 0,1,2 (default: all)")
-    p.add_argument("--collective", choices=COLLECTIVES, default="allreduce")
-    p.add_argument("--root", type=int, default=None, help="root GPU for broadcast/reduce (default: first device)")
+    add_job_arguments(p)
     p.add_argument("--max-trees", type=int, default=None, help="use at most K trees (the rate loss is reported)")
     p.add_argument("--algorithm", choices=("auto", "trees", "ring", "hierarchical"), default="auto",
                    help="force an algorithm (default: the fastest on predicted time)")
@@ -41,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan and print; returns 0. Bad input raises PlanError/TopologyError (exit status 2)."""
+    check_root(args)
     t = load_topology(args.topology)
     if args.max_trees is not None and args.max_trees < 1:
         raise PlanError(f"--max-trees must be >= 1, got {args.max_trees}")
@@ -49,9 +40,9 @@ def run(args: argparse.Namespace) -> int:
     relays = args.relays
     if relays not in (None, "gpus", "none"):
         try:
-            relays = _devices(relays)
-        except argparse.ArgumentTypeError:
-            raise PlanError(f"--relays takes comma-separated GPU ids or 'gpus'; got {args.relays!r}") from None
+            relays = parse_devices(relays, "--relays")
+        except BlinkError as err:
+            raise PlanError(f"--relays takes GPU ids (0,1,4 or 0-3) or 'gpus': {err}") from None
     p = plan(t, args.collective, devices=args.devices, root=args.root, max_trees=args.max_trees,
              algorithm=args.algorithm, rate_tolerance=args.rate_tolerance, relays=relays)
     if args.json:

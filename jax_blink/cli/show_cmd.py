@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..errors import BlinkError
 from .bench_cmd import add_common, human_bytes, load_inputs, parse_size
@@ -11,12 +12,24 @@ from .bench_cmd import add_common, human_bytes, load_inputs, parse_size
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register --topology/--devices/--collective/--root/--plan, --png, --algorithm, --size."""
     add_common(p)
-    p.add_argument("--png", required=True, metavar="FILE", help="output PNG")
+    p.add_argument("--png", required=True, metavar="FILE",
+                   help="output PNG file; '.png' is appended when FILE does not end in it")
     p.add_argument("--algorithm", default="blink", choices=("blink", "ring", "tree"),
                    help="which plan to draw: the tree packing (default), the ring baseline, or the "
                         "double binary tree (all-reduce)")
     p.add_argument("--size", default="256M",
                    help="bytes per GPU for the simulated link utilisation panel (default 256M)")
+
+
+def png_path(text: str) -> str:
+    """The file ``--png text`` writes: ``text`` itself when it ends in .png, else ``text + '.png'``
+    (matplotlib would append it anyway). Raises BlinkError for an empty name or a directory."""
+    if not text.strip():
+        raise BlinkError("--png is empty: give an output file name such as trees.png")
+    if text.endswith((os.sep, "/")) or os.path.isdir(text):
+        raise BlinkError(f"--png {text!r} is a directory: give a file name such as "
+                         f"{os.path.join(text, 'trees.png')}")
+    return text if text.lower().endswith(".png") else text + ".png"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
     from ..simulate import simulate
 
     size = parse_size(args.size)
+    png = png_path(args.png)
+    if args.algorithm == "ring" and args.collective != "allreduce":
+        raise BlinkError(f"--algorithm ring is an all-reduce algorithm, not for {args.collective!r}; "
+                         f"use --collective allreduce")
     topo, devices, p = load_inputs(args)
     if args.algorithm == "ring":
         p = ring_plan(topo, args.collective, devices=devices, root=p.root)
@@ -42,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
              f"planned {p.rate_gbps:.2f} GB/s, simulated algbw {res.algbw_gbps:.2f} GB/s at "
              f"{human_bytes(size)}")
     try:
-        panels = draw_plan(topo, p, args.png, link_util=res.link_util, title=title)
+        panels = draw_plan(topo, p, png, link_util=res.link_util, title=title)
     except OSError as err:
-        raise BlinkError(f"cannot write --png {args.png!r}: {err}") from None
-    print(f"wrote {args.png}: {panels} panels ({len(p.trees)} trees); {title}")
+        raise BlinkError(f"cannot write --png {png!r}: {err.strerror or err}") from None
+    print(f"wrote {png}: {panels} panels ({len(p.trees)} trees); {title}")
     return 0

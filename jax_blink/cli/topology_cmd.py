@@ -6,7 +6,10 @@ import argparse
 import sys
 
 from ..discovery import load_topology
+from ..errors import BlinkError
+from ..presets import is_preset
 from ..topology import Topology
+from ._args import positive_gbps
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,15 +18,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="preset name (dgx1v, dgx-a100, host8, ...), nvidia-smi topo -m .txt file, "
                         "JSON file, or 'detect'")
     p.add_argument("--json", action="store_true", help="print the model as JSON (Topology.to_json)")
-    p.add_argument("--nvlink-gbps", type=float, default=None,
+    p.add_argument("--nvlink-gbps", type=positive_gbps, default=None,
                    help="GB/s per NVLink per direction when parsing a topo -m file (default 25)")
-    p.add_argument("--pcie-gbps", type=float, default=None,
+    p.add_argument("--pcie-gbps", type=positive_gbps, default=None,
                    help="GB/s per PCIe hop per direction when parsing a topo -m file (default 12)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Load SOURCE and print it; returns 0 (errors surface as TopologyError to the dispatcher)."""
     kw = {k: v for k, v in (("nvlink_gbps", args.nvlink_gbps), ("pcie_gbps", args.pcie_gbps)) if v is not None}
+    src = args.source.strip()
+    if kw and (is_preset(src) or src.lower().endswith(".json")):
+        # presets and JSON models carry their own bandwidths; silently ignoring the option misleads
+        what = "preset" if is_preset(src) else "JSON model"
+        raise BlinkError(f"--nvlink-gbps/--pcie-gbps apply to an nvidia-smi topo -m file or 'detect'; "
+                         f"the {what} {src!r} has fixed bandwidths")
     t = load_topology(args.source, **kw)
     if args.json:
         print(t.to_json(indent=2))

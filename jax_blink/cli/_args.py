@@ -1,0 +1,135 @@
+"""Argument parsing and input checks shared by the ``jax-blink`` subcommands.
+
+One definition of the job options (``--topology``, ``--devices``, ``--collective``, ``--root``) so
+``plan``, ``bench`` and ``show`` accept and reject the same input, plus the file reading and the
+plan-vs-topology check every command that takes a ``--plan`` file needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+from ..errors import BlinkError, PlanError
+from ..packing import COLLECTIVES
+
+TOPOLOGY_HELP = "preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, JSON file, or 'detect'"
+_ITEM = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def parse_devices(text: str | None, option: str = "--devices") -> list[int] | None:
+    """GPU ids from ``"0,1,4"``, ``"0-3"`` or mixes like ``"0-2,5"`` (ranges include both ends).
+
+    None stays None. Raises BlinkError naming the bad item: an empty list or item (``"0,,1"``),
+    a negative id, a non-integer, a range whose end is below its start, or a repeated id.
+    """
+    if text is None:
+        return None
+    if not str(text).strip():
+        raise BlinkError(f"{option} is empty: give GPU ids like 0,1,4 or 0-3")
+    out: list[int] = []
+    for item in str(text).split(","):
+        item = item.strip()
+        if not item:
+            raise BlinkError(f"{option} {text!r} has an empty item: give GPU ids like 0,1,4 or 0-3")
+        if item.startswith("-"):
+            raise BlinkError(f"{option} {text!r}: {item!r} is negative; GPU ids are 0, 1, 2, ...")
+        m = _ITEM.fullmatch(item)
+        if not m:
+            raise BlinkError(f"{option} {text!r}: {item!r} is not a GPU id or a range; "
+                             f"expected ids like 0,1,4 or ranges like 0-3")
+        a, b = int(m.group(1)), int(m.group(2) or m.group(1))
+        if b < a:
+            raise BlinkError(f"{option} {text!r}: range {item!r} ends below its start; write {b}-{a}")
+        out.extend(range(a, b + 1))
+    dup = sorted({d for d in out if out.count(d) > 1})
+    if dup:
+        raise BlinkError(f"{option} {text!r} names GPU {', '.join(map(str, dup))} more than once")
+    return out
+
+
+def devices_type(text: str) -> list[int]:
+    """argparse ``type=`` for a device list (see :func:`parse_devices`)."""
+    try:
+        return parse_devices(text, option="value")  # argparse already names the option
+    except BlinkError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def positive_gbps(text: str) -> float:
+    """argparse ``type=`` for a bandwidth in GB/s: a finite number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of GB/s > 0, got {text!r}")
+    return v
+
+
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """Register --topology (required), --devices, --collective and --root."""
+    p.add_argument("--topology", required=True, metavar="SOURCE", help=TOPOLOGY_HELP)
+    p.add_argument("--devices", type=devices_type, default=None, metavar="IDS",
+                   help="GPU ids of the job: 0,1,4 or ranges 0-3 or both, 0-2,5 (default: all)")
+    p.add_argument("--collective", choices=COLLECTIVES, default="allreduce")
+    p.add_argument("--root", type=int, default=None,
+                   help="root GPU for broadcast/reduce (default: first device); not for allreduce")
+
+
+def check_root(args: argparse.Namespace) -> None:
+    """Refuse ``--root`` with an all-reduce (it has no root) instead of ignoring it."""
+    if args.root is not None and args.collective == "allreduce":
+        raise BlinkError(f"--root {args.root} is for --collective broadcast or reduce; an allreduce "
+                         f"has no root (leave out --root)")
+
+
+def read_text(path: str, option: str, what: str) -> str:
+    """The UTF-8 text of the file ``path`` given to ``option``; ``what`` names the expected content.
+
+    Raises BlinkError (not OSError/UnicodeDecodeError) for a missing file, a directory, an
+    unreadable file, or bytes that are not UTF-8 text.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except IsADirectoryError:
+        raise BlinkError(f"{option} {path!r} is a directory, not {what}") from None
+    except OSError as err:
+        raise BlinkError(f"cannot read {option} {path!r}: {err.strerror or err}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BlinkError(f"{option} {path!r} is not {what} (not UTF-8 text)") from None
+
+
+def check_plan_fits_topology(p, topo, source: str, topology_source: str) -> None:
+    """Every node and directed link the plan ``p`` sends over must exist in ``topo``.
+
+    A plan names physical links (GPU -> switch -> GPU hops); one made for another machine fails
+    here with the missing nodes and links named, instead of deep in routing or simulation.
+    ``source``/``topology_source``: the --plan and --topology arguments, for the message.
+    Raises PlanError.
+    """
+    try:
+        topo.check_devices(p.devices)
+    except BlinkError as err:
+        raise PlanError(f"--plan {source!r} does not fit topology {topo.name!r}: {err}") from None
+    links = list(p.link_loads())
+    nodes = {n for e in links for n in e}
+    missing_nodes = sorted((n for n in nodes if n not in topo.graph), key=str)
+    missing_links = [(u, v) for u, v in links if u in topo.graph and v in topo.graph
+                     and not topo.graph.has_edge(u, v)]
+    if not (missing_nodes or missing_links):
+        return
+    parts = []
+    if missing_nodes:
+        parts.append(f"nodes {', '.join(map(str, missing_nodes[:8]))}"
+                     + (f" (+{len(missing_nodes) - 8} more)" if len(missing_nodes) > 8 else ""))
+    if missing_links:
+        parts.append(f"links {', '.join(f'{u}->{v}' for u, v in missing_links[:8])}"
+                     + (f" (+{len(missing_links) - 8} more)" if len(missing_links) > 8 else ""))
+    raise PlanError(f"--plan {source!r} was made for another topology: its {' and '.join(parts)} are "
+                    f"not in topology {topo.name!r}; re-plan with `jax-blink plan --topology "
+                    f"{topology_source} --json`")
