@@ -100,3 +100,28 @@ def test_unknown_mode_is_a_clear_error(ex, data):
     config = ex.Config(mode="vmap", epochs=1, progress=False)
     with pytest.raises(ValueError, match="unknown mode 'vmap'"):
         ex.train(config, ex.lax_collectives(), data)
+
+
+@pytest.mark.parametrize("batch, hint", [(4, "(e.g. 8)"), (60, "(e.g. 56 or 64)")])
+def test_script_rejects_a_batch_that_does_not_split_before_training(ex, capsys, batch, hint):
+    """The command line refuses it with a usage error (exit 2), not a traceback from train()."""
+    with pytest.raises(SystemExit) as exc:
+        ex.main(["--batch-size", str(batch), "--epochs", "1", "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: --batch-size {batch} does not split over 8 devices: use a multiple of 8 {hint}" in err
+    assert "Traceback" not in err
+
+
+def test_multiprocess_launcher_help_lists_the_worker_options():
+    import pathlib
+    import subprocess
+    import sys
+
+    launcher = pathlib.Path(__file__).resolve().parent.parent / "examples" / "multiprocess" / "launch.py"
+    p = subprocess.run([sys.executable, str(launcher), "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    _, _, passed = p.stdout.partition("options passed through to every worker")
+    for opt in ("--epochs", "--compare-lax", "--min-accuracy", "--nic-gbps", "--batch-size", "--mode"):
+        assert opt in passed, p.stdout
+    assert "--processes" in p.stdout.partition("options passed through")[0]

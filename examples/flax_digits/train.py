@@ -447,6 +447,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args, ndevices=min(8, len(jax.devices())))
     except ValueError as err:
         p.error(str(err))
+    if config.batch_size % config.ndevices:  # checked here so a bad value never starts training
+        n = config.ndevices
+        near = sorted({max(n, config.batch_size // n * n), (config.batch_size // n + 1) * n})
+        p.error(f"--batch-size {config.batch_size} does not split over {n} devices: use a multiple "
+                f"of {n} (e.g. {' or '.join(map(str, near))})")
     topo = None
     if args.topology:
         topo = jax_blink.Topology.load(args.topology)

@@ -19,14 +19,20 @@ from jax_blink import distributed
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "flax_digits"))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="one process of the multi-process digits training")
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """The worker's own options (the training options come from train.add_arguments); also listed
+    by ``launch.py --help``."""
     p.add_argument("--nic-gbps", type=float, default=12.5, help="GB/s per NIC between nodes")
     p.add_argument("--nics-per-node", type=int, default=1)
     p.add_argument("--compare-lax", action="store_true",
                    help="repeat the run with lax.psum; report loss difference and per-step times")
     p.add_argument("--min-accuracy", type=float, default=0.95,
                    help="exit 1 when held-out accuracy ends below this")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="one process of the multi-process digits training")
+    add_worker_arguments(p)
     distributed.initialize()
 
     import jax
