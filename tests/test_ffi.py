@@ -24,6 +24,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_blink
 import jax_blink.api  # noqa: F401  (registers the lowerings)
 from jax_blink import _native
+from jax_blink.errors import BlinkError
 from jax_blink.lowering import ffi as ffi_lowering
 from jax_blink.packing import plan
 from jax_blink.schedule import build_schedule, execute
@@ -189,3 +190,12 @@ def test_cuda_module_compiles(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert (tmp_path / "cuda_executor.o").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "abc", "1e300"])
+def test_bad_timeout_env_is_a_clear_error(monkeypatch, value):
+    """JAX_BLINK_TIMEOUT_S=inf once overflowed into an instant timeout; bad values now fail at lowering."""
+    monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", value)
+    f = jax.pmap(lambda v: jax_blink.psum(v, "i", impl="ffi"), axis_name="i")
+    with pytest.raises(BlinkError, match=r"JAX_BLINK_TIMEOUT_S must be a number of seconds"):
+        f(np.ones((8, 3 + len(value)), np.float32))

@@ -472,7 +472,9 @@ int64_t EffectiveTimeoutMs(int64_t attr_ms) {
   if (const char* env = std::getenv("JAX_BLINK_TIMEOUT_S")) {
     char* end = nullptr;
     double s = std::strtod(env, &end);
-    if (end != env && s > 0) return static_cast<int64_t>(s * 1000.0);
+    // Only finite values in (0, 1e6] s: anything else (inf, nan, huge) would overflow the ms count.
+    // The lowering (jax_blink/lowering/ffi.py) already refuses such values with a clear error.
+    if (end != env && s > 0 && s <= 1e6) return static_cast<int64_t>(s * 1000.0);
   }
   return attr_ms > 0 ? attr_ms : 60000;
 }

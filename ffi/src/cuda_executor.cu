@@ -19,6 +19,7 @@
 
 #include "cuda_executor.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_dtype.h"
 
 namespace jax_blink {
 namespace {
@@ -333,32 +334,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-std::optional<Dtype> FromXla(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F16: return Dtype::kF16;
-    case ffi::DataType::BF16: return Dtype::kBF16;
-    case ffi::DataType::F32: return Dtype::kF32;
-    case ffi::DataType::F64: return Dtype::kF64;
-    case ffi::DataType::S8: return Dtype::kS8;
-    case ffi::DataType::S16: return Dtype::kS16;
-    case ffi::DataType::S32: return Dtype::kS32;
-    case ffi::DataType::S64: return Dtype::kS64;
-    case ffi::DataType::U8: return Dtype::kU8;
-    case ffi::DataType::U16: return Dtype::kU16;
-    case ffi::DataType::U32: return Dtype::kU32;
-    case ffi::DataType::U64: return Dtype::kU64;
-    case ffi::DataType::C64: return Dtype::kC64;
-    case ffi::DataType::C128: return Dtype::kC128;
-    default: return std::nullopt;
-  }
-}
-
 // XLA:GPU runs each device's program on its own host thread, so the host meeting may block (bounded by
 // the timeout, enforced by the shared watchdog).
 ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t device, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> schedule,
                          ffi::Span<const int64_t> device_table, int64_t call_site, int64_t timeout_ms) {
-  auto dt = FromXla(x.element_type());
+  auto dt = DtypeFromXla(x.element_type());
   if (!dt) return ffi::Error::InvalidArgument("jax_blink: unsupported dtype for the ffi collective");
   const int64_t nelems = static_cast<int64_t>(x.element_count());
   if (nelems == 0 || IsTestAbsentDevice(device)) return ffi::Error::Success();

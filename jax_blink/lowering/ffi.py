@@ -19,6 +19,8 @@ makes that device skip every meeting, so the others hit the timeout error. Never
 from __future__ import annotations
 
 import hashlib
+import math
+import os
 from collections import OrderedDict
 
 import numpy as np
@@ -27,6 +29,7 @@ import jax
 from jax._src.interpreters import mlir
 
 from .. import _native
+from ..errors import BlinkError
 from . import LoweringRequest, register_lowering
 
 CPU_TARGET = "jax_blink_cpu"
@@ -67,6 +70,28 @@ def call_site_id(request: LoweringRequest, aval, ordinal: int) -> int:
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
+MAX_TIMEOUT_S = 1e6
+
+
+def timeout_ms(default_ms: int) -> int:
+    """The peer-wait timeout in ms: ``JAX_BLINK_TIMEOUT_S`` (seconds) when set, else ``default_ms``.
+
+    Raises BlinkError when the variable is not a finite number of seconds in (0, 1e6]: a bad value
+    must not silently become the default or overflow into an instant timeout.
+    """
+    text = os.environ.get("JAX_BLINK_TIMEOUT_S", "").strip()
+    if not text:
+        return int(default_ms)
+    try:
+        s = float(text)
+    except ValueError:
+        s = math.nan
+    if not (0 < s <= MAX_TIMEOUT_S):
+        raise BlinkError(f"JAX_BLINK_TIMEOUT_S must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+                         f"got {text!r}; unset it for the default {default_ms / 1000:g} s")
+    return max(1, int(s * 1000))
+
+
 def _rule(target: str):
     lower = jax.ffi.ffi_lowering(target)
 
@@ -76,7 +101,7 @@ def _rule(target: str):
                     schedule=schedule_attribute(request),
                     device_table=np.asarray(request.device_table, np.int64).reshape(-1),
                     call_site=np.int64(call_site_id(request, aval, _ordinal(ctx))),
-                    timeout_ms=np.int64(request.timeout_ms))
+                    timeout_ms=np.int64(timeout_ms(request.timeout_ms)))
         return out[0] if isinstance(out, (list, tuple)) else out
 
     rule.__name__ = f"ffi_rule_{target}"
