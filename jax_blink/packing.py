@@ -27,6 +27,8 @@ import collections
 import dataclasses
 import json
 import math
+import os
+import sys
 
 import networkx as nx
 import numpy as np
@@ -282,7 +284,7 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
         if t <= MILP_MAX_COLUMNS and len(chosen) > 1:
             # exact minimum count over the generated trees while the ILP is small (milliseconds)
             nl = a.shape[0]
-            res = milp(np.concatenate([np.zeros(t), np.ones(t)]),
+            res = _quiet_milp(np.concatenate([np.zeros(t), np.ones(t)]),
                        constraints=[LinearConstraint(np.hstack([a, np.zeros((nl, t))]), -np.inf, table.cap),
                                     LinearConstraint(np.hstack([np.eye(t), -rate * np.eye(t)]), -np.inf, 0.0),
                                     LinearConstraint(np.concatenate([np.ones(t), np.zeros(t)])[None, :],
@@ -297,7 +299,7 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
         link = LinearConstraint(np.hstack([a, np.zeros((nl, t))]), -np.inf, table.cap)
         tie = LinearConstraint(np.hstack([np.eye(t), -rate * np.eye(t)]), -np.inf, 0.0)
         count = LinearConstraint(np.concatenate([np.zeros(t), np.ones(t)])[None, :], -np.inf, max_trees)
-        res = milp(np.concatenate([-np.ones(t), np.zeros(t)]), constraints=[link, tie, count],
+        res = _quiet_milp(np.concatenate([-np.ones(t), np.zeros(t)]), constraints=[link, tie, count],
                    integrality=np.concatenate([np.zeros(t), np.ones(t)]),
                    bounds=Bounds(np.zeros(2 * t), np.concatenate([np.full(t, rate), np.ones(t)])),
                    options={"node_limit": MILP_NODE_LIMIT, "presolve": True})
@@ -604,6 +606,21 @@ def _rooted_hops(edges, mode: str, root) -> tuple:
 
 # ------------------------------------------------------------------------------ public API
 ALGORITHMS = ("auto", "trees", "ring", "hierarchical")
+
+
+def _quiet_milp(*args, **kw):
+    """``scipy.optimize.milp`` with file descriptor 1 muted: HiGHS's MIP solver prints debug lines
+    ("HighsMipSolverData::transformNewIntegerFeasibleSolution") straight to the C stdout, which
+    would corrupt ``jax-blink plan --json`` and user programs' output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            return milp(*args, **kw)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def job_devices(topology: Topology, devices=None) -> tuple:

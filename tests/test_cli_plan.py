@@ -50,3 +50,17 @@ def test_root_is_only_for_broadcast_and_reduce(capsys):
     assert "--root 4 is for --collective broadcast or reduce" in capsys.readouterr().err
     assert main(["plan", "--topology", "dgx1v", "--collective", "reduce", "--root", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["root"] == 4
+
+
+def test_planning_prints_nothing_to_stdout(capfd):
+    """HiGHS's MIP solver printed debug lines to the C stdout (corrupting --json); they are muted."""
+    import itertools
+
+    from jax_blink.packing import _CACHE, plan
+    from jax_blink.presets import PRESETS
+
+    _CACHE.clear()
+    t = PRESETS["dgx1v"]()
+    for devs in itertools.combinations(range(8), 6):
+        plan(t, "allreduce", devices=list(devs))
+    assert capfd.readouterr().out == ""
