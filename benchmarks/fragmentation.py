@@ -49,23 +49,6 @@ def sweep(topo, size, progress=True):
     return rows
 
 
-def relay_topology(topo, devices) -> Topology:
-    """A copy of ``topo`` where every GPU outside ``devices`` is a relay node (kind "nvswitch": a
-    store-and-forward node the planner may route through but need not reach), so a plan for the
-    job's GPUs may use the whole box's links."""
-    t = Topology(f"{topo.name}-relay")
-    name = {g: (g if g in devices else f"gpu{g}-relay") for g in topo.graph}
-    for n, kind in topo.graph.nodes(data="kind"):
-        if n in devices:
-            t.add_gpu(n)
-        else:
-            t.add_switch(str(name[n]), "nvswitch" if kind == "gpu" else kind)
-    for u, v, d in topo.graph.edges(data=True):
-        t.add_link(name[u], name[v], d["bandwidth_gbps"] / d["links"], d["kind"], links=d["links"],
-                   bidirectional=False)
-    return t
-
-
 def pair_case(out):
     topo = preset("dgx1v")
     S = 1 << 30
@@ -89,12 +72,13 @@ def pair_case(out):
     out(f"  planner, job = GPUs [0, 1, 2, 3], broadcast from 0 (2, 3 relay and receive): "
         f"{p4.rate_gbps:.2f} GB/s planned, {r4.algbw_gbps:.2f} simulated -> "
         f"{r4.algbw_gbps / rd.algbw_gbps:.2f}x direct")
-    rt = relay_topology(topo, {0, 1})
-    pr = plan(rt, "broadcast", devices=[0, 1], root=0)
-    rr = simulate(pr, S, topology=rt)
-    out(f"  planner, job = GPUs [0, 1], GPUs 2-7 as relays (whole box): {pr.rate_gbps:.2f} GB/s planned, "
-        f"{rr.algbw_gbps:.2f} simulated -> {rr.algbw_gbps / rd.algbw_gbps:.2f}x direct "
-        f"({len(pr.trees)} trees)")
+    nv = preset("dgx1v-nvlink")
+    for relays, what in (([2, 3], "GPUs 2, 3 (NVLink only)"), ("gpus", "GPUs 2-7 (NVLink only)")):
+        pr = plan(nv, "broadcast", devices=[0, 1], root=0, relays=relays)
+        rr = simulate(pr, S, topology=nv)
+        out(f"  planner, job = GPUs [0, 1], relays {what}: {pr.rate_gbps:.2f} GB/s planned "
+            f"(max-flow {pr.bound_gbps:.2f}), {rr.algbw_gbps:.2f} simulated -> "
+            f"{rr.algbw_gbps / rd.algbw_gbps:.2f}x direct ({len(pr.trees)} trees)")
 
 
 def main(argv=None) -> int:
