@@ -27,7 +27,6 @@ from jax_blink.cli.bench_cmd import human_bytes, parse_size
 from jax_blink.packing import Plan, Tree, plan
 from jax_blink.presets import preset
 from jax_blink.simulate import simulate
-from jax_blink.topology import Topology
 
 
 def sweep(topo, size, progress=True):
@@ -58,8 +57,8 @@ def pair_case(out):
                                          Tree(0, B, ((0, 3), (3, 1)))), 3 * B, 3 * B, "trees")
     rd = simulate(direct, S, topology=topo)
     r3 = simulate(three, S, topology=topo)
-    out(f"\nDGX-1V broadcast 0 -> 1, 1 GiB (measured, NCCL 2.7.8: direct 22.90 GB/s, three paths "
-        f"66.63 GB/s, ratio 2.91x)")
+    out("\nDGX-1V broadcast 0 -> 1, 1 GiB (measured, NCCL 2.7.8: direct 22.90 GB/s, three paths "
+        "66.63 GB/s, ratio 2.91x)")
     out(f"  simulated, direct NVLink only              : {rd.algbw_gbps:7.2f} GB/s")
     out(f"  simulated, three paths (direct, via 2, via 3): {r3.algbw_gbps:7.2f} GB/s  "
         f"ratio {r3.algbw_gbps / rd.algbw_gbps:.2f}x")

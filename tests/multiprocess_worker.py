@@ -29,7 +29,6 @@ a = ap.parse_args()
 distributed.initialize(heartbeat_timeout_s=a.heartbeat)
 
 import jax  # noqa: E402  (after initialize, which configures gloo)
-import jax.numpy as jnp  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 

@@ -6,11 +6,9 @@ cost (process start + jax import + compile) low."""
 import json
 import os
 import pathlib
-import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 
 from jax_blink import distributed, launch

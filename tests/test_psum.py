@@ -6,7 +6,6 @@ Every device must hold bitwise-identical results. Parametrised over ``IMPLS`` ("
 native CPU lowering is registered).
 """
 
-import math
 
 import numpy as np
 import pytest
@@ -19,7 +18,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_blink
 from jax_blink import lowering
 import jax_blink.api  # noqa: F401  (imports the lowerings, so "ffi" is registered before IMPLS is read)
-from jax_blink.errors import BlinkError, TopologyError
 
 IMPLS = ["ppermute"] + (["ffi"] if lowering.find_lowering("ffi", "cpu") is not None else [])
 PERM8 = [3, 1, 0, 2, 7, 5, 4, 6]

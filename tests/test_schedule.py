@@ -1,6 +1,5 @@
 """Schedules built from real plans: exact results by the NumPy reference executor, format invariants."""
 
-import itertools
 
 import numpy as np
 import pytest

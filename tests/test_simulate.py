@@ -1,6 +1,5 @@
 """Simulator vs closed forms, baselines' structure, and the DGX-1V three-path case."""
 
-import math
 
 import pytest
 

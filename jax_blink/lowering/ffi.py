@@ -26,7 +26,6 @@ from collections import OrderedDict
 import numpy as np
 
 import jax
-from jax._src.interpreters import mlir
 
 from .. import _native
 from ..errors import BlinkError

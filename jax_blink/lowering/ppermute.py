@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import numpy as np
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core
