@@ -106,7 +106,7 @@ def _groups(axis_index_groups):
 
 
 def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, device_map=None,
-         chunk_elems=None, algorithm=None):
+         chunk_elems=None, algorithm=None, max_trees=None):
     """All-reduce sum of ``x`` over mapped axis ``axis_name`` along a tree packing (drop-in for ``lax.psum``).
 
     Args:
@@ -120,6 +120,9 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
       impl: "auto" (default: "ffi" where registered, else "ppermute"), "ppermute" or "ffi".
       device_map: ``{device.id: topology GPU}`` or callable; default ``jax_blink.set_device_map``'s or ids.
       chunk_elems: fixed pipeline chunk in elements (default: the schedule's cost model).
+      max_trees: plan with at most this many trees (``packing.plan(max_trees=)``); default None: the
+        tree count and chunks with the least predicted time for this operand size and lowering
+        (``jax_blink.costmodel``: few trees for small, latency-bound operands).
       algorithm: the planner's algorithm (``jax_blink.packing.plan``): "auto" (fastest predicted),
         "trees", "ring" or "hierarchical" (Blink's three phases, section 5: needs every group to span
         two or more nodes of a multi-node topology). Default ``$JAX_BLINK_ALGORITHM``, else "auto".
@@ -141,7 +144,7 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
         raise ValueError(f"jax_blink.psum: axis_index_groups {[list(g) for g in groups]} must cover every "
                          f"index of axes {axes} (size {size}) exactly once")
     impl = _impl(impl)
-    key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm)
+    key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm, max_trees)
     leaves, treedef, constant = _prepare(x, axes, "jax_blink.psum")
     if constant:
         size = len(groups[0]) if groups is not None else size
@@ -157,19 +160,20 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
 
 
 def pmean(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, device_map=None,
-          chunk_elems=None, algorithm=None):
+          chunk_elems=None, algorithm=None, max_trees=None):
     """Mean over ``axis_name``: ``psum(x) / axis size`` (like ``lax.pmean``; ints become floats).
 
     Same arguments and errors as :func:`psum`.
     """
     s = psum(x, axis_name, axis_index_groups=axis_index_groups, topology=topology, impl=impl,
-             device_map=device_map, chunk_elems=chunk_elems, algorithm=algorithm)
+             device_map=device_map, chunk_elems=chunk_elems, algorithm=algorithm, max_trees=max_trees)
     axes = _axes(axis_name)
     n = len(axis_index_groups[0]) if axis_index_groups is not None else math.prod(P.axis_sizes(axes))
     return jax.tree_util.tree_map(lambda v: v / n, s)
 
 
-def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_elems, algorithm):
+def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_elems, algorithm,
+            max_trees=None):
     axes = _parallel._maybe_skip_one_sized_axes(_axes(axis_name))
     api = f"jax_blink.{prim_name}"
     if not axes:
@@ -180,7 +184,7 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
         raise ValueError(f"{api}: root must be a rank in [0, {size}) over axes {axes}, got {root!r}")
     root = int(root)
     impl = _impl(impl)
-    key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm)
+    key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm, max_trees)
     if key.algorithm == "ring":
         raise ValueError(f"{api}: algorithm 'ring' is an all-reduce algorithm (from "
                          f"{'algorithm=' if algorithm is not None else mapping.ENV_ALGORITHM}); use "
@@ -202,7 +206,7 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
 
 
 def broadcast(x, axis_name, root=0, *, topology=None, impl=None, device_map=None, chunk_elems=None,
-              algorithm=None):
+              algorithm=None, max_trees=None):
     """Every device along ``axis_name`` gets the operand of rank ``root`` (Blink section 3, broadcast trees).
 
     Args: ``x`` pytree (dtypes kept, bool included); ``root`` rank over ``axis_name`` (row-major
@@ -210,13 +214,15 @@ def broadcast(x, axis_name, root=0, *, topology=None, impl=None, device_map=None
     invariant over ``axis_name``. ``algorithm``: as :func:`psum` except "ring" (ValueError).
     Raises ValueError for a root out of range, plus :func:`psum`'s errors.
     """
-    return _rooted("broadcast", x, axis_name, root, topology, impl, device_map, chunk_elems, algorithm)
+    return _rooted("broadcast", x, axis_name, root, topology, impl, device_map, chunk_elems, algorithm,
+                   max_trees)
 
 
 def reduce(x, axis_name, root=0, *, topology=None, impl=None, device_map=None, chunk_elems=None,
-           algorithm=None):
+           algorithm=None, max_trees=None):
     """Sum over ``axis_name`` on rank ``root``, zeros on every other device (Blink reduce trees).
 
     Arguments and errors as :func:`broadcast`. bool becomes int32; integer sums wrap.
     """
-    return _rooted("reduce", x, axis_name, root, topology, impl, device_map, chunk_elems, algorithm)
+    return _rooted("reduce", x, axis_name, root, topology, impl, device_map, chunk_elems, algorithm,
+                   max_trees)

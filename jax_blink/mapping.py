@@ -82,18 +82,22 @@ class PlanKey:
       chunk_elems: fixed chunk size in elements for the schedule, or None for the cost model.
       algorithm: ``packing.plan``'s algorithm: "auto" (default), "trees", "ring" (all-reduce only)
         or "hierarchical" (Blink's three phases, section 5; groups spanning two or more nodes).
+      max_trees: plan with at most this many trees, or None: the lowering picks the tree count per
+        operand size by the cost model (:mod:`jax_blink.costmodel`).
     """
 
     topology: Any = None
     device_map: Any = None
     chunk_elems: int | None = None
     algorithm: str = "auto"
+    max_trees: int | None = None
 
 
-def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=None) -> PlanKey:
+def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=None,
+                  max_trees=None) -> PlanKey:
     """Build a :class:`PlanKey` from the public-API arguments (reads ``JAX_BLINK_TOPOLOGY`` and, when
     ``algorithm`` is None, ``JAX_BLINK_ALGORITHM``; default "auto"). Raises ValueError for an
-    unknown algorithm, naming where it came from."""
+    unknown algorithm, naming where it came from, or a ``max_trees`` that is not a positive int."""
     from .packing import ALGORITHMS
     where = "algorithm="
     if algorithm is None:
@@ -117,7 +121,9 @@ def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=No
         raise TypeError(f"device_map must be a dict or a callable, got {type(dm).__name__}")
     if chunk_elems is not None and (int(chunk_elems) != chunk_elems or chunk_elems < 1):
         raise ValueError(f"chunk_elems must be a positive int, got {chunk_elems!r}")
-    return PlanKey(topology, _Frozen(dm) if dm is not None else None, chunk_elems, algorithm)
+    if max_trees is not None and (isinstance(max_trees, bool) or not isinstance(max_trees, int) or max_trees < 1):
+        raise ValueError(f"max_trees must be a positive int or None (cost model), got {max_trees!r}")
+    return PlanKey(topology, _Frozen(dm) if dm is not None else None, chunk_elems, algorithm, max_trees)
 
 
 @functools.lru_cache(maxsize=64)
@@ -194,9 +200,10 @@ def device_table(devices_flat, groups) -> np.ndarray:
 
 
 def plan_group(topology: Topology, collective: str, gpu_ids: list[int], root_rank: int | None,
-               algorithm: str = "auto"):
-    """The packing plan for one group (``jax_blink.packing.plan`` with ``algorithm``), with a clear
-    coverage error (TopologyError); PlanError from the planner, e.g. "hierarchical" on one node."""
+               algorithm: str = "auto", max_trees: int | None = None):
+    """The packing plan for one group (``jax_blink.packing.plan`` with ``algorithm`` and
+    ``max_trees``), with a clear coverage error (TopologyError); PlanError from the planner, e.g.
+    "hierarchical" on one node."""
     from . import packing
     missing = [g for g in gpu_ids if g not in set(topology.gpus)]
     if missing:
@@ -205,4 +212,31 @@ def plan_group(topology: Topology, collective: str, gpu_ids: list[int], root_ran
             f"to GPUs {gpu_ids}; {missing} are not in it. Pass a topology covering these devices, or "
             "device_map= / jax_blink.set_device_map to map JAX devices onto its GPUs")
     root = gpu_ids[root_rank] if root_rank is not None else None
-    return packing.plan(topology, collective, devices=list(gpu_ids), root=root, algorithm=algorithm)
+    return packing.plan(topology, collective, devices=list(gpu_ids), root=root, algorithm=algorithm,
+                        max_trees=max_trees)
+
+
+def candidate_plans(topology: Topology, collective: str, gpu_ids: list[int], root_rank: int | None,
+                    algorithm: str = "auto", max_trees: int | None = None) -> list:
+    """Plans the cost model (:func:`jax_blink.costmodel.choose_schedule`) chooses among for one group.
+
+    ``max_trees`` given: that plan only. Otherwise the bandwidth-optimal plan first, then
+    ``plan(max_trees=k)`` for k in ``costmodel.CANDIDATE_MAX_TREES`` below its tree count, for the
+    "auto" and "trees" algorithms (ring and three-phase plans have a fixed shape). Plans are cached
+    by ``packing.plan``; a k the planner refuses (PlanError) is skipped.
+    """
+    from . import costmodel
+    from .errors import PlanError
+    best = plan_group(topology, collective, gpu_ids, root_rank, algorithm, max_trees)
+    if max_trees is not None or algorithm not in ("auto", "trees"):
+        return [best]
+    out = [best]
+    ntrees = sum(1 for t in best.trees if t.weight_gbps > 0)
+    for k in costmodel.CANDIDATE_MAX_TREES:
+        if k is None or k >= ntrees:
+            continue
+        try:
+            out.append(plan_group(topology, collective, gpu_ids, root_rank, algorithm, k))
+        except PlanError:
+            continue
+    return out

@@ -38,7 +38,7 @@ from jax._src.sharding_impls import SPMDAxisContext
 from . import lowering as _lowering
 from . import mapping
 from .errors import BlinkError
-from .schedule import build_schedule
+from . import costmodel
 
 # -------------------------------------------------------------------------------- helpers
 
@@ -242,8 +242,11 @@ def choose_lowering(impl: str, platforms, processes: int = 1) -> tuple[str, obje
 
 @functools.lru_cache(maxsize=256)
 def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, key,
-                  nelems: int, itemsize: int, platform: str) -> _lowering.LoweringRequest:
-    """The LoweringRequest for one call site: groups, device table, one schedule per group."""
+                  nelems: int, itemsize: int, platform: str, impl: str = "ppermute") -> _lowering.LoweringRequest:
+    """The LoweringRequest for one call site: groups, device table, one schedule per group.
+
+    Each group's schedule is the least predicted time (:func:`jax_blink.costmodel.choose_schedule`,
+    step latency of lowering ``impl``) over ``mapping.candidate_plans`` and chunk counts."""
     groups = mapping.mesh_groups(tuple(mesh.devices.shape), tuple(mesh.axis_names), axes,
                                  axis_index_groups)
     flat = list(mesh.devices.flat)
@@ -254,8 +257,10 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
     for members in groups:
         gpus = tuple(all_ids[p] for p in members)
         if gpus not in cache:
-            plan = mapping.plan_group(topo, collective, list(gpus), root, key.algorithm)
-            cache[gpus] = build_schedule(plan, nelems, itemsize=itemsize, chunk_elems=key.chunk_elems)
+            plans = mapping.candidate_plans(topo, collective, list(gpus), root, key.algorithm, key.max_trees)
+            _, cache[gpus], _ = costmodel.choose_schedule(
+                plans, nelems, itemsize=itemsize, step_latency_s=costmodel.step_latency(impl),
+                chunk_elems=key.chunk_elems)
         schedules.append(cache[gpus])
     return _lowering.LoweringRequest(collective=collective, schedules=tuple(schedules), device_table=table,
                                      groups=tuple(tuple(g) for g in groups), axis_names=tuple(axes))
@@ -270,11 +275,11 @@ def _lower(collective, ctx, x, *, axes, impl, key, root=None, axis_index_groups=
                          f"jax.shard_map with a jax.sharding.Mesh); got axis context {type(axis_ctx).__name__}")
     platforms = ctx.module_context.platforms
     nproc = len({d.process_index for d in axis_ctx.mesh.devices.flat})
-    _, rule = choose_lowering(impl, platforms, nproc)
+    impl_name, rule = choose_lowering(impl, platforms, nproc)
     if nelems == 0:
         return [x]
     request = build_request(collective, axis_ctx.mesh, tuple(axes), axis_index_groups, root, key,
-                            nelems, np.dtype(aval.dtype).itemsize, platforms[0])
+                            nelems, np.dtype(aval.dtype).itemsize, platforms[0], impl_name)
     return [rule(ctx, x, request)]
 
 

@@ -1,0 +1,95 @@
+"""Latency-aware (plan, chunks) choice: small operands get fewer rounds, large keep the optimal rate."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_blink
+from jax_blink import ScheduleError, costmodel, mapping
+from jax_blink.packing import plan
+from jax_blink.presets import PRESETS
+from jax_blink.schedule import build_schedule, execute
+from jax_blink.topology import Topology
+
+DGX1V = PRESETS["dgx1v"]()
+ALL8 = list(range(8))
+
+
+def test_predicted_time_by_hand():
+    """One tree on two GPUs, one chunk: 2 rounds (reduce + broadcast), depth 2 -> stretch 2."""
+    p = plan(DGX1V, "allreduce", devices=[0, 1])
+    s = build_schedule(p, 1000, chunk_elems=1000)
+    assert s.num_rounds == 2 and len(s.chunk_seg) == len(s.seg_root)
+    rate = costmodel.plan_rate_gbps(p)
+    want = 2 * 1e-4 + 4000 / (rate * 1e9) * 2
+    assert costmodel.predicted_time(s, p, 4, 1e-4) == pytest.approx(want, rel=1e-12)
+
+
+def test_small_operand_gets_fewer_rounds_than_optimal_plan():
+    plans = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)
+    opt = plans[0]
+    assert len(opt.trees) == 17 and [len(p.trees) for p in plans[1:]] == [4, 2, 1]
+    lat = costmodel.step_latency("ppermute")
+    chosen, sched, t = costmodel.choose_schedule(plans, 1024, step_latency_s=lat)
+    base = build_schedule(opt, 1024, step_latency_s=lat)
+    # 17 one-chunk trees need 47 rounds on 8 ranks (one send / receive per rank and round)
+    assert base.num_rounds == 47 and sched.num_rounds == 9 and len(chosen.trees) == 1
+    assert t < costmodel.predicted_time(base, opt, 4, lat)
+    x = np.random.default_rng(0).integers(-99, 99, (8, 1024))
+    np.testing.assert_array_equal(execute(sched, x), np.broadcast_to(x.sum(0), x.shape))
+
+
+def test_large_operand_keeps_optimal_rate():
+    topo = Topology.host(8)
+    plans = mapping.candidate_plans(topo, "allreduce", ALL8, None)
+    assert len(plans) == 4
+    for impl in ("ppermute", "ffi"):
+        chosen, sched, _ = costmodel.choose_schedule(plans, 16 * 2**20, step_latency_s=costmodel.step_latency(impl))
+        assert chosen is plans[0] and chosen.rate_gbps == max(p.rate_gbps for p in plans)
+        assert len(sched.chunk_seg) > len(chosen.trees)  # pipelined
+    # dgx1v: ppermute's latency keeps one tree; a negligible latency buys rate with more trees (not
+    # all 17: the lightest trees' segments are too short to pipeline, the (k + d - 1) / k term)
+    dplans = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)
+    slow, _, _ = costmodel.choose_schedule(dplans, 2**24, step_latency_s=1e-4)
+    fast, _, _ = costmodel.choose_schedule(dplans, 2**24, step_latency_s=1e-9)
+    assert len(slow.trees) == 1 and len(fast.trees) > 1 and fast.rate_gbps > slow.rate_gbps
+
+
+def test_chunks_shrink_with_latency():
+    p = plan(Topology.host(8), "allreduce")
+    _, fast, _ = costmodel.choose_schedule([p], 2**22, step_latency_s=1e-6)
+    _, slow, _ = costmodel.choose_schedule([p], 2**22, step_latency_s=1e-3)
+    assert fast.num_rounds > slow.num_rounds and len(fast.chunk_seg) > len(slow.chunk_seg)
+
+
+def test_overrides_and_errors():
+    plans = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None, max_trees=2)
+    assert len(plans) == 1 and len(plans[0].trees) == 2
+    _, s, _ = costmodel.choose_schedule(plans, 1000, chunk_elems=100)
+    assert len(s.chunk_seg) == 7 + 4  # segments 667 and 333 (weights 50:25) in chunks of <= 100
+    assert mapping.candidate_plans(DGX1V, "allreduce", ALL8, None, algorithm="ring")[0].algorithm == "ring"
+    assert len(mapping.candidate_plans(DGX1V, "allreduce", ALL8, None, algorithm="ring")) == 1
+    with pytest.raises(ScheduleError, match="at least one plan"):
+        costmodel.choose_schedule([], 10)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="max_trees must be a positive int"):
+            mapping.make_plan_key(max_trees=bad)
+
+
+@pytest.mark.parametrize("max_trees", [None, 1, 3])
+def test_psum_max_trees_matches_lax(max_trees):
+    mesh = Mesh(np.array(jax.devices()[:8]), ("i",))
+    x = jnp.arange(8 * 300, dtype=jnp.int32).reshape(8, 300)
+    f = lambda m: jax.jit(jax.shard_map(m, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    got = f(lambda v: jax_blink.psum(v, "i", impl="ppermute", topology="dgx1v", max_trees=max_trees))(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(f(lambda v: lax.psum(v, "i"))(x)))
+    from jax_blink.primitives import build_request
+    key = mapping.make_plan_key("dgx1v", None, None, None, max_trees)
+    req = build_request("allreduce", mesh, ("i",), None, None, key, 300, 4, "cpu", "ppermute")
+    want = {None: 1, 1: 1, 3: 3}[max_trees]  # cost model: one tree for 1.2 KB on ppermute
+    assert len(req.schedules[0].seg_root) == want
+    with pytest.raises(ValueError, match="max_trees"):
+        f(lambda v: jax_blink.psum(v, "i", max_trees=0))(x)
