@@ -93,3 +93,17 @@ def test_psum_max_trees_matches_lax(max_trees):
     assert len(req.schedules[0].seg_root) == want
     with pytest.raises(ValueError, match="max_trees"):
         f(lambda v: jax_blink.psum(v, "i", max_trees=0))(x)
+
+
+def test_native_lowering_keeps_the_optimal_packing():
+    """Only the round-synchronous ppermute lowering trades trees for rounds; ffi keeps Blink's packing."""
+    from jax_blink import primitives
+
+    mesh = Mesh(np.array(jax.devices()), ("i",))
+    key = mapping.make_plan_key("dgx1v")
+    full = plan(DGX1V, "allreduce", devices=ALL8)
+    nel = 2**22
+    native = primitives.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cpu", "ffi")
+    assert len(native.schedules[0].seg_root) == len(full.trees)
+    portable = primitives.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cpu", "ppermute")
+    assert len(portable.schedules[0].seg_root) < len(full.trees)
