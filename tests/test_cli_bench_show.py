@@ -46,6 +46,11 @@ def test_bench_measure_runs_real_collective(capsys):
     assert main(["bench", "--topology", "dgx1v", "--sizes", "4K", "--measure", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "jax_blink.psum" in out and "lax.psum" in out and "yes" in out
+    # --devices and --topology apply to the measured run too (found by a user test)
+    assert main(["bench", "--topology", "dgx1v", "--devices", "0,2,5", "--sizes", "4K", "--measure",
+                 "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "measured on local JAX devices [0, 2, 5] planned on dgx1v" in out and "yes" in out
 
 
 def test_show_png(tmp_path, capsys):

@@ -168,11 +168,14 @@ def _progress(items, desc, enabled):
     return tqdm(items, desc=desc, unit="size", file=sys.stderr, leave=False, disable=None)
 
 
-def measure_sweep(sizes, repeats: int, progress=True, topology=None) -> list[dict]:
-    """Time ``jax_blink.psum`` and ``jax.lax.psum`` (float32, one pmap over all local devices).
+def measure_sweep(sizes, repeats: int, progress=True, topology=None, devices=None) -> list[dict]:
+    """Time ``jax_blink.psum`` and ``jax.lax.psum`` (float32, one pmap over local JAX devices).
 
-    Returns rows {"size", "n", "blink_s", "lax_s"}: median wall time per call, seconds, after one
-    warm-up call; both in the same run. Raises BlinkError when fewer than 2 devices are visible.
+    ``devices``: topology GPU ids to run on, taken as local JAX device ids (the default device map);
+    default all local devices. ``topology``: what jax_blink plans on (default: its own choice).
+    Returns rows {"size", "n", "blink_s", "lax_s", "equal"}: median wall time per call, seconds,
+    after one warm-up call; both in the same run. Raises BlinkError when fewer than 2 devices are
+    used or a device id is not a local JAX device.
     """
     import time
 
@@ -182,12 +185,19 @@ def measure_sweep(sizes, repeats: int, progress=True, topology=None) -> list[dic
 
     from .. import api
 
-    n = jax.local_device_count()
+    local = {d.id: d for d in jax.local_devices()}
+    ids = sorted(local) if devices is None else list(devices)
+    missing = [i for i in ids if i not in local]
+    if missing:
+        raise BlinkError(f"--measure runs on local JAX devices; ids {missing} are not among {sorted(local)} "
+                         "(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    n = len(ids)
     if n < 2:
         raise BlinkError("--measure needs at least 2 local JAX devices (on CPU set "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    f_blink = jax.pmap(lambda x: api.psum(x, "i", topology=topology), axis_name="i")
-    f_lax = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")
+    devs = [local[i] for i in ids]
+    f_blink = jax.pmap(lambda x: api.psum(x, "i", topology=topology), axis_name="i", devices=devs)
+    f_lax = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i", devices=devs)
     rows = []
     for s in _progress(sizes, "measuring", progress):
         x = jnp.ones((n, max(1, s // 4)), jnp.float32)
@@ -246,9 +256,10 @@ def run(args: argparse.Namespace) -> int:
     console.print("GB/s = 1e9 B/s; ring = NCCL-style ring packing, tree = NCCL double binary tree "
                   "(all-reduce only)")
     if args.measure:
-        mrows = measure_sweep(sizes, args.repeats)  # the local devices with their own default topology
-        mt = Table(title=f"measured on {mrows[0]['n']} local JAX devices (float32, pmap, median of "
-                         f"{args.repeats})", title_justify="left")
+        # The same topology and GPUs, run on the local JAX devices with those ids.
+        mrows = measure_sweep(sizes, args.repeats, topology=topo, devices=devices)
+        mt = Table(title=f"measured on local JAX devices {list(devices)} planned on {topo.name} (float32, "
+                         f"pmap, median of {args.repeats})", title_justify="left")
         for col in ("size", "jax_blink.psum", "lax.psum", "blink/lax time", "equal"):
             mt.add_column(col, justify="right")
         for r in mrows:
