@@ -185,9 +185,8 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
     root = int(root)
     impl = _impl(impl)
     key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm, max_trees)
-    if key.algorithm == "ring":
-        raise ValueError(f"{api}: algorithm 'ring' is an all-reduce algorithm (from "
-                         f"{'algorithm=' if algorithm is not None else mapping.ENV_ALGORITHM}); use "
+    if key.algorithm == "ring" and key.algorithm_strict:
+        raise ValueError(f"{api}: algorithm 'ring' is an all-reduce algorithm; use "
                          "'auto', 'trees' or 'hierarchical'")
     leaves, treedef, constant = _prepare(x, axes, api)
     prim = P.blink_broadcast_p if prim_name == "broadcast" else P.blink_reduce_p

@@ -82,6 +82,8 @@ class PlanKey:
       chunk_elems: fixed chunk size in elements for the schedule, or None for the cost model.
       algorithm: ``packing.plan``'s algorithm: "auto" (default), "trees", "ring" (all-reduce only)
         or "hierarchical" (Blink's three phases, section 5; groups spanning two or more nodes).
+      algorithm_strict: False when ``algorithm`` came from ``JAX_BLINK_ALGORITHM``: a global
+        preference applied where it fits (see :func:`effective_algorithm`), not an error elsewhere.
       max_trees: plan with at most this many trees, or None: the lowering picks the tree count per
         operand size by the cost model (:mod:`jax_blink.costmodel`).
     """
@@ -91,6 +93,7 @@ class PlanKey:
     chunk_elems: int | None = None
     algorithm: str = "auto"
     max_trees: int | None = None
+    algorithm_strict: bool = True
 
 
 def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=None,
@@ -99,10 +102,10 @@ def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=No
     ``algorithm`` is None, ``JAX_BLINK_ALGORITHM``; default "auto"). Raises ValueError for an
     unknown algorithm, naming where it came from, or a ``max_trees`` that is not a positive int."""
     from .packing import ALGORITHMS
-    where = "algorithm="
+    where, strict = "algorithm=", True
     if algorithm is None:
         algorithm = os.environ.get(ENV_ALGORITHM) or "auto"
-        where = ENV_ALGORITHM
+        where, strict = ENV_ALGORITHM, False
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{where} must be one of {ALGORITHMS}, got {algorithm!r}")
     if topology is None and os.environ.get(ENV_TOPOLOGY):
@@ -123,7 +126,8 @@ def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=No
         raise ValueError(f"chunk_elems must be a positive int, got {chunk_elems!r}")
     if max_trees is not None and (isinstance(max_trees, bool) or not isinstance(max_trees, int) or max_trees < 1):
         raise ValueError(f"max_trees must be a positive int or None (cost model), got {max_trees!r}")
-    return PlanKey(topology, _Frozen(dm) if dm is not None else None, chunk_elems, algorithm, max_trees)
+    return PlanKey(topology, _Frozen(dm) if dm is not None else None, chunk_elems, algorithm, max_trees,
+                   strict)
 
 
 @functools.lru_cache(maxsize=64)
@@ -197,6 +201,20 @@ def device_table(devices_flat, groups) -> np.ndarray:
     """int64 [ndevices, 3] rows (device_id, group, rank) for every member of every group."""
     rows = [(devices_flat[p].id, g, r) for g, members in enumerate(groups) for r, p in enumerate(members)]
     return np.asarray(rows, np.int64).reshape(-1, 3)
+
+
+def effective_algorithm(key: PlanKey, topology: Topology, collective: str, gpu_ids) -> str:
+    """``key.algorithm``, except that a preference from ``JAX_BLINK_ALGORITHM`` falls back to "auto"
+    where it does not apply: "ring" for broadcast/reduce, "hierarchical" for a group on one node.
+    An explicit ``algorithm=`` argument is used as given (the planner raises if it cannot apply)."""
+    from . import packing
+    if key.algorithm_strict or key.algorithm == "auto":
+        return key.algorithm
+    if key.algorithm == "ring" and collective != "allreduce":
+        return "auto"
+    if key.algorithm == "hierarchical" and len(packing._node_groups(topology, list(gpu_ids))) < 2:
+        return "auto"
+    return key.algorithm
 
 
 def plan_group(topology: Topology, collective: str, gpu_ids: list[int], root_rank: int | None,

@@ -259,13 +259,13 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
     for members in groups:
         gpus = tuple(all_ids[p] for p in members)
         if gpus not in cache:
+            algorithm = mapping.effective_algorithm(key, topo, collective, gpus)
             if impl == "ppermute":
-                plans = mapping.candidate_plans(topo, collective, list(gpus), root, key.algorithm,
-                                                key.max_trees)
+                plans = mapping.candidate_plans(topo, collective, list(gpus), root, algorithm, key.max_trees)
             else:
                 # Native executors pipeline each tree on its own (streams / tiles), with no global
                 # round barrier: keep the bandwidth-optimal packing (Blink's point); only chunks vary.
-                plans = [mapping.plan_group(topo, collective, list(gpus), root, key.algorithm, key.max_trees)]
+                plans = [mapping.plan_group(topo, collective, list(gpus), root, algorithm, key.max_trees)]
             _, cache[gpus], _ = costmodel.choose_schedule(
                 plans, nelems, itemsize=itemsize, step_latency_s=costmodel.step_latency(impl),
                 chunk_elems=key.chunk_elems)

@@ -218,3 +218,18 @@ def test_algorithm_argument_and_env(monkeypatch):
     one_node = lambda v: jax_blink.psum(v[0], "i", impl="ppermute", algorithm="hierarchical")[None]
     with pytest.raises(PlanError, match="two or more nodes"):
         jax.jit(jax.shard_map(one_node, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
+
+
+def test_env_algorithm_is_a_preference_where_it_applies(monkeypatch):
+    """$JAX_BLINK_ALGORITHM=ring / hierarchical must not break broadcast/reduce or one-node meshes
+    (found by a user test); the explicit algorithm= argument still raises (test above)."""
+    mesh = mesh1(range(8))
+    x = per_device(8, (3, 7), "int32", seed=9)
+    for env in ("ring", "hierarchical"):
+        monkeypatch.setenv("JAX_BLINK_ALGORITHM", env)
+        bc = lambda v: jax_blink.broadcast(v, "i", root=2, topology="dgx1v")
+        got = jax.jit(jax.shard_map(bc, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
+        np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(np.asarray(x)[2:3], x.shape))
+        ps = lambda v: jax_blink.psum(v, "i", topology="dgx1v")
+        got = jax.jit(jax.shard_map(ps, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
+        assert_allreduce(got, x)  # int32 sums wrap like lax
