@@ -40,3 +40,6 @@ def test_demo_bad_batch_size_is_a_clear_error():
     assert p.returncode == 2
     assert "--batch-size 60 does not split over 8 devices: use a multiple of 8" in p.stderr
     assert "Traceback" not in p.stderr
+    p = _demo("--epochs", "1", "--batch-size", "1600")
+    assert p.returncode == 2
+    assert "larger than the training split (1437 images)" in p.stderr and "Traceback" not in p.stderr

@@ -113,6 +113,16 @@ def test_script_rejects_a_batch_that_does_not_split_before_training(ex, capsys, 
     assert "Traceback" not in err
 
 
+def test_script_rejects_a_batch_larger_than_the_training_split(ex, capsys):
+    """Found by a user test: --batch-size 2000 ran zero steps and reported nan (the demo crashed)."""
+    with pytest.raises(SystemExit) as exc:
+        ex.main(["--batch-size", "2000", "--epochs", "1", "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--batch-size 2000 is larger than the training split (1437 images)" in err
+    assert "use at most 1432" in err and "Traceback" not in err
+
+
 def test_multiprocess_launcher_help_lists_the_worker_options():
     import pathlib
     import subprocess

@@ -399,9 +399,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args, ndevices: int = 8) -> Config:
-    """A Config from parsed ``add_arguments`` options; ValueError on non-positive counts."""
+    """A Config from parsed ``add_arguments`` options; ValueError on non-positive counts or a batch
+    larger than the training split (an epoch would have no step)."""
     if args.epochs < 1 or args.batch_size < 1 or args.lr <= 0:
         raise ValueError("--epochs, --batch-size and --lr must be positive")
+    n_train = len(load_data(args.seed)[1])
+    if args.batch_size > n_train:
+        raise ValueError(f"--batch-size {args.batch_size} is larger than the training split ({n_train} images), "
+                         f"so an epoch would have no step: use at most {n_train // ndevices * ndevices}")
     return Config(mode=args.mode, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                   seed=args.seed, ndevices=ndevices, progress=not args.no_progress)
 
