@@ -22,12 +22,8 @@ import math
 
 from . import bounds as _bounds
 from .errors import PlanError
-from .packing import Plan, Tree, _ring_trees, job_devices
+from .packing import Plan, Tree, _hops, _ring_trees, job_devices
 from .simulate import route
-
-
-def _hops(path) -> list:
-    return list(zip(path, path[1:]))
 
 
 def ring_plan(topology, collective: str = "allreduce", *, devices=None, root=None) -> Plan:
