@@ -112,12 +112,6 @@ class RouteTable:
                 inc[u, v] = m
         return cls(devices, g, links, cap, routes, inc, relays)
 
-    def reachable_from(self, root) -> set:
-        """GPUs reachable from ``root`` over GPU-level routes (relaying at GPUs allowed)."""
-        h = nx.DiGraph([(u, v) for (u, v), r in self.routes.items() if r])
-        h.add_nodes_from(self.devices)
-        return nx.descendants(h, root) | {root}
-
     def check_connected(self, what: str) -> None:
         """Raise PlanError naming GPUs that cannot reach each other over the job's links."""
         h = nx.DiGraph([(u, v) for (u, v), r in self.routes.items() if r])
