@@ -10,7 +10,7 @@ import sys
 from ..bounds import ring_rate
 from ..discovery import load_topology
 from ..errors import BlinkError, PlanError
-from ..packing import plan
+from ..packing import ALGORITHMS, plan
 from ._args import add_job_arguments, check_root, parse_devices
 
 
@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     --rate-tolerance, --relays, --json."""
     add_job_arguments(p)
     p.add_argument("--max-trees", type=int, default=None, help="use at most K trees (the rate loss is reported)")
-    p.add_argument("--algorithm", choices=("auto", "trees", "ring", "hierarchical"), default="auto",
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="auto",
                    help="force an algorithm (default: the fastest on predicted time)")
     p.add_argument("--rate-tolerance", type=float, default=0.0, metavar="F",
                    help="drop the lightest trees while the rate stays within this fraction (e.g. 0.01)")
