@@ -36,6 +36,7 @@ import networkx as nx
 
 from .errors import BlinkError, PlanError, ScheduleError
 from .schedule import COPY, REDUCE, Schedule, choose_chunks
+from .topology import _key
 
 DEFAULT_LATENCY_US = 2.0
 DEFAULT_MAX_CHUNKS = 64
@@ -166,13 +167,10 @@ def route(topology, src, dst, *, via=None) -> tuple:
         raise PlanError(f"no route from GPU {src} to GPU {dst} in topology {topology.name!r} through "
                         f"switch nodes; add the PCIe/host tree to the topology or use GPUs that are "
                         f"linked") from None
-    best = max(paths, key=lambda p: (min(g.edges[a, b]["bandwidth_gbps"] for a, b in zip(p, p[1:])),
-                                     [-_order(x) for x in p]))
+    # widest bottleneck first, then the smallest node sequence (GPUs before switches, by id/name)
+    best = min(paths, key=lambda p: (-min(g.edges[a, b]["bandwidth_gbps"] for a, b in zip(p, p[1:])),
+                                     [_key(x) for x in p]))
     return tuple(zip(best, best[1:]))
-
-
-def _order(x) -> float:
-    return float(x) if isinstance(x, int) else 1e9 + sum(map(ord, str(x)))
 
 
 def tree_gpu_edges(tree, devices, *, reduce: bool = False) -> list[tuple]:
