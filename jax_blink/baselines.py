@@ -22,7 +22,7 @@ import math
 
 from . import bounds as _bounds
 from .errors import PlanError
-from .packing import Plan, Tree, _hops, _ring_trees, job_devices
+from .packing import Plan, Tree, _hops, _ring_trees, job_devices, ring_paths
 from .simulate import route
 
 
@@ -57,16 +57,9 @@ def ring_plan(topology, collective: str = "allreduce", *, devices=None, root=Non
         return Plan(collective, None, devices, trees, rate, rate, "ring", note)
     trees = []
     for cycle, routes, b in rings:
-        nxt = {r[0]: r for r in routes}  # GPU -> route to the next GPU on the ring
-        k = cycle.index(root)
-        order = cycle[k:] + cycle[:k]
-        chain = tuple(h for x in order[:-1] for h in _hops(nxt[x]))
-        if collective == "broadcast":
-            trees.append(Tree(root, b, chain))
-        else:
-            # reduce flows along the ring into the root: order[1] -> order[2] -> ... -> root
-            red = tuple(h for x in order[1:] for h in _hops(nxt[x][::-1]))
-            trees.append(Tree(root, b, chain, red))
+        chain, red = ring_paths(cycle, routes, root)
+        # reduce flows along the ring into the root: the GPU after it -> ... -> root
+        trees.append(Tree(root, b, chain) if collective == "broadcast" else Tree(root, b, chain, red))
     return Plan(collective, root, devices, tuple(trees), b_ring, b_ring, "ring", note)
 
 

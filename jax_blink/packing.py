@@ -400,18 +400,29 @@ def _tree_plan(topology, devices, collective, root, max_trees, relays=(), target
     return trees, float(sum(ws)), res.dual_bound, table, notes, res.rate
 
 
+def ring_paths(cycle, routes, start) -> tuple:
+    """The ring ``cycle`` (GPU order, ``routes`` its hop paths to the next GPU) walked from ``start``.
+
+    Returns ``(bcast, reduce)`` hop tuples in the Tree format: the broadcast path along the ring from
+    ``start`` to the GPU before it, and the reduce in-path along the same direction ending at
+    ``start`` (the data of a ring all-reduce segment, NCCL)."""
+    nxt = {r[0]: r for r in routes}  # GPU -> its route to the next GPU on the ring
+    k = cycle.index(start)
+    order = cycle[k:] + cycle[:k]
+    bcast = tuple(h for x in order[:-1] for h in _hops(nxt[x]))
+    reduce = tuple(h for x in order[1:] for h in _hops(nxt[x][::-1]))
+    return bcast, reduce
+
+
 def _ring_trees(rings, n) -> list:
     """A ring packing as all-reduce trees: per ring of bandwidth b and per GPU v, a tree rooted at v
     of weight b / (2(n-1)) whose reduce is the in-path along the ring ending at v and whose broadcast
     is the path along the ring from v (reduce-scatter + all-gather on a ring, NCCL)."""
     trees = []
     for cycle, routes, b in rings:
-        nxt = {r[0]: r for r in routes}  # GPU -> its route to the next GPU on the ring
-        for k, v in enumerate(cycle):
-            order = cycle[k:] + cycle[:k]
-            bc = [h for x in order[:-1] for h in _hops(nxt[x])]
-            red = [h for x in order[1:] for h in _hops(nxt[x][::-1])]
-            trees.append(Tree(v, _round(b / (2 * (n - 1))), tuple(bc), tuple(red)))
+        for v in cycle:
+            bc, red = ring_paths(cycle, routes, v)
+            trees.append(Tree(v, _round(b / (2 * (n - 1))), bc, red))
     return trees
 
 
