@@ -252,6 +252,16 @@ def _failure_message(result: LaunchResult, timeout_s: float, grace_s: float) -> 
     return "multi-process run failed:\n" + "\n".join(lines)
 
 
+def launch_cli(cmd, processes: int, local_devices, **kw) -> int:
+    """:func:`launch` for a command line: exit status 0, or 1 with the failure printed to stderr."""
+    try:
+        launch(cmd, processes, local_devices, echo=True, **kw)
+    except (LaunchError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m jax_blink.launch --processes N [--local-devices L] -- script.py ARGS``."""
     ap = argparse.ArgumentParser(prog="python -m jax_blink.launch", description=__doc__.splitlines()[0])
@@ -265,13 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not cmd:
-        ap.error("give the script to run after --, e.g. -- examples/multiprocess/train.py")
-    try:
-        launch(cmd, a.processes, a.local_devices, timeout_s=a.timeout, grace_s=a.grace, echo=True)
-    except (LaunchError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
+        ap.error("give the script to run after --, e.g. -- examples/multiprocess/worker.py")
+    return launch_cli(cmd, a.processes, a.local_devices, timeout_s=a.timeout, grace_s=a.grace)
 
 
 if __name__ == "__main__":

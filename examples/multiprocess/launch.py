@@ -16,7 +16,7 @@ import argparse
 import pathlib
 import sys
 
-from jax_blink.launch import LaunchError, launch
+from jax_blink.launch import launch_cli
 
 WORKER = pathlib.Path(__file__).resolve().parent / "worker.py"
 
@@ -51,13 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--local-devices", type=int, default=4, help="host CPU devices per process (0: platform default)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before every process is killed")
     args, rest = p.parse_known_args(argv)
-    try:
-        launch([str(WORKER), *rest], args.processes, args.local_devices or None,
-               timeout_s=args.timeout, echo=True)
-    except (LaunchError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
+    return launch_cli([str(WORKER), *rest], args.processes, args.local_devices or None,
+                      timeout_s=args.timeout)
 
 
 if __name__ == "__main__":
