@@ -292,14 +292,81 @@ bool MeetingKey::operator<(const MeetingKey& o) const {
   return std::tie(run_id, call_site, group, generation) < std::tie(o.run_id, o.call_site, o.group, o.generation);
 }
 
-void Meeting::Finish(const std::string& err) {
-  for (auto& a : arrivals)
-    if (a.done) {
-      auto done = std::move(a.done);
-      a.done = nullptr;
-      done(err);
+namespace {
+
+class CompletionPool {
+ public:
+  static CompletionPool& Get() {
+    static CompletionPool* p = new CompletionPool();  // leaked: threads may outlive static destruction
+    return *p;
+  }
+  void Post(std::function<void()> f) {
+    std::lock_guard<std::mutex> lock(mu_);
+    q_.push_back(std::move(f));
+    // Every queued task must have a thread that is free for it: an idle one or one starting.
+    if (idle_ + starting_ >= static_cast<int64_t>(q_.size())) {
+      cv_.notify_one();
+    } else {
+      ++starting_;
+      ++threads_;
+      std::thread([this] { Loop(); }).detach();
     }
+  }
+  int64_t Threads() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return threads_;
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    --starting_;
+    for (;;) {
+      while (!q_.empty()) {
+        std::function<void()> f = std::move(q_.front());
+        q_.pop_front();
+        lock.unlock();
+        f();
+        f = nullptr;
+        lock.lock();
+      }
+      ++idle_;
+      bool work = cv_.wait_for(lock, std::chrono::seconds(30), [this] { return !q_.empty(); });
+      --idle_;
+      if (!work) {
+        --threads_;
+        return;
+      }
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> q_;
+  int64_t idle_ = 0, starting_ = 0, threads_ = 0;
+};
+
+// Completes each arrival's `done` on its own thread; arrivals[inline_rank]'s (if any) on this one, last.
+void CompleteAll(std::vector<Arrival>& arrivals, const std::string& err, int64_t inline_rank) {
+  std::function<void(const std::string&)> mine;
+  for (size_t r = 0; r < arrivals.size(); ++r) {
+    if (!arrivals[r].done) continue;
+    auto done = std::move(arrivals[r].done);
+    arrivals[r].done = nullptr;
+    if (static_cast<int64_t>(r) == inline_rank) {
+      mine = std::move(done);
+      continue;
+    }
+    PostCompletion([done = std::move(done), err]() { done(err); });
+  }
+  if (mine) mine(err);
 }
+
+}  // namespace
+
+void PostCompletion(std::function<void()> task) { CompletionPool::Get().Post(std::move(task)); }
+int64_t CompletionThreads() { return CompletionPool::Get().Threads(); }
+
+void Meeting::Finish(const std::string& err, int64_t inline_rank) { CompleteAll(arrivals, err, inline_rank); }
 
 int64_t NextGeneration(int64_t run_id, int64_t call_site, int64_t device) {
   // Recent runs per (call site, device); runs are few at a time, so keep the last 64.
@@ -317,6 +384,7 @@ int64_t NextGeneration(int64_t run_id, int64_t call_site, int64_t device) {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr int64_t kAnyGroup = -1;  // a failure remembered for every group of a call
 
 struct Pending {
   std::shared_ptr<Meeting> meeting;
@@ -340,6 +408,7 @@ class Registry {
     {
       std::unique_lock<std::mutex> lock(mu_);
       auto f = failed_.find(key);
+      if (f == failed_.end()) f = failed_.find(MeetingKey{key.run_id, key.call_site, kAnyGroup, key.generation});
       if (f != failed_.end()) {
         err = f->second + " (this device arrived after the meeting had failed)";
       } else {
@@ -386,10 +455,30 @@ class Registry {
         RememberFailure(key, err);
       }
     }
-    for (auto& b : to_fail)
-      if (b.done) b.done(err);
+    // Others each on a thread of their own; a inline: this is a's handler thread and a's future has
+    // not been returned yet, so no continuation of a's can run here.
+    CompleteAll(to_fail, err, -1);
     if (a.done) a.done(err);
     return nullptr;
+  }
+
+  void FailCall(int64_t run_id, int64_t call_site, int64_t generation, const std::string& err) {
+    std::vector<std::shared_ptr<Meeting>> failed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        const MeetingKey& k = it->first;
+        if (k.run_id == run_id && k.call_site == call_site && k.generation == generation) {
+          failed.push_back(it->second.meeting);
+          RememberFailure(k, err);
+          it = pending_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      RememberFailure(MeetingKey{run_id, call_site, kAnyGroup, generation}, err);
+    }
+    for (auto& m : failed) m->Finish(err);
   }
 
  private:
@@ -466,6 +555,10 @@ class Registry {
 std::shared_ptr<Meeting> Arrive(const MeetingKey& key, std::shared_ptr<const CallSiteInfo> info, Arrival a,
                                 int64_t timeout_ms) {
   return Registry::Get().Arrive(key, std::move(info), std::move(a), timeout_ms);
+}
+
+void FailCall(int64_t run_id, int64_t call_site, int64_t generation, const std::string& err) {
+  Registry::Get().FailCall(run_id, call_site, generation, err);
 }
 
 int64_t EffectiveTimeoutMs(int64_t attr_ms) {

@@ -138,9 +138,22 @@ struct Meeting {
   std::shared_ptr<const CallSiteInfo> info;
   std::shared_ptr<const ExecPlan> plan;
   std::vector<Arrival> arrivals;  // by rank
-  // Completes every participant (success when err is empty).
-  void Finish(const std::string& err);
+  // Completes every participant (success when err is empty). Each participant's `done` runs on a
+  // thread of its own (Completions), except `inline_rank`'s, which runs on the calling thread last;
+  // pass it only when the caller is that rank's own handler thread (its continuation cannot start
+  // before the handler returns) or a thread with nothing left to do. Why: completing an XLA future
+  // may run that device's program inline, and it may then wait in an XLA collective for the other
+  // devices, which this thread would never release (docs/architecture.md, "Rendezvous").
+  void Finish(const std::string& err, int64_t inline_rank = -1);
 };
+
+// Runs completions so that no participant's continuation can delay another's release: each task
+// goes to an idle thread, and a new thread starts when none is idle (a cached thread pool; threads
+// idle for 30 s exit). So whatever the core count, a continuation that blocks (in an XLA collective
+// waiting for peers) holds only its own thread.
+void PostCompletion(std::function<void()> task);
+// Threads the completion pool holds now (started and not yet exited); for tests.
+int64_t CompletionThreads();
 
 // Per-device generation: how many calls this device made before at (run_id, call_site).
 int64_t NextGeneration(int64_t run_id, int64_t call_site, int64_t device);
@@ -151,6 +164,11 @@ int64_t NextGeneration(int64_t run_id, int64_t call_site, int64_t device);
 // the error (and the other arrivals too) and nullptr is returned.
 std::shared_ptr<Meeting> Arrive(const MeetingKey& key, std::shared_ptr<const CallSiteInfo> info,
                                 Arrival a, int64_t timeout_ms);
+
+// Fails the call of (run_id, call_site, generation) in every group: a device that cannot join (bad
+// attribute, not in the device table, unsupported dtype) brings its error to the meeting, so its
+// peers fail at once with that error instead of waiting for the timeout; later arrivals fail at once.
+void FailCall(int64_t run_id, int64_t call_site, int64_t generation, const std::string& err);
 
 // Timeout in ms: JAX_BLINK_TIMEOUT_S when set (seconds, may be fractional), else attr_ms when > 0,
 // else 60 s.

@@ -249,18 +249,20 @@ struct Job {
   }
 
   // Runs tiles until none are left; the thread finishing the last tile completes the meeting.
-  static void Work(const std::shared_ptr<Job>& job) {
+  // inline_rank: the rank whose handler thread this is (-1 on a helper), completed inline.
+  static void Work(const std::shared_ptr<Job>& job, int64_t inline_rank) {
     int64_t t;
     while ((t = job->next.fetch_add(1, std::memory_order_relaxed)) < job->total) {
       job->RunTile(t);
-      if (job->done.fetch_add(1, std::memory_order_acq_rel) + 1 == job->total) job->meeting->Finish("");
+      if (job->done.fetch_add(1, std::memory_order_acq_rel) + 1 == job->total)
+        job->meeting->Finish("", inline_rank);
     }
   }
 };
 
 }  // namespace
 
-void ExecuteOnCpu(std::shared_ptr<Meeting> meeting) {
+void ExecuteOnCpu(std::shared_ptr<Meeting> meeting, int64_t caller_rank) {
   // 32 KiB tiles: a star tree over 8 ranks touches 16 such buffers per tile (512 KiB), within L2.
   constexpr int64_t kTileBytes = 32 << 10;
   // A helper's wake-up costs tens of microseconds: only worth it from 1 MiB moved (all ranks).
@@ -284,13 +286,13 @@ void ExecuteOnCpu(std::shared_ptr<Meeting> meeting) {
     if (huge) AdviseHugePages(a.out, rank_bytes);
   }
   if (job->total == 0) {
-    meeting->Finish("");
+    meeting->Finish("", caller_rank);
     return;
   }
   const int64_t bytes = rank_bytes * static_cast<int64_t>(m.arrivals.size());
   int64_t helpers = std::min<int64_t>({Pool::Get().size(), job->total - 1, bytes / kHelperBytes});
-  for (int64_t i = 0; i < helpers; ++i) Pool::Get().Post([job] { Job::Work(job); });
-  Job::Work(job);
+  for (int64_t i = 0; i < helpers; ++i) Pool::Get().Post([job] { Job::Work(job, -1); });
+  Job::Work(job, caller_rank);
 }
 
 }  // namespace jax_blink

@@ -10,7 +10,9 @@ namespace jax_blink {
 // Runs the meeting's plan over the arrivals' buffers on the calling thread plus a small worker pool
 // (JAX_BLINK_CPU_THREADS threads in all, caller included; default one per core), then calls
 // meeting->Finish(""). Never blocks waiting for other threads: the thread that completes the last tile
-// finishes the meeting. Large outputs get a transparent-huge-page hint (JAX_BLINK_CPU_HUGEPAGES=0: off).
-void ExecuteOnCpu(std::shared_ptr<Meeting> meeting);
+// finishes the meeting. caller_rank: the rank whose handler thread calls this (its completion may run
+// inline; every other rank's runs on a thread of its own, see Meeting::Finish), or -1.
+// Large outputs get a transparent-huge-page hint (JAX_BLINK_CPU_HUGEPAGES=0: off).
+void ExecuteOnCpu(std::shared_ptr<Meeting> meeting, int64_t caller_rank);
 
 }  // namespace jax_blink

@@ -41,19 +41,25 @@ ffi::Future Ready() {
 ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Span<const int64_t> schedule, ffi::Span<const int64_t> device_table,
                          int64_t call_site, int64_t timeout_ms) {
-  auto dt = DtypeFromXla(x.element_type());
-  if (!dt) return Failed(ffi::ErrorCode::kInvalidArgument, "jax_blink: unsupported dtype for the ffi collective");
   const int64_t nelems = static_cast<int64_t>(x.element_count());
-  if (nelems == 0) return Ready();
+  if (nelems == 0) return Ready();  // the same shape on every device: nobody meets
   if (IsTestAbsentDevice(device)) return Ready();  // test hook: this device never arrives
+  const int64_t generation = NextGeneration(run.run_id, call_site, device);
+  // A device that cannot join fails the whole call at once: its peers get its error now, not at the
+  // timeout (and never wait on a participant that will not come).
+  auto cannot_join = [&](const std::string& why) {
+    std::string msg = "jax_blink: device " + std::to_string(device) + " cannot join the collective: " + why;
+    FailCall(run.run_id, call_site, generation, msg);
+    return Failed(ffi::ErrorCode::kInvalidArgument, msg);
+  };
+  auto dt = DtypeFromXla(x.element_type());
+  if (!dt) return cannot_join("unsupported dtype for the ffi collective");
   std::shared_ptr<const CallSiteInfo> info;
   std::string err = GetCallSiteInfo(call_site, schedule.begin(), schedule.size(), device_table.begin(),
                                     device_table.size(), &info);
-  if (!err.empty()) return Failed(ffi::ErrorCode::kInvalidArgument, err);
+  if (!err.empty()) return cannot_join(err);
   const DeviceTable::Entry* e = info->table.Find(device);
-  if (!e)
-    return Failed(ffi::ErrorCode::kInvalidArgument,
-                  "jax_blink: device " + std::to_string(device) + " is not in the collective's device table");
+  if (!e) return cannot_join("it is not in the collective's device table");
   ffi::Promise promise;
   ffi::Future future(promise);
   Arrival a;
@@ -67,9 +73,9 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::AnyBuffer x, ffi::
     if (msg.empty()) promise.SetAvailable();
     else promise.SetError(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg));
   };
-  MeetingKey key{run.run_id, call_site, e->group, NextGeneration(run.run_id, call_site, device)};
+  MeetingKey key{run.run_id, call_site, e->group, generation};
   auto meeting = Arrive(key, info, std::move(a), EffectiveTimeoutMs(timeout_ms));
-  if (meeting) ExecuteOnCpu(std::move(meeting));
+  if (meeting) ExecuteOnCpu(std::move(meeting), e->rank);
   return future;
 }
 
@@ -144,7 +150,7 @@ std::string Simulate(I64Array schedule, I64Array device_table, std::vector<int64
       MeetingKey key{run, call_site, e->group, NextGeneration(run, call_site, devices[i])};
       threads.emplace_back([key, info, a, timeout_ms]() mutable {
         auto m = Arrive(key, info, std::move(a), timeout_ms);
-        if (m) ExecuteOnCpu(std::move(m));
+        if (m) ExecuteOnCpu(std::move(m), -1);
       });
     }
     for (auto& t : threads) t.join();
