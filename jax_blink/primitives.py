@@ -215,16 +215,23 @@ batching.fancy_primitive_batchers[blink_reduce_p] = _reduce_batcher
 
 
 # -------------------------------------------------------------------------------- lowering
+def _native_auto_allowed(platform: str) -> bool:
+    from .lowering import ffi as _ffi  # registers the ffi lowerings; imported late (it imports jax)
+    return _ffi.native_auto_allowed(platform)
+
+
 def choose_lowering(impl: str, platforms, processes: int = 1) -> tuple[str, object]:
     """(impl name, rule) for ``impl`` on the module's platforms. Raises BlinkError if unavailable.
 
-    "auto" = "ffi" when registered for every platform of the module and the mesh lies in one
-    process (``processes == 1``; the custom call meets its peers in process memory), else "ppermute".
+    "auto" = "ffi" when registered for every platform of the module, the mesh lies in one process
+    (``processes == 1``; the custom call meets its peers in process memory) and, on GPUs, the native
+    executor passed ``jax_blink.selftest()`` here (``lowering.ffi.native_auto_allowed``), else "ppermute".
     """
     platforms = list(platforms)
     if impl == "auto":
         rules = [_lowering.find_lowering("ffi", p) for p in platforms]
-        if processes == 1 and all(r is not None for r in rules) and len(set(rules)) == 1:
+        if (processes == 1 and all(r is not None for r in rules) and len(set(rules)) == 1
+                and all(_native_auto_allowed(p) for p in platforms)):
             return "ffi", rules[0]
         impl = "ppermute"
     if impl == "ffi" and processes > 1:

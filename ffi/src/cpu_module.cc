@@ -16,6 +16,7 @@
 #include "cpu_executor.h"
 #include "gpu_emulator.h"
 #include "gpu_program.h"
+#include "cuda_compat.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_dtype.h"
 
@@ -280,6 +281,10 @@ NB_MODULE(_cpu, m) {
   m.def("gpu_program_check", &jax_blink::GpuProgramCheck, nb::arg("schedule"), nb::arg("dtype"), nb::arg("inputs"),
         nb::arg("expected"), nb::arg("rank_device"), nb::arg("peer_ok"), nb::arg("max_streams"), nb::arg("seeds"),
         nb::arg("mutate"), "Test entry: build, race-check and emulate the CUDA executor's GPU program.");
+  m.def("arch_support_reason", &jax_blink::ArchSupportReason, nb::arg("archs"), nb::arg("major"), nb::arg("minor"),
+        "'' when a CUDA binary with these architectures runs on compute capability major.minor, else why not.");
+  m.def("driver_support_reason", &jax_blink::DriverSupportReason, nb::arg("driver_version"),
+        nb::arg("runtime_version"), "'' when the driver can run a runtime of that version, else why not.");
   m.def("gpu_program_describe", &jax_blink::GpuProgramDescribe, nb::arg("schedule"), nb::arg("elem_size"),
         nb::arg("rank_device"), nb::arg("peer_ok"), nb::arg("max_streams"), "The GPU program's listing.");
 }

@@ -1,0 +1,128 @@
+"""CUDA executor safety logic that runs without a GPU: build/driver compatibility rules, the CUDA device
+table (keyed by local hardware id), the safe ``impl="auto"`` default, and ``jax-blink selftest``
+without GPUs."""
+
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import jax_blink.api  # noqa: F401  (registers the lowerings)
+from jax_blink import _native, gpu_selftest
+from jax_blink import lowering as _lowering
+from jax_blink.errors import BlinkError
+from jax_blink.lowering import ffi as ffi_lowering
+from jax_blink.primitives import choose_lowering
+
+cpu = _native.cpu
+FAT = "75-real,80-real,86-real,89-real,90"
+
+
+@pytest.mark.parametrize("cc,ok", [((7, 0), False), ((7, 5), True), ((8, 0), True), ((8, 6), True), ((8, 7), True),
+                                   ((8, 9), True), ((9, 0), True), ((10, 0), True), ((12, 0), True), ((6, 1), False)])
+def test_arch_support_fat_binary(cc, ok):
+    why = cpu.arch_support_reason(FAT, *cc)
+    assert (why == "") == ok, why
+    if not ok:
+        assert f"{cc[0]}.{cc[1]}" in why and f"JAX_BLINK_CUDA_ARCH" in why
+
+
+def test_arch_support_cubin_only_and_ptx_only():
+    assert cpu.arch_support_reason("90-real", 10, 0) != ""     # sm_90 cubin does not run on sm_100
+    assert cpu.arch_support_reason("90-real", 9, 0) == ""
+    assert cpu.arch_support_reason("80-virtual", 9, 0) == ""   # PTX JIT-compiles upwards
+    assert cpu.arch_support_reason("80-virtual", 7, 5) != ""
+    assert cpu.arch_support_reason("86-real", 8, 0) != ""      # a cubin never runs on a lower minor
+    assert cpu.arch_support_reason("70-real;75-real", 7, 0) == ""  # ';' separated as CMake writes it
+
+
+def test_driver_support():
+    assert cpu.driver_support_reason(13000, 13000) == ""
+    assert cpu.driver_support_reason(13020, 13000) == ""
+    assert cpu.driver_support_reason(12080, 12040) == ""
+    assert "CUDA 12.4" in cpu.driver_support_reason(12040, 13000)
+    assert "no NVIDIA driver" in cpu.driver_support_reason(0, 13000)
+
+
+def _dev(id, hw, proc=0):
+    return types.SimpleNamespace(id=id, local_hardware_id=hw, process_index=proc)
+
+
+def test_cuda_device_table_keyed_by_local_hardware_id():
+    # A permuted mesh of global ids 10..13 on CUDA ordinals 3, 2, 1, 0 (e.g. a visible-device subset)
+    devices = [_dev(10, 3), _dev(11, 2), _dev(12, 1), _dev(13, 0)]
+    table = np.array([(12, 0, 0), (10, 0, 1), (13, 0, 2), (11, 0, 3)], np.int64).reshape(-1)
+    got = ffi_lowering.cuda_device_table(table, devices, 0).reshape(-1, 3)
+    assert got.tolist() == [[1, 0, 0], [3, 0, 1], [0, 0, 2], [2, 0, 3]]
+    # the native side finds each rank by that key: run a meeting whose participants arrive as CUDA ordinals
+    from jax_blink.packing import plan
+    from jax_blink.schedule import build_schedule, execute
+    from jax_blink.topology import Topology
+    s = build_schedule(plan(Topology.host(4), "allreduce"), 100, chunk_elems=10)
+    xs = [np.arange(100, dtype=np.float32) * (r + 1) for r in range(4)]
+    ordinal_of_rank = [1, 3, 0, 2]
+    outs = [np.zeros(100, np.float32) for _ in range(4)]
+    err = cpu.simulate(s.to_array(), got.reshape(-1), ordinal_of_rank, xs, outs, ["float32"] * 4, 5000, 77)
+    assert err == ""
+    assert np.stack(outs).tobytes() == execute(s, np.stack(xs)).tobytes()
+
+
+@pytest.mark.parametrize("devices,match", [
+    ([_dev(10, 0), _dev(11, 1, proc=1)], "belongs to process 1"),
+    ([_dev(10, 0), _dev(11, 0)], "share local hardware id 0"),
+    ([_dev(10, 0), _dev(11, None)], "no local hardware id"),
+    ([_dev(10, 0)], "not in the mesh"),
+])
+def test_cuda_device_table_refuses_what_the_handler_could_not_resolve(devices, match):
+    table = np.array([(10, 0, 0), (11, 0, 1)], np.int64).reshape(-1)
+    with pytest.raises(BlinkError, match=match):
+        ffi_lowering.cuda_device_table(table, devices, 0)
+
+
+@pytest.fixture
+def fake_cuda_ffi(monkeypatch, tmp_path):
+    """An 'ffi' rule registered for platform cuda, a private record file, no env override."""
+    rule = lambda *a, **k: None  # noqa: E731
+    monkeypatch.setitem(_lowering.LOWERINGS.setdefault("ffi", {}), "cuda", rule)
+    monkeypatch.setenv("JAX_BLINK_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("JAX_BLINK_CUDA_NATIVE", raising=False)
+    return rule
+
+
+def test_auto_uses_ppermute_on_gpus_until_the_selftest_passed(fake_cuda_ffi, monkeypatch):
+    key = {"gpus": ["NVIDIA H200 (sm_90)"], "driver": 13000, "build": "abc"}
+    monkeypatch.setattr(gpu_selftest, "machine_key", lambda: key)
+    with pytest.warns(UserWarning, match="jax-blink selftest"):
+        assert choose_lowering("auto", ["cuda"])[0] == "ppermute"
+    assert choose_lowering("ffi", ["cuda"])[0] == "ffi"      # explicit choice is honoured
+    assert choose_lowering("auto", ["cpu"])[0] == "ffi"      # CPU is not gated
+    path = gpu_selftest.record_pass(key)
+    assert path.parent == gpu_selftest.record_path().parent and path.exists()
+    assert choose_lowering("auto", ["cuda"])[0] == "ffi"
+    # another driver (or GPU, or build) needs its own pass
+    monkeypatch.setattr(gpu_selftest, "machine_key", lambda: dict(key, driver=13010))
+    assert choose_lowering("auto", ["cuda"])[0] == "ppermute"
+
+
+def test_env_overrides_the_gate(fake_cuda_ffi, monkeypatch):
+    monkeypatch.setenv("JAX_BLINK_CUDA_NATIVE", "1")
+    assert choose_lowering("auto", ["cuda"])[0] == "ffi"
+    monkeypatch.setenv("JAX_BLINK_CUDA_NATIVE", "0")
+    assert choose_lowering("auto", ["cuda"])[0] == "ppermute"
+
+
+def test_selftest_without_gpus_says_so_in_one_line():
+    if gpu_selftest.machine_key() is not None:
+        pytest.skip("a CUDA GPU is visible here")
+    p = subprocess.run([sys.executable, "-m", "jax_blink.cli", "selftest"], capture_output=True, text=True,
+                       timeout=120)
+    if p.returncode != 2 or "No module named" in p.stderr:
+        p = subprocess.run([sys.executable, "-c", "import sys; from jax_blink.cli import main; sys.exit(main(['selftest']))"],
+                           capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "nothing to test" in lines[0], p.stdout
+    assert "Traceback" not in p.stderr
+    assert gpu_selftest.selftest(out=lambda *_: None) == 2
