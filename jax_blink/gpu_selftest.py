@@ -282,6 +282,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=None, help="ranks for the executor checks (default: GPUs, min 4 on one GPU)")
     ap.add_argument("--no-record", action="store_true", help="do not record a pass")
     a = ap.parse_args(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     return selftest(nranks=a.ranks, record=not a.no_record)
 
 
