@@ -5,13 +5,14 @@
 # Stages (each one's failure is reported; later stages still run):
 #   build      cmake: the _cpu and _cuda modules and the blink_gpu_check harness (system nvcc by default:
 #              its CUDA major should match the jax CUDA plugin's, e.g. 13 with jax-cuda13-plugin)
-#   emulator   the GPU programs of every preset / topology file: race checker + stream emulator
 #   harness    ffi/tests/gpu_check.cu: all-reduce / broadcast / reduce, rank r on GPU r % ndev (one GPU
 #              hosts several ranks), bitwise against the host, then timed; int32 too
 #   staging    the same with JAX_BLINK_CUDA_FORCE_STAGING=1 (no peer loads: copy-engine staging)
-#   sanitizer  compute-sanitizer memcheck, racecheck, synccheck on a small harness run (if installed)
 #   selftest   jax-blink selftest (executor for every dtype, shard_map step with >= 2 GPUs, table)
-# Prints one summary table; logs go to $OUT/gpu_check (or build/gpu_check/logs). Exit 0 when all pass.
+#   sanitizer  compute-sanitizer memcheck, racecheck, synccheck on a small harness run (if installed)
+#   emulator   the GPU programs of every preset / topology file: race checker + stream emulator (CPU)
+# The whole run is bounded by GPU_CHECK_BUDGET_S (default 420 s): each stage's timeout is cut to what
+# is left, and stages that no longer fit are reported as skipped. Prints one summary table; logs go to $OUT/gpu_check (or build/gpu_check/logs). Exit 0 when all pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
@@ -21,6 +22,7 @@ LOGS="${OUT:+$OUT/gpu_check}"
 LOGS="${LOGS:-$BUILD/logs}"
 mkdir -p "$BUILD" "$LOGS"
 T_START=$(date +%s)
+BUDGET="${GPU_CHECK_BUDGET_S:-420}"   # whole script, seconds: stages are cut to what is left
 declare -a ROWS=()
 FAILED=0
 
@@ -30,6 +32,13 @@ FAILED=0
 stage() {
   local name="$1" limit="$2"
   shift 2
+  local left=$(( BUDGET - ($(date +%s) - T_START) ))
+  if (( left < 15 )); then
+    skip "$name" "out of the time budget (GPU_CHECK_BUDGET_S=$BUDGET)"
+    FAILED=1
+    return 1
+  fi
+  (( limit > left )) && limit=$left
   local t0=$(date +%s) rc
   echo "=== $name: $*" > "$LOGS/$name.log"
   timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@" >>"$LOGS/$name.log" 2>&1
@@ -78,13 +87,10 @@ build() {
 }
 export ROOT PY BUILD ARCH CUDACXX NDEV
 export -f build
-stage build 300 build
+stage build 240 build
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 HARNESS="$BUILD/ffi/blink_gpu_check"
 export HARNESS
-
-# ------------------------------------------------------------------ emulator (no GPU needed)
-stage emulator 150 "$PY" -m jax_blink.lowering.gpu_program_check --quiet --seeds 8
 
 # ------------------------------------------------------------------ schedules for the harness
 make_schedules() {
@@ -107,7 +113,7 @@ for coll in ("allreduce", "broadcast", "reduce"):
 PYEOF
 }
 export -f make_schedules
-stage schedules 120 make_schedules
+stage schedules 60 make_schedules
 
 # ------------------------------------------------------------------ harness on the GPU(s)
 harness() {
@@ -120,7 +126,7 @@ harness() {
   return $ok
 }
 export -f harness
-if [[ -x "$HARNESS" ]]; then stage harness 150 harness; else skip harness "harness not built"; fi
+if [[ -x "$HARNESS" ]]; then stage harness 120 harness; else skip harness "harness not built"; fi
 if [[ -x "$HARNESS" ]]; then
   staged() {
     local ok=0
@@ -130,25 +136,28 @@ if [[ -x "$HARNESS" ]]; then
     return $ok
   }
   export -f staged
-  stage staging 120 staged
+  stage staging 90 staged
 else
   skip staging "harness not built"
 fi
+
+# ------------------------------------------------------------------ self-test (through jax)
+stage selftest 150 "$PY" -m jax_blink selftest
 
 # ------------------------------------------------------------------ compute-sanitizer
 SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)"
 if [[ -n "$SAN" && -x "$HARNESS" ]]; then
   for tool in memcheck racecheck synccheck; do
-    stage "sanitizer-$tool" 120 "$SAN" --tool "$tool" --error-exitcode 9 "$HARNESS" "$BUILD/allreduce_small.i64" float32 1
+    stage "sanitizer-$tool" 60 "$SAN" --tool "$tool" --error-exitcode 9 "$HARNESS" "$BUILD/allreduce_small.i64" float32 1
   done
-  stage "sanitizer-staging" 120 env JAX_BLINK_CUDA_FORCE_STAGING=1 "$SAN" --tool memcheck --error-exitcode 9 \
+  stage "sanitizer-staging" 60 env JAX_BLINK_CUDA_FORCE_STAGING=1 "$SAN" --tool memcheck --error-exitcode 9 \
     "$HARNESS" "$BUILD/reduce_small.i64" float32 1
 else
   skip sanitizer "compute-sanitizer not installed or harness not built"
 fi
 
-# ------------------------------------------------------------------ self-test (through jax)
-stage selftest 200 "$PY" -m jax_blink selftest
+# ------------------------------------------------------------------ emulator (no GPU needed; CI runs it too)
+stage emulator 90 "$PY" -m jax_blink.lowering.gpu_program_check --quiet --seeds 8
 
 # ------------------------------------------------------------------ summary
 echo
