@@ -126,3 +126,15 @@ def test_selftest_without_gpus_says_so_in_one_line():
     assert len(lines) == 1 and "nothing to test" in lines[0], p.stdout
     assert "Traceback" not in p.stderr
     assert gpu_selftest.selftest(out=lambda *_: None) == 2
+
+
+@pytest.mark.parametrize("msg,cls", [
+    ("jax_blink: collective timed out after 0.3 s: device(s) 12 (rank 2) never arrived", 2),
+    ("jax_blink CUDA error at cudaMalloc (staging scratch): cudaErrorMemoryAllocation (out of memory)", 1),
+    ("jax_blink: device 3 cannot join the collective: jax_blink CUDA error at reduce: ...", 1),
+    ("jax_blink: device 3 cannot join the collective: it is not in the collective's device table", 0),
+    ("jax_blink: participants disagree: device 0 brought 8 x f32, device 1 brought 4 x f32", 0),
+])
+def test_error_classes_give_ffi_error_codes(msg, cls):
+    """0 -> kInvalidArgument, 1 -> kInternal, 2 -> kDeadlineExceeded (the CUDA and CPU handlers)."""
+    assert cpu.error_class(msg) == cls

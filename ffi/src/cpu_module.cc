@@ -75,7 +75,10 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::AnyBuffer x, ffi::
   a.out = y->untyped_data();
   a.done = [promise](const std::string& msg) mutable {
     if (msg.empty()) promise.SetAvailable();
-    else promise.SetError(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg));
+    else promise.SetError(ffi::Error(ErrorClassOf(msg) == 2   ? ffi::ErrorCode::kDeadlineExceeded
+                                     : ErrorClassOf(msg) == 1 ? ffi::ErrorCode::kInternal
+                                                              : ffi::ErrorCode::kInvalidArgument,
+                                     msg));
   };
   MeetingKey key{run.run_id, call_site, e->group, generation};
   auto meeting = Arrive(key, info, std::move(a), EffectiveTimeoutMs(timeout_ms));
@@ -285,6 +288,8 @@ NB_MODULE(_cpu, m) {
         "'' when a CUDA binary with these architectures runs on compute capability major.minor, else why not.");
   m.def("driver_support_reason", &jax_blink::DriverSupportReason, nb::arg("driver_version"),
         nb::arg("runtime_version"), "'' when the driver can run a runtime of that version, else why not.");
+  m.def("error_class", &jax_blink::ErrorClassOf, nb::arg("message"),
+        "0 invalid argument, 1 internal (CUDA), 2 deadline exceeded: the FFI error code of a message.");
   m.def("gpu_program_describe", &jax_blink::GpuProgramDescribe, nb::arg("schedule"), nb::arg("elem_size"),
         nb::arg("rank_device"), nb::arg("peer_ok"), nb::arg("max_streams"), "The GPU program's listing.");
 }

@@ -476,9 +476,11 @@ namespace {
 // Error codes: timeouts kDeadlineExceeded, CUDA failures kInternal, everything else (bad attributes,
 // mismatched participants, a peer that could not join) kInvalidArgument.
 ffi::ErrorCode CodeFor(const std::string& msg) {
-  if (msg.rfind("jax_blink: collective timed out", 0) == 0) return ffi::ErrorCode::kDeadlineExceeded;
-  if (msg.find("jax_blink CUDA error") != std::string::npos) return ffi::ErrorCode::kInternal;
-  return ffi::ErrorCode::kInvalidArgument;
+  switch (ErrorClassOf(msg)) {
+    case 2: return ffi::ErrorCode::kDeadlineExceeded;
+    case 1: return ffi::ErrorCode::kInternal;
+    default: return ffi::ErrorCode::kInvalidArgument;
+  }
 }
 
 // XLA:GPU runs each device's program on its own host thread, so the host meeting may block (bounded by
