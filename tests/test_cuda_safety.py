@@ -138,3 +138,39 @@ def test_selftest_without_gpus_says_so_in_one_line():
 def test_error_classes_give_ffi_error_codes(msg, cls):
     """0 -> kInvalidArgument, 1 -> kInternal, 2 -> kDeadlineExceeded (the CUDA and CPU handlers)."""
     assert cpu.error_class(msg) == cls
+
+
+def test_selftest_flow_with_a_cpu_backed_fake_gpu(monkeypatch, tmp_path):
+    """The self-test's own logic (checks, table, record) end to end, with `_cuda` replaced by a fake
+    whose `execute` runs the schedule on the native CPU executor: a pass is recorded and then lets
+    impl='auto' choose the native executor."""
+    calls = []
+
+    def execute(schedule, dtype, inputs, outputs, iters, cache_key):
+        n = len(inputs)
+        table = np.asarray([(d, 0, r) for r, d in enumerate(range(n))], np.int64).reshape(-1)
+        err = cpu.simulate(schedule, table, list(range(n)), inputs, outputs, [dtype] * n, 5000, cache_key)
+        calls.append((dtype, iters))
+        return 1e-3, err
+
+    so = tmp_path / "_cuda_fake.so"
+    so.write_bytes(b"fake module")
+    fake = types.SimpleNamespace(
+        __file__=str(so), device_names=lambda: ["Fake GPU (sm_90)"], driver_version=lambda: 13000,
+        check_compatibility=lambda: "", built_cuda_version=lambda: 13000, built_architectures=lambda: "90",
+        execute=execute)
+    monkeypatch.setattr(_native, "cuda", fake)
+    monkeypatch.setenv("JAX_BLINK_CACHE_DIR", str(tmp_path))
+    lines = []
+    assert gpu_selftest.selftest(out=lines.append) == 0, "\n".join(lines)
+    text = "\n".join(lines)
+    assert "PASSED" in text and "recorded in" in text
+    assert text.count(": ok") == 6                       # 3 collectives x (peer, forced staging)
+    assert len([c for c in calls if c[1] == 0]) == 6 * len(gpu_selftest.DTYPES)
+    assert "busbw" in text and "134217728" in text       # the nccl-tests-style table reached 128 MiB
+    assert gpu_selftest.has_passed()
+    # a wrong executor fails the self-test and records nothing
+    (tmp_path / "selftest.json").unlink()
+    fake.execute = lambda s, d, i, o, it, k: (1e-3, "")  # leaves outputs unwritten
+    assert gpu_selftest.selftest(out=lambda *_: None) == 1
+    assert not gpu_selftest.has_passed()
