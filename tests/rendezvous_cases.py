@@ -5,7 +5,8 @@ one device's future ran that device's program inline, straight into XLA's rendez
 that still had to release the other devices (docs/architecture.md, "Rendezvous"). XLA then aborts
 the whole process, so the cases cannot run inside pytest's own process.
 
-Usage: python tests/rendezvous_cases.py BATCH [BATCH ...]   (batches: see BATCHES at the end)
+Usage: python tests/rendezvous_cases.py BATCH[:TEXT] ...   (batches: BATCHES at the end; TEXT: only
+the cases whose name contains it)
 Prints "START <case>" before and "OK <case>" / "FAIL <case>: <why>" after each case (flushed), so
 the parent can name the case that hung. Each case compiles ONE program that computes the jax_blink
 chain and the same chain with lax only, and compares the two with numpy.
@@ -182,7 +183,8 @@ def replicated_grad_case():
 
 def custom_vjp_case(mode):
     """A custom_vjp whose backward all-reduces the cotangent with jax_blink (a "copy to a
-    tensor-parallel region" op); the loss ends in lax.pmean."""
+    tensor-parallel region" op), between two XLA collectives of the backward pass: the transposes
+    of lax.pmean (before) and of lax.psum (after, consuming the jax_blink result)."""
     def make(psum):
         @jax.custom_vjp
         def copy_in(v):
@@ -191,7 +193,8 @@ def custom_vjp_case(mode):
         copy_in.defvjp(lambda v: (v, None), lambda _, g: (psum(g),))
 
         def loss(w, v):
-            return lax.pmean((copy_in(w) * v).sum() ** 2, AX)
+            u = lax.psum(w * v[0], AX)
+            return lax.pmean((copy_in(u) * v).sum() ** 2, AX)
         return lambda v: jax.grad(loss)(jnp.ones((3,), jnp.float32), v)[None] + 0 * v
     run_pair(f"{mode}/custom_vjp", mode, make(lambda g: jax_blink.psum(g, AX)),
              make(lambda g: lax.psum(g, AX)), exact=False)
@@ -292,8 +295,11 @@ BATCHES = MODES + ("ppermute", "transforms", "fail_fast")
 
 def main(argv):
     failed = 0
-    for batch in argv or BATCHES:
+    for arg in argv or BATCHES:
+        batch, _, only = arg.partition(":")  # "batch:text" runs the cases whose name contains text
         for name, fn in batch_cases(batch):
+            if only not in name:
+                continue
             print(f"START {name}", flush=True)
             t0 = time.monotonic()
             try:
