@@ -105,9 +105,17 @@ def run_pair(name, mode, chain_blink, chain_lax, x=X, exact=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def check_lowering(mode, impl):
+    """impl "auto" must be the FFI custom call on CPU (else these cases would test nothing new)."""
+    f = compile_mode(lambda v: jax_blink.psum(v, AX, impl=impl), mode)
+    text = f.lower(mode_input(X, mode)).as_text()
+    assert ("jax_blink_cpu" in text) == (impl != "ppermute"), f"impl={impl!r} lowered unexpectedly"
+
+
 def pairs_cases(mode, impl, blinks=None, xlas=None):
     """Each jax_blink collective followed by, and preceded by, each XLA collective."""
     ops = blink_ops(impl)
+    yield f"{mode}/{impl}/lowering", lambda: check_lowering(mode, impl)
     for b in blinks or ops:
         for o in xlas or XLA_OPS:
             xo = XLA_OPS[o]

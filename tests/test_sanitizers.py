@@ -47,8 +47,12 @@ def _cache_dir() -> pathlib.Path:
         h.update(p.name.encode() + p.read_bytes())
     h.update(subprocess.run([GXX, "--version"], capture_output=True, text=True).stdout.encode())
     h.update(repr((COMMON[:-2], VARIANTS)).encode())
-    d = pathlib.Path(tempfile.gettempdir()) / f"jax_blink_core_stress_{os.getuid()}" / h.hexdigest()[:16]
+    base = pathlib.Path(tempfile.gettempdir()) / f"jax_blink_core_stress_{os.getuid()}"
+    d = base / h.hexdigest()[:16]
     d.mkdir(parents=True, exist_ok=True)
+    os.utime(d)
+    for old in sorted(base.iterdir(), key=lambda p: p.stat().st_mtime)[:-4]:  # keep the 4 latest builds
+        shutil.rmtree(old, ignore_errors=True)
     return d
 
 
