@@ -167,6 +167,26 @@ class Plan:
                 load[e] += k * t.weight_gbps
         return dict(sorted(load.items(), key=lambda kv: (_key(kv[0][0]), _key(kv[0][1]))))
 
+    def rings(self) -> list:
+        """For ring plans, [(hops, GB/s)] per ring: its physical hops in order and its bandwidth
+        (all-reduce: n consecutive trees per ring, bandwidth 2(n-1) x tree weight; broadcast / reduce:
+        one chain per ring). [] for other plans."""
+        if self.algorithm != "ring" or not self.trees:
+            return []
+        n = len(self.devices)
+        if self.collective != "allreduce":
+            return [(t.edges, t.weight_gbps) for t in self.trees]
+        return [(tuple(dict.fromkeys(h for t in self.trees[i:i + n] for h in t.edges)),
+                 sum(t.weight_gbps for t in self.trees[i:i + n]) * 2 * (n - 1) / n)
+                for i in range(0, len(self.trees), n)]
+
+    def shape(self) -> str:
+        """Algorithm and size: "ring, 8 rings" for ring plans, else e.g. "trees, 17 trees"."""
+        rings = self.rings()
+        if rings:
+            return f"ring, {len(rings)} ring{'s' * (len(rings) != 1)}"
+        return f"{self.algorithm}, {len(self.trees)} tree{'s' * (len(self.trees) != 1)}"
+
     def predicted_time_s(self, nbytes: float) -> float:
         """Bandwidth-only time for ``nbytes`` bytes: nbytes / (rate_gbps * 1e9) seconds."""
         return 0.0 if math.isinf(self.rate_gbps) else nbytes / (self.rate_gbps * 1e9)
@@ -215,8 +235,7 @@ class Plan:
         fmt = lambda x: "inf" if math.isinf(x) else f"{x:.3f}"  # noqa: E731
         root = "" if self.root is None else f" root {self.root}"
         relay = f" (relay GPUs {list(self.relays)})" if self.relays else ""
-        lines = [f"{self.collective}{root} over GPUs {list(self.devices)}{relay}: {self.algorithm}, "
-                 f"{len(self.trees)} tree(s), rate {fmt(self.rate_gbps)} GB/s, bound {fmt(self.bound_gbps)} GB/s"]
+        lines = [f"{self.collective}{root} over GPUs {list(self.devices)}{relay}: {self.shape()}, rate {fmt(self.rate_gbps)} GB/s, bound {fmt(self.bound_gbps)} GB/s"]
         lines += [f"  note: {n}" for n in self.notes]
         for i, t in enumerate(self.trees):
             par = t.gpu_parents()
@@ -651,7 +670,7 @@ def job_devices(topology: Topology, devices=None) -> tuple:
 
 def plan(topology: Topology, collective: str = "allreduce", *, devices=None, root=None,
          max_trees: int | None = None, algorithm: str = "auto", relays=None,
-         rate_tolerance: float = 0.0) -> Plan:
+         rate_tolerance: float = 0.0, nbytes: float | None = None) -> Plan:
     """Plan a tree packing for ``collective`` over ``devices`` of ``topology``.
 
     Args:
@@ -660,7 +679,10 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
       devices: GPU ids of the job (rank r <-> devices[r]); default all GPUs of the topology.
       root: GPU id (broadcast/reduce; default ``devices[0]``); must be None or ignored for all-reduce.
       max_trees: at most this many trees (rate may drop; the loss is in ``notes``).
-      algorithm: "auto" (the fastest on predicted time, the reason in ``notes``), or force one:
+      algorithm: "auto" (the fastest: with ``nbytes``, the least simulated time at that size over
+        trees, fewer trees, rings, NCCL's rings and double binary tree, three phases, by
+        :func:`jax_blink.costmodel.choose_plan`; without, the highest rate, i.e. the large-operand
+        limit, trees or the ring packing; the reason in ``notes``), or force one:
         "trees" (exact packing over all devices), "ring" (all-reduce only), "hierarchical" (Blink's
         three phases, section 5; needs devices on two or more nodes).
       relays: GPUs outside ``devices`` that may forward data inside routes (Blink issue "relays";
@@ -674,6 +696,8 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
       rate_tolerance: 0.0 (default: exact optimum). A fraction in [0, 1): drop the lightest trees
         while the re-optimised rate stays >= (1 - rate_tolerance) * optimum (fewer, larger trees;
         the loss is in ``notes``). Ignored when ``max_trees`` is given.
+      nbytes: operand bytes per GPU for ``algorithm="auto"`` (see there); ignored with ``relays`` or
+        ``rate_tolerance``.
 
     Returns a :class:`Plan` (cached; identical inputs give the identical object and JSON). One device:
     a trivial plan with no trees and ``rate_gbps = bound_gbps = inf``.
@@ -708,6 +732,13 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
     if relays and algorithm in ("ring", "hierarchical"):
         raise PlanError(f"relays={list(relays)} work with tree packings only; use algorithm='auto' or "
                         f"'trees' (got {algorithm!r})")
+    if nbytes is not None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not (0 < nbytes < math.inf):
+            raise PlanError(f"nbytes must be a positive number of bytes per GPU, got {nbytes!r}")
+        if algorithm == "auto" and not relays and not rate_tolerance:
+            from . import costmodel  # the cost model (right of the planner: it simulates), imported lazily
+            return costmodel.choose_plan(topology, collective, nbytes, devices=devices, root=root,
+                                         max_trees=max_trees)
     key = (topology.fingerprint(), devices, collective, root, max_trees, algorithm, relays,
            float(rate_tolerance))
     hit = _CACHE.get(key)
@@ -819,7 +850,10 @@ def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto",
         b_ring, rings = _bounds.ring_packing(topology, devices, table)
         ring_rate = n * b_ring / (2 * (n - 1)) if b_ring > 0 else 0.0
         ring_fits = max_trees is None or n * len(rings) <= max_trees
-        if algorithm == "ring" and (b_ring <= 0 or not ring_fits):
+        if algorithm == "ring" and b_ring <= 0:
+            raise PlanError(f"no ring (cycle through every GPU) over devices {list(devices)} on the links of "
+                            f"{topology.name!r}")
+        if algorithm == "ring" and not ring_fits:
             raise PlanError(f"no ring packing over devices {list(devices)} within max_trees={max_trees} "
                             f"(it needs {n * len(rings)} trees)")
         if algorithm == "auto" and ring_rate > exact * (1 + 1e-6) and not ring_fits:
@@ -830,8 +864,9 @@ def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto",
             notes.append(f"ring chosen: rings of {b_ring:.3f} GB/s give all-reduce rate n*B/(2(n-1)) = "
                          f"{ring_rate:.3f} GB/s {why}")
             rtrees = _ring_trees(rings, n)
+            # bound in all-reduce rate units, n B / (2(n-1)) with B <= min max-flow: no ring packing beats it
             return Plan(collective, None, devices, tuple(rtrees), _round(sum(t.weight_gbps for t in rtrees)),
-                        _round(_bounds.allreduce_bound(topology, devices)), "ring", tuple(notes))
+                        _round(max(ring_cap, ring_rate)), "ring", tuple(notes))
         else:
             notes.append(f"trees chosen: all-reduce rate {rate:.3f} GB/s >= ring {ring_rate:.3f} GB/s "
                          f"(rings of {b_ring:.3f} GB/s, time 2(n-1)/n*S/B)")
