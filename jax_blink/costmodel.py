@@ -159,8 +159,8 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
     "auto": tree packings with at most k trees (k in CANDIDATE_MAX_TREES, below the optimal count),
     the LP ring packing, NCCL's rings and (all-reduce) double binary tree, and Blink's three phases
     when ``devices`` span several nodes. A forced ``algorithm`` keeps its family: "trees" (packings),
-    "ring" (the LP ring packing), "hierarchical". ``max_trees``: only plans with at most that many
-    trees (for the packings, ``plan(max_trees=max_trees)``). Candidates that cannot be built on these
+    "ring" (the LP ring packing), "hierarchical". ``max_trees`` given: ``plan(max_trees=...)`` only
+    (an explicit choice, like a forced algorithm). Candidates that cannot be built on these
     devices (PlanError) are left out; duplicates are dropped. Cached. Raises PlanError when the
     bandwidth-optimal plan itself fails (bad devices, root, unreachable GPUs).
     """
@@ -175,14 +175,12 @@ def _candidates(topology, collective, devices, root, algorithm, max_trees, packi
     first = packing.plan(topology, collective, devices=devices, root=root, algorithm=algorithm,
                          max_trees=max_trees)  # rate-optimal: wins ties
     out = [first]
-    if len(devices) == 1:
+    if len(devices) == 1 or max_trees is not None:
         return out
     makers = []
     if algorithm in ("auto", "trees"):
         opt = packing.plan(topology, collective, devices=devices, root=root, algorithm="trees")
         ks = [k for k in CANDIDATE_MAX_TREES if k is not None and k < len(opt.trees)]
-        if max_trees is not None:
-            ks = [k for k in ks if k < max_trees]
         makers.append(lambda: opt)
         makers += [lambda k=k: packing.plan(topology, collective, devices=devices, root=root,
                                             algorithm="trees", max_trees=k) for k in ks]
@@ -202,7 +200,7 @@ def _candidates(topology, collective, devices, root, algorithm, max_trees, packi
             p = make()
         except PlanError:
             continue
-        if p.trees in seen or (max_trees is not None and len(p.trees) > max_trees):
+        if p.trees in seen:
             continue
         seen.add(p.trees)
         out.append(p)
