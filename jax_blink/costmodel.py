@@ -58,7 +58,7 @@ CANDIDATE_MAX_TREES = (None, 4, 2, 1)
 #: Lowerings with a barrier per schedule round (ranked by the round model, not the simulator).
 ROUND_SYNCHRONOUS = frozenset({"ppermute"})
 
-_CANDIDATES: "collections.OrderedDict" = collections.OrderedDict()
+_CHOICES: "collections.OrderedDict" = collections.OrderedDict()
 _TIMES: "collections.OrderedDict" = collections.OrderedDict()
 _CACHE_SIZE = 4096
 
@@ -166,9 +166,7 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
     """
     from . import baselines, packing
     devices = packing.job_devices(topology, devices)
-    key = (topology.fingerprint(), collective, devices, root, algorithm, max_trees)
-    return list(_cached(_CANDIDATES, key, lambda: tuple(
-        _candidates(topology, collective, devices, root, algorithm, max_trees, packing, baselines))))
+    return _candidates(topology, collective, devices, root, algorithm, max_trees, packing, baselines)
 
 
 def _candidates(topology, collective, devices, root, algorithm, max_trees, packing, baselines):
@@ -225,12 +223,12 @@ def choose_plan(topology, collective: str, nbytes: float, *, devices=None, root=
                 latency_us: float = DEFAULT_LATENCY_US):
     """The fastest of :func:`candidate_plans` at ``nbytes`` bytes per GPU, by the simulator.
 
-    Returns the Plan with a note naming its simulated time and the runner-up. Raises PlanError like
-    ``packing.plan``.
+    Returns the Plan with a note naming its simulated time and the runner-up (cached: the same
+    inputs give the same object). Raises PlanError like ``packing.plan``.
     """
     key = ("choice", topology.fingerprint(), collective, devices if devices is None else tuple(devices), root,
            algorithm, max_trees, float(nbytes), float(latency_us))
-    return _cached(_CANDIDATES, key, lambda: _choose_plan(
+    return _cached(_CHOICES, key, lambda: _choose_plan(
         topology, candidate_plans(topology, collective, devices=devices, root=root, algorithm=algorithm,
                                   max_trees=max_trees), nbytes, latency_us))
 

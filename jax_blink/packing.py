@@ -49,6 +49,12 @@ _CACHE: "collections.OrderedDict" = collections.OrderedDict()
 _CACHE_SIZE = 1024
 
 
+def clear_caches() -> None:
+    """Forget every cached plan (for uncached timing)."""
+    _CACHE.clear()
+    _TREE_PLANS.clear()
+
+
 def _is_gpu(n) -> bool:
     return isinstance(n, int)
 
@@ -380,7 +386,25 @@ def _drop_light_trees(table: RouteTable, cols, w, rate: float, tolerance: float)
     return best, lo
 
 
+_TREE_PLANS: "collections.OrderedDict" = collections.OrderedDict()
+
+
 def _tree_plan(topology, devices, collective, root, max_trees, relays=(), target=None, rate_tolerance=0.0):
+    """:func:`_tree_plan_uncached`, memoised: plans that differ only in ``algorithm`` share it."""
+    key = (topology.fingerprint(), tuple(devices), collective, root, max_trees, tuple(relays), target,
+           rate_tolerance)
+    hit = _TREE_PLANS.get(key)
+    if hit is None:
+        hit = _TREE_PLANS[key] = _tree_plan_uncached(topology, devices, collective, root, max_trees, relays,
+                                                     target, rate_tolerance)
+        if len(_TREE_PLANS) > _CACHE_SIZE:
+            _TREE_PLANS.popitem(last=False)
+    trees, rate, dual, table, notes, exact = hit
+    return list(trees), rate, dual, table, list(notes), exact
+
+
+def _tree_plan_uncached(topology, devices, collective, root, max_trees, relays=(), target=None,
+                        rate_tolerance=0.0):
     """Exact LP packing + tree-count ILP on one node (no hierarchy).
 
     ``target``: an independent upper bound (max-flow) that stops column generation once reached.
@@ -835,9 +859,13 @@ def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto",
         bound = _bounds.broadcast_bound(topology, devices, root)
     elif collective == "reduce":
         bound = _bounds.reduce_bound(topology, devices, root)
-    trees, rate, dual, table, notes, exact = _tree_plan(topology, devices, collective, root, max_trees,
-                                                 target=None if collective == "allreduce" else bound,
-                                                 rate_tolerance=rate_tolerance)
+    if collective == "allreduce" and algorithm == "ring":  # the tree packing is not needed
+        trees, rate, dual, table, notes, exact = [], 0.0, 0.0, RouteTable.build(topology, devices), [], math.inf
+        table.check_connected("allreduce plan")
+    else:
+        trees, rate, dual, table, notes, exact = _tree_plan(topology, devices, collective, root, max_trees,
+                                                            target=None if collective == "allreduce" else bound,
+                                                            rate_tolerance=rate_tolerance)
     if collective == "allreduce":
         bound = dual
         # any ring crosses every directed cut between job GPUs, so B_ring <= min max-flow between GPUs

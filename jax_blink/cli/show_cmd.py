@@ -55,12 +55,12 @@ def run(args: argparse.Namespace) -> int:
         raise BlinkError(f"plan over devices {devices} has no trees to draw (one device)")
     res = simulate(p, size, topology=topo)
     root = "" if p.root is None else f" root {p.root}"
-    title = (f"{p.collective}{root} on {topo.name} GPUs {devices}: {p.algorithm}, {len(p.trees)} trees, "
+    title = (f"{p.collective}{root} on {topo.name} GPUs {devices}: {p.shape()}, "
              f"planned {p.rate_gbps:.2f} GB/s, simulated algbw {res.algbw_gbps:.2f} GB/s at "
              f"{human_bytes(size)}")
     try:
         panels = draw_plan(topo, p, png, link_util=res.link_util, title=title)
     except OSError as err:
         raise BlinkError(f"cannot write --png {png!r}: {err.strerror or err}") from None
-    print(f"wrote {png}: {panels} panels ({len(p.trees)} trees); {title}")
+    print(f"wrote {png}: {panels} panels ({p.shape().split(', ')[1]}); {title}")
     return 0
