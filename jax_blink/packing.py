@@ -148,7 +148,8 @@ class Plan:
       bound_gbps: certificate: an upper bound on the rate of the chosen algorithm family (Edmonds
         max-flow bound for broadcast/reduce; LP dual bound for all-reduce trees and rings; max-flow
         orientation bound for hierarchical all-reduce).
-      algorithm: "trees" | "ring" | "hierarchical" | "trivial".
+      algorithm: "trees" | "ring" | "hierarchical" | "double-binary-tree" (NCCL's, from
+        ``plan(nbytes=...)`` or ``baselines``) | "trivial".
       notes: why this algorithm, alternatives' rates, losses from ``max_trees``.
       relays: GPUs outside ``devices`` that forward data inside routes (``plan(relays=...)``). A
         relayed plan needs those GPUs to run the forwarding: the simulator models it, the JAX
