@@ -102,14 +102,15 @@ def main(argv=None) -> int:
     out(f"dgx1v, every allocation of 3..8 GPUs ({len(rows)}), {human_bytes(size)} per GPU, simulated "
         f"speedup of jax_blink (auto) over NCCL's rings and double binary tree ({time.time() - t0:.0f} s)")
     cols = [("broadcast", "ring"), ("allreduce", "ring"), ("allreduce", "tree")]
-    out(f"{'GPUs':>4} {'allocs':>6} | " + " | ".join(f"{c + ' vs ' + b:>22} min  median   max" for c, b in cols))
+    out(f"{'GPUs':>4} {'allocs':>6} | " + " | ".join(f"{c + ' vs ' + b + ', min / median / max':<40}"
+                                                   for c, b in cols))
     for k in list(range(3, 9)) + ["all"]:
         sel = [r for r in rows if k == "all" or len(r["devices"]) == k]
-        line = f"{str(k):>4} {len(sel):>6} |"
+        cells = []
         for coll, base in cols:
             sp = [speedup(r, coll, base) for r in sel]
-            line += f" {'':>22}{min(sp):4.2f}x {statistics.median(sp):6.2f}x {max(sp):5.2f}x |"
-        out(line.rstrip("|"))
+            cells.append(f"{min(sp):.2f} / {statistics.median(sp):.2f} / {max(sp):.2f}x".ljust(40))
+        out(f"{str(k):>4} {len(sel):>6} | " + " | ".join(cells))
     levels = collections.Counter(r["allreduce"]["ring"][1].notes[0].split(" on ")[1].split(" links")[0] for r in rows)
     out(f"NCCL ring links per allocation: {dict(levels)} (pcie: no NVLink ring through the GPUs)")
     for coll, base in cols:

@@ -80,7 +80,8 @@ def draw_plan(topology, plan, path, *, link_util: dict | None = None, title: str
 
     pos = layout(topology)
     # panels: (title, hops, GB/s, root or None); a ring plan is drawn ring by ring
-    items = [(f"ring {j}: {b:.2f} GB/s", hops, b, None) for j, (hops, b) in enumerate(plan.rings())]
+    rings = sorted(plan.rings(), key=lambda r: -r[1])  # heaviest first, like the trees
+    items = [(f"ring {j}: {b:.2f} GB/s", hops, b, None) for j, (hops, b) in enumerate(rings)]
     if not items:
         for i, t in enumerate(sorted(plan.trees, key=lambda t: -t.weight_gbps)):
             hops = t.edges
