@@ -73,3 +73,26 @@ def test_nccl_rings_fall_back_to_pcie_without_an_nvlink_ring():
     # on the whole box NCCL's rings stay on NVLink: slower than the LP rings that add PCIe
     assert nccl_ring_plan(topo).rate_gbps == pytest.approx(600 / 7, rel=1e-6)
     assert ring_plan(topo).rate_gbps > 600 / 7
+
+
+def test_psum_runs_the_baseline_auto_picks():
+    """On the H100 file a small operand's ppermute schedule is NCCL's double binary tree (fewest
+    rounds); psum through it equals lax.psum."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_blink
+    from jax_blink import mapping
+    from jax_blink.primitives import build_request
+
+    h100 = next(f for f in FILES if "h100" in f)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("i",))
+    key = mapping.make_plan_key(h100)
+    req = build_request("allreduce", mesh, ("i",), None, None, key, 300, 4, "cpu", "ppermute")
+    assert req.schedules[0].seg_root.tolist() == [0, 7] and req.schedules[0].num_rounds == 10  # ncclGetDtree roots
+    x = jnp.arange(8 * 300, dtype=jnp.int32).reshape(8, 300)
+    f = lambda m: jax.jit(jax.shard_map(m, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))  # noqa: E731
+    got = f(lambda v: jax_blink.psum(v, "i", impl="ppermute", topology=h100))(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(f(lambda v: lax.psum(v, "i"))(x)))
