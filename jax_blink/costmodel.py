@@ -161,15 +161,11 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
     when ``devices`` span several nodes. A forced ``algorithm`` keeps its family: "trees" (packings),
     "ring" (the LP ring packing), "hierarchical". ``max_trees`` given: ``plan(max_trees=...)`` only
     (an explicit choice, like a forced algorithm). Candidates that cannot be built on these
-    devices (PlanError) are left out; duplicates are dropped. Cached. Raises PlanError when the
+    devices (PlanError) are left out; duplicates are dropped. Raises PlanError when the
     bandwidth-optimal plan itself fails (bad devices, root, unreachable GPUs).
     """
-    from . import baselines, packing
+    from . import baselines, packing  # packing.plan(nbytes=) imports this module: no cycle at load
     devices = packing.job_devices(topology, devices)
-    return _candidates(topology, collective, devices, root, algorithm, max_trees, packing, baselines)
-
-
-def _candidates(topology, collective, devices, root, algorithm, max_trees, packing, baselines):
     first = packing.plan(topology, collective, devices=devices, root=root, algorithm=algorithm,
                          max_trees=max_trees)  # rate-optimal: wins ties
     out = [first]
@@ -226,7 +222,7 @@ def choose_plan(topology, collective: str, nbytes: float, *, devices=None, root=
     Returns the Plan with a note naming its simulated time and the runner-up (cached: the same
     inputs give the same object). Raises PlanError like ``packing.plan``.
     """
-    key = ("choice", topology.fingerprint(), collective, devices if devices is None else tuple(devices), root,
+    key = (topology.fingerprint(), collective, devices if devices is None else tuple(devices), root,
            algorithm, max_trees, float(nbytes), float(latency_us))
     return _cached(_CHOICES, key, lambda: _choose_plan(
         topology, candidate_plans(topology, collective, devices=devices, root=root, algorithm=algorithm,
