@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
                   f"ring {fmt(ring_eff)} GB/s (ring bandwidth {fmt(b_ring)} GB/s)")
     for note in p.notes:
         console.print(f"  note: {note}")
+    if nbytes is None and args.algorithm == "auto" and n > 1:
+        console.print("  note: no --size: the highest-rate plan (large operands); --size BYTES gives the plan "
+                      "auto runs at that size (fewer trees, rings or NCCL's double binary tree may be faster)")
     if p.trees:
         tab = Table(title="trees", title_justify="left")
         for col in ("#", "root", "GB/s", "share", "edges (parent->child)", "via", "reduce"):
