@@ -6,7 +6,8 @@
 #   build      cmake: the _cpu and _cuda modules and the blink_gpu_check harness (system nvcc by default:
 #              its CUDA major should match the jax CUDA plugin's, e.g. 13 with jax-cuda13-plugin)
 #   harness    ffi/tests/gpu_check.cu: all-reduce / broadcast / reduce, rank r on GPU r % ndev (one GPU
-#              hosts several ranks), bitwise against the host, then timed; int32 too
+#              hosts several ranks), bitwise against the host, then timed; int32 too; each on both issue
+#              paths (path=op: op by op; path=graph: one CUDA graph per call site) plus a pointer change
 #   staging    the same with JAX_BLINK_CUDA_FORCE_STAGING=1 (no peer loads: copy-engine staging)
 #   selftest   jax-blink selftest (executor for every dtype, shard_map step with >= 2 GPUs, table)
 #   sanitizer  compute-sanitizer memcheck, racecheck, synccheck on a small harness run (if installed)
@@ -165,6 +166,7 @@ echo "jax_blink gpu_check summary ($(( $(date +%s) - T_START )) s total; logs in
 printf '%-22s %-9s %6s  %s\n' stage status time detail
 for r in "${ROWS[@]}"; do echo "$r"; done
 grep -h '^gpu_check: PASS .*algbw' "$LOGS"/harness.log "$LOGS"/staging.log 2>/dev/null | sed 's/^/  /'
+grep -h -E '^gpu_check: (graph vs op|PASS .*graph pointer change|FAIL .*graph)' "$LOGS"/harness.log "$LOGS"/staging.log 2>/dev/null | sed 's/^/  /'
 grep -h '^gpu_check: kernel' "$LOGS"/harness.log 2>/dev/null | head -1 | sed 's/^/  /'
 sed -n '/all-reduce, float32/,/^jax-blink selftest: /p' "$LOGS/selftest.log" 2>/dev/null | sed 's/^/  /'
 { echo "stage status time detail"; for r in "${ROWS[@]}"; do echo "$r"; done; } > "$LOGS/summary.txt"

@@ -5,7 +5,9 @@
 //  1. sets up everything that can fail before anything is enqueued (peer access per buffer, the
 //     program (cached per call site), streams, events, scratch, a kernel image for each device);
 //  2. issues the program's ops in order (cudaMemcpy[Peer]Async, the fused reduce kernel,
-//     cudaMemsetAsync, cudaEventRecord, cudaStreamWaitEvent);
+//     cudaMemsetAsync, cudaEventRecord, cudaStreamWaitEvent): either captured once into a CUDA graph
+//     per (program, buffer pointers) and launched each call (all ranks on one device), or op by op
+//     (several devices, JAX_BLINK_CUDA_GRAPHS=0, or any graph failure: see IssueGraph);
 //  3. if an issue call fails midway, still makes every rank's XLA stream wait for the work already
 //     enqueued, so XLA never frees or reuses a buffer that a peer still reads.
 // The handler meets its peers on the host (blocking: XLA:GPU runs each device on its own thread); the
@@ -20,6 +22,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <future>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -207,9 +210,20 @@ std::map<int, std::vector<cudaEvent_t>> g_events;        // device -> event pool
 std::map<std::pair<int, int>, bool> g_device_peer;       // (reader, owner) -> peer access enabled
 std::set<std::pair<int, Dtype>> g_kernel_ok;             // (device, dtype) with a kernel image
 
+// One instantiated CUDA graph of a cached program, for one set of buffer pointers.
+struct GraphEntry {
+  std::vector<const void*> ptrs;  // in[0], out[0], in[1], out[1], ...
+  cudaGraphExec_t exec = nullptr;
+};
+
 struct CachedProgram {
   GpuProgram prog;
   std::vector<void*> scratch;  // device pointers, one per prog.scratch
+  // CUDA graphs (single-device programs only): most recently used first, at most GraphCacheSize().
+  std::list<GraphEntry> graphs;
+  int64_t graph_calls = 0, graph_misses = 0;
+  bool graphs_off = false;     // a capture failed, or pointers change on most calls: op by op from now on
+  std::string graphs_off_why;
 };
 std::map<std::string, std::shared_ptr<CachedProgram>> g_programs;
 
@@ -274,19 +288,27 @@ bool PointerReadable(int reader, const void* ptr) {
   return (flags & CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READ) != 0;
 }
 
-std::string WorkStream(int device, int slot, cudaStream_t* s) {
-  auto it = g_streams.find({device, slot});
-  if (it != g_streams.end()) { *s = it->second; return ""; }
+// Work streams of the op-by-op path (g_streams), and the graph path's own streams (g_graph_streams:
+// slot -1 launches the graphs, slot 0 is the capture origin, 1 + s captures work slot s). The graph
+// path never captures on the op-by-op streams, so a capture that goes wrong cannot disturb them.
+std::map<std::pair<int, int>, cudaStream_t> g_graph_streams;
+
+std::string StreamOf(std::map<std::pair<int, int>, cudaStream_t>* m, int device, int slot, cudaStream_t* s) {
+  auto it = m->find({device, slot});
+  if (it != m->end()) { *s = it->second; return ""; }
   BLINK_CUDA(cudaSetDevice(device));
   BLINK_CUDA(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking));
-  g_streams[{device, slot}] = *s;
+  (*m)[{device, slot}] = *s;
   return "";
 }
+std::string WorkStream(int device, int slot, cudaStream_t* s) { return StreamOf(&g_streams, device, slot, s); }
 
-// Takes events from the per-device pools (next[device] counts those used by this enqueue).
-std::string TakeEvent(int device, std::map<int, size_t>* next, cudaEvent_t* ev) {
-  auto& pool = g_events[device];
-  size_t& i = (*next)[device];
+// Takes events from the per-device pools (next[pool] counts those used by this enqueue). Pool `device`
+// serves the op-by-op path and graph launches; pool -1 - device the events recorded inside captures.
+std::string TakeEvent(int device, std::map<int, size_t>* next, cudaEvent_t* ev, bool capture = false) {
+  const int key = capture ? -1 - device : device;
+  auto& pool = g_events[key];
+  size_t& i = (*next)[key];
   if (i == pool.size()) {
     BLINK_CUDA(cudaSetDevice(device));
     cudaEvent_t e;
@@ -308,6 +330,322 @@ std::string ProgramKey(int64_t cache_key, int64_t plan_id, Dtype dt, const std::
 }
 
 CudaStatus Fail(int kind, std::string msg) { return CudaStatus{kind, std::move(msg)}; }
+
+CudaGraphStats g_graph_stats;
+
+// JAX_BLINK_CUDA_GRAPHS=0: issue op by op (no CUDA graphs).
+bool GraphsEnabled() {
+  const char* v = std::getenv("JAX_BLINK_CUDA_GRAPHS");
+  return !(v && std::string(v) == "0");
+}
+// Executable graphs kept per program (pointer sets), JAX_BLINK_CUDA_GRAPH_CACHE (default 4, 1..64).
+size_t GraphCacheSize() {
+  const char* v = std::getenv("JAX_BLINK_CUDA_GRAPH_CACHE");
+  const int n = v ? std::atoi(v) : 4;
+  return static_cast<size_t>(n >= 1 && n <= 64 ? n : 4);
+}
+
+// Issues the program's ops in order, stream i of the program on streams[i] (the pseudo ops are
+// skipped). used[i] is set for each stream that got an op. `current`: the device set now (-1: unknown).
+// Returns "" or the first error (later ops are not issued).
+std::string IssueOps(const GpuProgram& prog, const CachedProgram& cp, Dtype dt, const std::vector<CudaRank>& ranks,
+                     const std::vector<cudaStream_t>& streams, const std::vector<cudaEvent_t>& events,
+                     std::vector<uint8_t>* used, int current) {
+  auto ptr = [&](const ByteRange& b) -> char* {
+    char* base = b.buf.kind == BufKind::kIn ? static_cast<char*>(const_cast<void*>(ranks[b.buf.owner].in))
+                 : b.buf.kind == BufKind::kOut ? static_cast<char*>(ranks[b.buf.owner].out)
+                                               : static_cast<char*>(cp.scratch[b.buf.owner]);
+    return base + b.offset;
+  };
+  auto dev_of = [&](const BufRef& b) {
+    return b.kind == BufKind::kScratch ? ranks[prog.scratch[b.owner].rank].device : ranks[b.owner].device;
+  };
+  std::string err;
+  const void* srcs[64];
+  for (size_t i = 0; i < prog.ops.size() && err.empty(); ++i) {
+    const GpuOp& op = prog.ops[i];
+    if (op.kind == GpuOpKind::kXlaBefore || op.kind == GpuOpKind::kXlaAfter) continue;
+    const int dev = prog.streams[op.stream].device;
+    cudaStream_t s = streams[op.stream];
+    if (dev != current) {
+      cudaError_t e = cudaSetDevice(dev);
+      if (e != cudaSuccess) { err = CudaErr("cudaSetDevice", e); break; }
+      current = dev;
+    }
+    cudaError_t e = cudaSuccess;
+    switch (op.kind) {
+      case GpuOpKind::kRecord: e = cudaEventRecord(events[op.event], s); break;
+      case GpuOpKind::kWait: e = cudaStreamWaitEvent(s, events[op.event], 0); break;
+      case GpuOpKind::kZero: e = cudaMemsetAsync(ptr(op.dst), 0, static_cast<size_t>(op.dst.bytes), s); break;
+      case GpuOpKind::kCopy: {
+        const int sd = dev_of(op.src[0].buf), dd = dev_of(op.dst.buf);
+        if (sd == dd) e = cudaMemcpyAsync(ptr(op.dst), ptr(op.src[0]), op.dst.bytes, cudaMemcpyDeviceToDevice, s);
+        else e = cudaMemcpyPeerAsync(ptr(op.dst), dd, ptr(op.src[0]), sd, static_cast<size_t>(op.dst.bytes), s);
+        break;
+      }
+      case GpuOpKind::kReduce: {
+        const int k = static_cast<int>(op.src.size()) - 1;
+        if (k > 64) { err = "jax_blink: more than 64 reduce sources"; break; }
+        for (int j = 0; j < k; ++j) srcs[j] = ptr(op.src[1 + j]);
+        err = LaunchReduce(dt, ptr(op.dst), ptr(op.src[0]), srcs, k, op.elems, s);
+        break;
+      }
+      default: break;
+    }
+    if (e != cudaSuccess) err = CudaErr(GpuOpKindName(op.kind), e);
+    (*used)[op.stream] = 1;
+  }
+  return err;
+}
+
+// The op-by-op path: every op is one CUDA call on the work streams (pooled, shared by call sites).
+CudaStatus IssueOpByOp(const CachedProgram& cp, Dtype dt, const std::vector<CudaRank>& ranks) {
+  const GpuProgram& prog = cp.prog;
+  const int32_t n = static_cast<int32_t>(ranks.size());
+  std::vector<cudaStream_t> streams(prog.streams.size());
+  for (size_t i = 0; i < prog.streams.size(); ++i) {
+    const GpuStream& gs = prog.streams[i];
+    if (gs.xla) { streams[i] = static_cast<cudaStream_t>(ranks[gs.rank].stream); continue; }
+    std::string e = WorkStream(gs.device, gs.slot, &streams[i]);
+    if (!e.empty()) return Fail(2, e);
+  }
+  std::map<int, size_t> next;
+  std::vector<cudaEvent_t> events(static_cast<size_t>(prog.nevents), nullptr);
+  for (const GpuOp& op : prog.ops)
+    if (op.kind == GpuOpKind::kRecord) {
+      std::string e = TakeEvent(prog.streams[op.stream].device, &next, &events[op.event]);
+      if (!e.empty()) return Fail(2, e);
+    }
+  std::vector<cudaEvent_t> tails(prog.streams.size(), nullptr);  // for the failure path
+  for (size_t i = 0; i < prog.streams.size(); ++i)
+    if (!prog.streams[i].xla) {
+      std::string e = TakeEvent(prog.streams[i].device, &next, &tails[i]);
+      if (!e.empty()) return Fail(2, e);
+    }
+  ++g_graph_stats.op_by_op;
+
+  // ---- 2. issue the program
+  std::vector<uint8_t> used(prog.streams.size(), 0);
+  std::string err = IssueOps(prog, cp, dt, ranks, streams, events, &used, -1);
+  if (err.empty()) return CudaStatus{};
+  // ---- 3. failure midway: every XLA stream waits for all work already enqueued (best effort)
+  cudaGetLastError();
+  for (size_t i = 0; i < prog.streams.size(); ++i)
+    if (used[i] && tails[i]) {
+      cudaSetDevice(prog.streams[i].device);
+      cudaEventRecord(tails[i], streams[i]);
+    }
+  for (int32_t r = 0; r < n; ++r) {
+    cudaSetDevice(ranks[r].device);
+    for (size_t i = 0; i < prog.streams.size(); ++i)
+      if (used[i] && tails[i]) cudaStreamWaitEvent(static_cast<cudaStream_t>(ranks[r].stream), tails[i], 0);
+  }
+  cudaGetLastError();
+  return Fail(2, err);
+}
+
+// Captures the program into one CUDA graph (every rank on device `dev`). Nothing runs during a capture:
+// the capturing streams only record. The program's XLA streams become the capture origin (its
+// records at the start fork the work streams, its waits at the end join them); every capture work
+// stream is forked from the origin before the first op (an op on a stream outside the capture would
+// run at once) and joined back after the last. Any failure ends the capture, destroys the partial
+// graph and returns the error (*out stays null): nothing was enqueued anywhere.
+std::string CaptureProgram(const CachedProgram& cp, Dtype dt, const std::vector<CudaRank>& ranks, int dev,
+                           cudaGraph_t* out) {
+  *out = nullptr;
+  const GpuProgram& prog = cp.prog;
+  // fallible set-up outside the capture: streams, events
+  cudaStream_t origin;
+  std::string e = StreamOf(&g_graph_streams, dev, 0, &origin);
+  if (!e.empty()) return e;
+  std::vector<cudaStream_t> streams(prog.streams.size());
+  std::map<int, cudaStream_t> work;  // slot -> capture stream
+  for (size_t i = 0; i < prog.streams.size(); ++i) {
+    const GpuStream& gs = prog.streams[i];
+    if (gs.device != dev) return "jax_blink: graph capture needs every stream on one device";
+    if (gs.xla) { streams[i] = origin; continue; }
+    e = StreamOf(&g_graph_streams, dev, 1 + gs.slot, &streams[i]);
+    if (!e.empty()) return e;
+    work[gs.slot] = streams[i];
+  }
+  std::map<int, size_t> next;
+  std::vector<cudaEvent_t> events(static_cast<size_t>(prog.nevents), nullptr);
+  for (const GpuOp& op : prog.ops)
+    if (op.kind == GpuOpKind::kRecord) {
+      e = TakeEvent(dev, &next, &events[op.event], /*capture=*/true);
+      if (!e.empty()) return e;
+    }
+  cudaEvent_t fork = nullptr;
+  e = TakeEvent(dev, &next, &fork, true);
+  if (!e.empty()) return e;
+  std::vector<cudaEvent_t> joins(work.size(), nullptr);
+  for (auto& j : joins) {
+    e = TakeEvent(dev, &next, &j, true);
+    if (!e.empty()) return e;
+  }
+  BLINK_CUDA(cudaSetDevice(dev));
+  // ThreadLocal: only this thread's unsafe calls are checked (XLA's other threads are left alone).
+  cudaError_t ce = cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal);
+  if (ce != cudaSuccess) {
+    cudaGetLastError();
+    return CudaErr("cudaStreamBeginCapture", ce);
+  }
+  std::string err;
+  ce = cudaEventRecord(fork, origin);
+  for (auto& [slot, st] : work)
+    if (ce == cudaSuccess) ce = cudaStreamWaitEvent(st, fork, 0);
+  if (ce != cudaSuccess) err = CudaErr("capture fork", ce);
+  std::vector<uint8_t> used(prog.streams.size(), 0);
+  if (err.empty()) err = IssueOps(prog, cp, dt, ranks, streams, events, &used, dev);
+  size_t j = 0;
+  for (auto& [slot, st] : work) {  // join every capture stream into the origin, even after an error
+    cudaError_t a = cudaEventRecord(joins[j], st);
+    if (a == cudaSuccess) a = cudaStreamWaitEvent(origin, joins[j], 0);
+    if (a != cudaSuccess && err.empty()) err = CudaErr("capture join", a);
+    ++j;
+  }
+  cudaGraph_t g = nullptr;
+  ce = cudaStreamEndCapture(origin, &g);
+  if (ce != cudaSuccess && err.empty()) err = CudaErr("cudaStreamEndCapture", ce);
+  if (err.empty() && g == nullptr) err = "jax_blink: stream capture returned no graph";
+  // No stream may stay in capture mode (its later work would be recorded, not run): such a stream is
+  // dropped from the pool (leaked; a fresh one is created next time).
+  std::vector<std::pair<int, cudaStream_t>> all{{0, origin}};
+  for (auto& [slot, st] : work) all.push_back({1 + slot, st});
+  for (auto& [slot, st] : all) {
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(st, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone) {
+      g_graph_streams.erase({dev, slot});
+      if (err.empty()) err = "jax_blink: a stream was left in capture mode";
+    }
+  }
+  cudaGetLastError();  // capture errors are not sticky: clear them
+  if (!err.empty()) {
+    if (g) cudaGraphDestroy(g);
+    return err;
+  }
+  *out = g;
+  return "";
+}
+
+// The graph path (every rank on one device): one executable graph per (program, buffer pointers),
+// captured and instantiated on first use, then launched each call. A new pointer set reuses the least
+// recently used graph with cudaGraphExecUpdate when the cache is full (re-instantiates if CUDA refuses).
+// Launch: each rank's XLA stream records an event the launch stream waits on (the graph starts after
+// every rank reached the call), the graph runs, and every XLA stream waits for its end.
+// Returns false, with *why, when the call must go op by op instead: nothing of the program has been
+// enqueued then (at most waits on the launch stream). Returns true when the graph was launched (*st:
+// its status; after a failure past the launch the host waits for the graph, so XLA never reuses a
+// buffer it still reads).
+bool IssueGraph(CachedProgram& cp, Dtype dt, const std::vector<CudaRank>& ranks, CudaStatus* st, std::string* why) {
+  const int dev = ranks[0].device;
+  std::vector<const void*> ptrs;
+  for (auto& r : ranks) {
+    ptrs.push_back(r.in);
+    ptrs.push_back(r.out);
+  }
+  ++cp.graph_calls;
+  auto it = std::find_if(cp.graphs.begin(), cp.graphs.end(), [&](const GraphEntry& g) { return g.ptrs == ptrs; });
+  if (it != cp.graphs.end()) {
+    cp.graphs.splice(cp.graphs.begin(), cp.graphs, it);
+  } else {
+    ++cp.graph_misses;
+    if (cp.graph_misses > 8 && cp.graph_misses * 2 > cp.graph_calls) {
+      cp.graphs_off = true;  // capturing on most calls costs more than issuing op by op
+      *why = "buffer pointers change on most calls";
+      return false;
+    }
+    cudaGraph_t g = nullptr;
+    ++g_graph_stats.captures;
+    std::string e = CaptureProgram(cp, dt, ranks, dev, &g);
+    if (!e.empty()) {
+      ++g_graph_stats.capture_failures;
+      cp.graphs_off = true;
+      *why = "capture failed: " + e;
+      return false;
+    }
+    cudaGraphExec_t exec = nullptr;
+    if (cp.graphs.size() >= GraphCacheSize()) {
+      GraphEntry old = std::move(cp.graphs.back());
+      cp.graphs.pop_back();
+#if CUDART_VERSION >= 12000
+      cudaGraphExecUpdateResultInfo info{};
+      if (cudaGraphExecUpdate(old.exec, g, &info) == cudaSuccess) {
+        exec = old.exec;  // takes effect at its next launch; launches in flight are not affected
+        ++g_graph_stats.updates;
+      } else {
+        cudaGetLastError();
+        cudaGraphExecDestroy(old.exec);  // an in-flight launch completes; freed afterwards
+      }
+#else
+      cudaGraphExecDestroy(old.exec);
+#endif
+    }
+    if (!exec) {
+#if CUDART_VERSION >= 12000
+      cudaError_t ce = cudaGraphInstantiate(&exec, g, 0);
+#else
+      cudaError_t ce = cudaGraphInstantiateWithFlags(&exec, g, 0);
+#endif
+      if (ce != cudaSuccess) {
+        cudaGetLastError();
+        cudaGraphDestroy(g);
+        cp.graphs_off = true;
+        *why = CudaErr("cudaGraphInstantiate", ce);
+        return false;
+      }
+      ++g_graph_stats.instantiates;
+    }
+    cudaGraphDestroy(g);
+    cp.graphs.push_front(GraphEntry{ptrs, exec});
+  }
+  cudaGraphExec_t exec = cp.graphs.front().exec;
+  // launch set-up (fallible, nothing enqueued): launch stream, events
+  cudaStream_t launch;
+  std::string e = StreamOf(&g_graph_streams, dev, -1, &launch);
+  std::vector<cudaStream_t> xla;  // distinct XLA streams (ranks may share one)
+  for (auto& r : ranks) {
+    cudaStream_t s = static_cast<cudaStream_t>(r.stream);
+    if (std::find(xla.begin(), xla.end(), s) == xla.end()) xla.push_back(s);
+  }
+  std::map<int, size_t> next;
+  std::vector<cudaEvent_t> arrive(xla.size(), nullptr);
+  cudaEvent_t done = nullptr;
+  for (auto& a : arrive)
+    if (e.empty()) e = TakeEvent(dev, &next, &a);
+  if (e.empty()) e = TakeEvent(dev, &next, &done);
+  if (e.empty() && cudaSetDevice(dev) != cudaSuccess) e = CudaErr("cudaSetDevice", cudaGetLastError());
+  cudaError_t ce = cudaSuccess;
+  for (size_t i = 0; i < xla.size() && e.empty() && ce == cudaSuccess; ++i) {
+    ce = cudaEventRecord(arrive[i], xla[i]);
+    if (ce == cudaSuccess) ce = cudaStreamWaitEvent(launch, arrive[i], 0);
+  }
+  if (e.empty() && ce != cudaSuccess) e = CudaErr("graph launch set-up", ce);
+  if (e.empty()) {
+    ce = cudaGraphLaunch(exec, launch);
+    if (ce != cudaSuccess) {
+      e = CudaErr("cudaGraphLaunch", ce);
+      cp.graphs_off = true;
+    }
+  }
+  if (!e.empty()) {  // nothing of the program enqueued: go op by op
+    cudaGetLastError();
+    *why = e;
+    return false;
+  }
+  ++g_graph_stats.launches;
+  ce = cudaEventRecord(done, launch);
+  for (size_t i = 0; i < xla.size() && ce == cudaSuccess; ++i) ce = cudaStreamWaitEvent(xla[i], done, 0);
+  if (ce != cudaSuccess) {
+    cudaGetLastError();
+    cudaStreamSynchronize(launch);  // XLA's streams may not wait for the graph: wait here instead
+    cudaGetLastError();
+    *st = Fail(2, CudaErr("graph completion event", ce));
+  } else {
+    *st = CudaStatus{};
+  }
+  return true;
+}
 
 CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaRank>& ranks, int64_t cache_key,
                          int64_t group) {
@@ -361,7 +699,6 @@ CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
     }
     g_programs[key] = cp;
   }
-  const GpuProgram& prog = cp->prog;
   for (auto& r : ranks) {
     if (g_kernel_ok.count({r.device, dt})) continue;
     if (cudaSetDevice(r.device) != cudaSuccess) return Fail(2, CudaErr("cudaSetDevice", cudaGetLastError()));
@@ -371,92 +708,32 @@ CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
                                         "see jax_blink.lowering.ffi.UNAVAILABLE)");
     g_kernel_ok.insert({r.device, dt});
   }
-  std::vector<cudaStream_t> streams(prog.streams.size());
-  for (size_t i = 0; i < prog.streams.size(); ++i) {
-    const GpuStream& gs = prog.streams[i];
-    if (gs.xla) { streams[i] = static_cast<cudaStream_t>(ranks[gs.rank].stream); continue; }
-    std::string e = WorkStream(gs.device, gs.slot, &streams[i]);
-    if (!e.empty()) return Fail(2, e);
-  }
-  std::map<int, size_t> next;
-  std::vector<cudaEvent_t> events(static_cast<size_t>(prog.nevents), nullptr);
-  for (const GpuOp& op : prog.ops)
-    if (op.kind == GpuOpKind::kRecord) {
-      std::string e = TakeEvent(prog.streams[op.stream].device, &next, &events[op.event]);
-      if (!e.empty()) return Fail(2, e);
-    }
-  std::vector<cudaEvent_t> tails(prog.streams.size(), nullptr);  // for the failure path
-  for (size_t i = 0; i < prog.streams.size(); ++i)
-    if (!prog.streams[i].xla) {
-      std::string e = TakeEvent(prog.streams[i].device, &next, &tails[i]);
-      if (!e.empty()) return Fail(2, e);
-    }
 
-  // ---- 2. issue the program
-  auto ptr = [&](const ByteRange& b) -> char* {
-    char* base = b.buf.kind == BufKind::kIn ? static_cast<char*>(const_cast<void*>(ranks[b.buf.owner].in))
-                 : b.buf.kind == BufKind::kOut ? static_cast<char*>(ranks[b.buf.owner].out)
-                                               : static_cast<char*>(cp->scratch[b.buf.owner]);
-    return base + b.offset;
-  };
-  auto dev_of = [&](const BufRef& b) {
-    return b.kind == BufKind::kScratch ? ranks[prog.scratch[b.owner].rank].device : ranks[b.owner].device;
-  };
-  std::vector<uint8_t> used(prog.streams.size(), 0);
-  int current = -1;
-  std::string err;
-  const void* srcs[64];
-  for (size_t i = 0; i < prog.ops.size() && err.empty(); ++i) {
-    const GpuOp& op = prog.ops[i];
-    if (op.kind == GpuOpKind::kXlaBefore || op.kind == GpuOpKind::kXlaAfter) continue;
-    const int dev = prog.streams[op.stream].device;
-    cudaStream_t s = streams[op.stream];
-    if (dev != current) {
-      cudaError_t e = cudaSetDevice(dev);
-      if (e != cudaSuccess) { err = CudaErr("cudaSetDevice", e); break; }
-      current = dev;
-    }
-    cudaError_t e = cudaSuccess;
-    switch (op.kind) {
-      case GpuOpKind::kRecord: e = cudaEventRecord(events[op.event], s); break;
-      case GpuOpKind::kWait: e = cudaStreamWaitEvent(s, events[op.event], 0); break;
-      case GpuOpKind::kZero: e = cudaMemsetAsync(ptr(op.dst), 0, static_cast<size_t>(op.dst.bytes), s); break;
-      case GpuOpKind::kCopy: {
-        const int sd = dev_of(op.src[0].buf), dd = dev_of(op.dst.buf);
-        if (sd == dd) e = cudaMemcpyAsync(ptr(op.dst), ptr(op.src[0]), op.dst.bytes, cudaMemcpyDeviceToDevice, s);
-        else e = cudaMemcpyPeerAsync(ptr(op.dst), dd, ptr(op.src[0]), sd, static_cast<size_t>(op.dst.bytes), s);
-        break;
-      }
-      case GpuOpKind::kReduce: {
-        const int k = static_cast<int>(op.src.size()) - 1;
-        if (k > 64) { err = "jax_blink: more than 64 reduce sources"; break; }
-        for (int j = 0; j < k; ++j) srcs[j] = ptr(op.src[1 + j]);
-        err = LaunchReduce(dt, ptr(op.dst), ptr(op.src[0]), srcs, k, op.elems, s);
-        break;
-      }
-      default: break;
-    }
-    if (e != cudaSuccess) err = CudaErr(GpuOpKindName(op.kind), e);
-    used[op.stream] = 1;
+  // ---- 2. issue: one graph launch where possible, else op by op
+  bool one_device = true;
+  for (auto& r : ranks) one_device = one_device && r.device == ranks[0].device;
+  if (!GraphsEnabled()) {
+    g_graph_stats.last_fallback = "JAX_BLINK_CUDA_GRAPHS=0";
+  } else if (!one_device) {
+    g_graph_stats.last_fallback = "ranks on several devices (graphs are single-device)";
+  } else if (cp->graphs_off) {
+    g_graph_stats.last_fallback = cp->graphs_off_why;
+  } else {
+    CudaStatus st;
+    std::string why;
+    if (IssueGraph(*cp, dt, ranks, &st, &why)) return st;
+    g_graph_stats.last_fallback = why;
+    if (cp->graphs_off) cp->graphs_off_why = why;
   }
-  if (err.empty()) return CudaStatus{};
-  // ---- 3. failure midway: every XLA stream waits for all work already enqueued (best effort)
-  cudaGetLastError();
-  for (size_t i = 0; i < prog.streams.size(); ++i)
-    if (used[i] && tails[i]) {
-      cudaSetDevice(prog.streams[i].device);
-      cudaEventRecord(tails[i], streams[i]);
-    }
-  for (int32_t r = 0; r < n; ++r) {
-    cudaSetDevice(ranks[r].device);
-    for (size_t i = 0; i < prog.streams.size(); ++i)
-      if (used[i] && tails[i]) cudaStreamWaitEvent(static_cast<cudaStream_t>(ranks[r].stream), tails[i], 0);
-  }
-  cudaGetLastError();
-  return Fail(2, err);
+  return IssueOpByOp(*cp, dt, ranks);
 }
 
 }  // namespace
+
+CudaGraphStats GetCudaGraphStats() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_graph_stats;
+}
 
 CudaStatus EnqueueOnCuda(const ExecPlan& plan, Dtype dt, const std::vector<CudaRank>& ranks, int64_t cache_key,
                          int64_t group) {

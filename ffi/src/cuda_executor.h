@@ -37,8 +37,24 @@ struct CudaStatus {
 // JAX_BLINK_CUDA_FORCE_STAGING=1 stages every cross-rank reduce source through the copy engine (as
 // when peer access is missing); CUDA_DEVICE_MAX_CONNECTIONS (default 8) caps work streams per device.
 // Thread-safe (one global lock: pooled events are re-recorded only after all waits on them were issued).
+//
+// Issue: when every rank is on one device, the program is captured once into a CUDA graph per
+// (program, buffer pointers), instantiated, and launched each call (a handful of host calls instead of
+// one per op, record and wait); a small LRU per program (JAX_BLINK_CUDA_GRAPH_CACHE, default 4) and
+// cudaGraphExecUpdate when pointers change. Ranks on several devices, JAX_BLINK_CUDA_GRAPHS=0, a
+// capture / instantiate / launch failure (the capture is ended and dropped: nothing enqueued), or
+// pointers that change on most calls: op by op (the same ops, one CUDA call each).
 CudaStatus EnqueueOnCuda(const ExecPlan& plan, Dtype dtype, const std::vector<CudaRank>& ranks, int64_t cache_key,
                          int64_t group);
+
+// Counters of the issue paths since the process started (the gpu_check harness prints them).
+struct CudaGraphStats {
+  int64_t launches = 0;          // calls issued as one graph launch
+  int64_t op_by_op = 0;          // calls issued op by op
+  int64_t captures = 0, capture_failures = 0, instantiates = 0, updates = 0;
+  std::string last_fallback;     // why the latest call that did not launch a graph went op by op
+};
+CudaGraphStats GetCudaGraphStats();
 
 // Fused k-source reduce: out[i] = first[i] + srcs[0][i] + ... + srcs[k-1][i] (left to right, the
 // executors' arithmetic) for n elements on `stream`; 16-byte vector loads on the aligned middle

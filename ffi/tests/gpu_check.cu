@@ -3,12 +3,17 @@
 // rank's output bitwise against a host execution of the schedule rows, then times it.
 //   blink_gpu_check <schedule.int64 file> [float32|int32] [iterations=20]
 // JAX_BLINK_CUDA_FORCE_STAGING=1 forces the no-peer path (reduce sources staged by the copy engine).
+// Both issue paths are checked and timed: op by op (JAX_BLINK_CUDA_GRAPHS=0) and the CUDA graph path
+// (when every rank is on one GPU; a graph path that falls back is a FAIL here), then a pointer change
+// on the graph path (cudaGraphExecUpdate).
 // Prints "gpu_check: PASS ..." / "gpu_check: FAIL ..." lines; exit 0 on pass, 1 on mismatch, 2 on a
 // setup or CUDA error, 3 without a GPU.
 #include <cuda_runtime.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -60,46 +65,124 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
   if (s.collective == Collective::kReduce && !s.seg_root.empty())
     for (int64_t r = 0; r < n; ++r)
       if (r != s.seg_root[0]) std::fill(ref[r].begin(), ref[r].end(), T(0));
-  CudaStatus st = EnqueueOnCuda(plan, dt, ranks, /*cache_key=*/12345, /*group=*/0);
-  if (!st.ok()) { std::fprintf(stderr, "gpu_check: FAIL enqueue: %s\n", st.message.c_str()); return 2; }
-  for (int d = 0; d < ndev; ++d) { CHECK(cudaSetDevice(d)); CHECK(cudaDeviceSynchronize()); }
-  int bad = 0;
-  std::vector<T> got(ne);
-  for (int64_t r = 0; r < n; ++r) {
-    CHECK(cudaMemcpy(got.data(), ranks[r].out, ne * sizeof(T), cudaMemcpyDeviceToHost));
-    if (std::memcmp(got.data(), ref[r].data(), ne * sizeof(T)) != 0) {
-      int64_t i = 0;
-      while (i < ne && std::memcmp(&got[i], &ref[r][i], sizeof(T)) == 0) ++i;
-      if (bad++ < 3)
-        std::fprintf(stderr, "gpu_check: rank %lld differs from the host reference first at element %lld (%g vs %g)\n",
-                     (long long)r, (long long)i, (double)got[i], (double)ref[r][i]);
-    }
-  }
-  if (bad) {
-    std::printf("gpu_check: FAIL %s %s ranks=%lld gpus=%d staging=%s: %d ranks differ\n", coll, dname, (long long)n,
-                ndev, staging ? "forced" : "auto", bad);
-    return 1;
-  }
-  // Timing: the same call repeatedly (program cached), wall clock with all devices synchronised.
+  bool one_device = true;
+  for (auto& r : ranks) one_device = one_device && r.device == ranks[0].device;
   auto sync = [&] { for (int d = 0; d < ndev; ++d) { cudaSetDevice(d); cudaDeviceSynchronize(); } };
-  EnqueueOnCuda(plan, dt, ranks, 12345, 0);
-  sync();
-  auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < iters; ++i) {
-    st = EnqueueOnCuda(plan, dt, ranks, 12345, 0);
-    if (!st.ok()) { std::fprintf(stderr, "gpu_check: FAIL enqueue: %s\n", st.message.c_str()); return 2; }
-  }
-  auto t1 = std::chrono::steady_clock::now();
-  sync();
-  auto t2 = std::chrono::steady_clock::now();
-  const double t = std::chrono::duration<double>(t2 - t0).count() / iters;
-  const double host_us = std::chrono::duration<double>(t1 - t0).count() / iters * 1e6;
   const double bytes = ne * static_cast<double>(sizeof(T));
-  const double algbw = bytes / t / 1e9;
-  const double busbw = s.collective == Collective::kAllReduce ? algbw * 2.0 * (n - 1) / n : algbw;
-  std::printf("gpu_check: PASS %s %s ranks=%lld gpus=%d staging=%s size=%.1fMiB time=%.3fms algbw=%.1fGB/s "
-              "busbw=%.1fGB/s enqueue=%.0fus\n", coll, dname, (long long)n, ndev, staging ? "forced" : "auto",
-              bytes / 1048576.0, t * 1e3, algbw, busbw, host_us);
+  // One checked call: outputs scribbled, enqueue, wait, every rank's output bitwise against the host.
+  // Returns 0, 1 (mismatch) or 2 (error); *us gets the host time of the enqueue.
+  auto checked = [&](const char* what, double* us) -> int {
+    for (auto& r : ranks) {
+      cudaSetDevice(r.device);
+      if (cudaMemset(r.out, 0x7f, ne * sizeof(T)) != cudaSuccess) return 2;
+    }
+    sync();
+    auto t0 = std::chrono::steady_clock::now();
+    CudaStatus st = EnqueueOnCuda(plan, dt, ranks, /*cache_key=*/12345, /*group=*/0);
+    if (us) *us = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e6;
+    if (!st.ok()) { std::fprintf(stderr, "gpu_check: FAIL enqueue (%s): %s\n", what, st.message.c_str()); return 2; }
+    sync();
+    if (cudaGetLastError() != cudaSuccess) { std::fprintf(stderr, "gpu_check: FAIL %s: CUDA error after the call\n", what); return 2; }
+    int bad = 0;
+    std::vector<T> got(ne);
+    for (int64_t r = 0; r < n; ++r) {
+      if (cudaMemcpy(got.data(), ranks[r].out, ne * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess) return 2;
+      if (std::memcmp(got.data(), ref[r].data(), ne * sizeof(T)) != 0) {
+        int64_t i = 0;
+        while (i < ne && std::memcmp(&got[i], &ref[r][i], sizeof(T)) == 0) ++i;
+        if (bad++ < 3)
+          std::fprintf(stderr, "gpu_check: %s: rank %lld differs from the host reference first at element %lld (%g vs %g)\n",
+                       what, (long long)r, (long long)i, (double)got[i], (double)ref[r][i]);
+      }
+    }
+    if (bad) {
+      std::printf("gpu_check: FAIL %s %s ranks=%lld gpus=%d staging=%s %s: %d ranks differ\n", coll, dname, (long long)n,
+                  ndev, staging ? "forced" : "auto", what, bad);
+      return 1;
+    }
+    return 0;
+  };
+  // Both issue paths, each checked bitwise then timed (the same call repeatedly, program cached; wall
+  // clock with all devices synchronised). op: JAX_BLINK_CUDA_GRAPHS=0 (one CUDA call per op, record and
+  // wait); graph: one CUDA graph per pointer set, captured on the first call ("first" = its enqueue).
+  double time_s[2] = {0, 0}, enq_us[2] = {0, 0};
+  const char* names[2] = {"op", "graph"};
+  for (int path = 0; path < 2; ++path) {
+    setenv("JAX_BLINK_CUDA_GRAPHS", path == 0 ? "0" : "1", 1);
+    const CudaGraphStats before = GetCudaGraphStats();
+    double first_us = 0;
+    int rc = checked(names[path], &first_us);
+    if (rc) return rc;
+    const int warm = iters > 1 ? 1 : 0;  // sanitizer runs (1 iteration) skip the warm-up call
+    if (warm) EnqueueOnCuda(plan, dt, ranks, 12345, 0);
+    sync();
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) {
+      CudaStatus st = EnqueueOnCuda(plan, dt, ranks, 12345, 0);
+      if (!st.ok()) { std::fprintf(stderr, "gpu_check: FAIL enqueue: %s\n", st.message.c_str()); return 2; }
+    }
+    auto t1 = std::chrono::steady_clock::now();
+    sync();
+    auto t2 = std::chrono::steady_clock::now();
+    const CudaGraphStats after = GetCudaGraphStats();
+    const int64_t launches = after.launches - before.launches;
+    std::string label = names[path];
+    if (path == 1 && launches != iters + 1 + warm) {
+      if (one_device) {
+        std::printf("gpu_check: FAIL %s %s graph path not taken (%lld of %d calls launched a graph): %s\n", coll, dname,
+                    (long long)launches, iters + 1 + warm, after.last_fallback.c_str());
+        return 1;
+      }
+      label = "op(multi-device)";
+    }
+    const double t = std::chrono::duration<double>(t2 - t0).count() / iters;
+    const double host_us = std::chrono::duration<double>(t1 - t0).count() / iters * 1e6;
+    time_s[path] = t;
+    enq_us[path] = host_us;
+    const double algbw = bytes / t / 1e9;
+    const double busbw = s.collective == Collective::kAllReduce ? algbw * 2.0 * (n - 1) / n : algbw;
+    std::printf("gpu_check: PASS %s %s ranks=%lld gpus=%d staging=%s path=%s size=%.1fMiB time=%.3fms algbw=%.1fGB/s "
+                "busbw=%.1fGB/s enqueue=%.0fus first=%.0fus", coll, dname, (long long)n, ndev, staging ? "forced" : "auto",
+                label.c_str(), bytes / 1048576.0, t * 1e3, algbw, busbw, host_us, first_us);
+    if (path == 1)
+      std::printf(" captures=%lld instantiates=%lld", (long long)(after.captures - before.captures),
+                  (long long)(after.instantiates - before.instantiates));
+    std::printf("\n");
+  }
+  std::printf("gpu_check: graph vs op %s %s size=%.1fMiB: time %.3fms -> %.3fms (%.2fx), enqueue %.0fus -> %.0fus\n",
+              coll, dname, bytes / 1048576.0, time_s[0] * 1e3, time_s[1] * 1e3, time_s[0] / time_s[1], enq_us[0],
+              enq_us[1]);
+  // New buffer pointers on the graph path with a one-graph cache: a new capture that updates the
+  // cached executable graph in place (cudaGraphExecUpdate; re-instantiated if CUDA refuses), checked
+  // bitwise, then back to the first pointers (updated again).
+  if (one_device) {
+    setenv("JAX_BLINK_CUDA_GRAPH_CACHE", "1", 1);
+    std::vector<void*> first_out(n), alt(n, nullptr);
+    const CudaGraphStats before = GetCudaGraphStats();
+    for (int64_t r = 0; r < n; ++r) {
+      CHECK(cudaSetDevice(ranks[r].device));
+      CHECK(cudaMalloc(&alt[r], ne * sizeof(T) + 16));
+      first_out[r] = ranks[r].out;
+      ranks[r].out = alt[r];
+    }
+    int rc = checked("graph new pointers", nullptr);
+    for (int64_t r = 0; r < n; ++r) ranks[r].out = first_out[r];
+    if (!rc) rc = checked("graph first pointers again", nullptr);
+    sync();
+    for (int64_t r = 0; r < n; ++r) { cudaSetDevice(ranks[r].device); cudaFree(alt[r]); }
+    unsetenv("JAX_BLINK_CUDA_GRAPH_CACHE");
+    if (rc) return rc;
+    const CudaGraphStats after = GetCudaGraphStats();
+    if (after.launches - before.launches != 2) {
+      std::printf("gpu_check: FAIL %s %s graph path not taken after a pointer change: %s\n", coll, dname,
+                  after.last_fallback.c_str());
+      return 1;
+    }
+    std::printf("gpu_check: PASS %s %s graph pointer change: 2 calls, captures=%lld updates=%lld instantiates=%lld\n",
+                coll, dname, (long long)(after.captures - before.captures), (long long)(after.updates - before.updates),
+                (long long)(after.instantiates - before.instantiates));
+  }
+  unsetenv("JAX_BLINK_CUDA_GRAPHS");
   // Kernel rates on rank 0's GPU (reference for the numbers above).
   if (n >= 2 && ranks[1].device == ranks[0].device) {
     cudaSetDevice(ranks[0].device);
