@@ -14,7 +14,8 @@ import re
 from ..errors import BlinkError, PlanError
 from ..packing import COLLECTIVES
 
-TOPOLOGY_HELP = "preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, JSON file, or 'detect'"
+TOPOLOGY_HELP = ("preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, NCCL topology XML file, "
+                 "JSON file, or 'detect'")
 _ITEM = re.compile(r"(\d+)(?:-(\d+))?")
 
 

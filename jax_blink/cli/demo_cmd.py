@@ -30,8 +30,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate (default 5e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--topology", default=None,
-                   help="preset name, nvidia-smi topo -m file or JSON (default: detected GPUs, else the "
-                        "dgx1v preset mapped onto 8 host CPU devices)")
+                   help="preset name, nvidia-smi topo -m file, NCCL topology XML or JSON (default: "
+                        "detected GPUs, else the dgx1v preset mapped onto 8 host CPU devices)")
     p.add_argument("--impl", choices=("auto", "ppermute", "ffi"), default="auto",
                    help="jax_blink lowering: auto (ffi where built, else ppermute), ppermute, ffi")
     p.add_argument("--min-accuracy", type=float, default=0.95,
