@@ -8,7 +8,11 @@ from .topology import Topology
 from .presets import PRESETS, multi_node
 from .discovery import detect, load_topology
 
-__version__ = "0.1.0"
+try:  # one source of truth: the version in pyproject.toml, as installed
+    from importlib.metadata import PackageNotFoundError, version as _version
+    __version__ = _version("jax_blink")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 # JAX-facing API, imported lazily so the CLI and planners load without importing jax.
 _LAZY = {"psum": "api", "pmean": "api", "broadcast": "api", "reduce": "api", "set_device_map": "mapping",
@@ -20,6 +24,11 @@ def __getattr__(name):
         import importlib
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    """The module's names, including the lazily imported ones (so completion and dir() show them)."""
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = ["BlinkError", "PlanError", "ScheduleError", "Topology", "TopologyError", "__version__",

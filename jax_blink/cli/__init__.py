@@ -24,6 +24,8 @@ COMMANDS = {
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; ``only`` imports just that subcommand's module."""
     p = argparse.ArgumentParser(prog="jax-blink", description="Topology-aware collectives for JAX (Blink).")
+    p.add_argument("--version", action="version", version=version_text(),
+                   help="print the versions of jax_blink, jax, jaxlib and Python, then exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (mod, help_) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
@@ -37,6 +39,22 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             module.add_arguments(sp)
             sp.set_defaults(_run=module.run)
     return p
+
+
+def version_text() -> str:
+    """'jax-blink 0.1.0 (jax 0.10.2, jaxlib 0.10.2, Python 3.11.7)', read without importing jax."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .. import __version__
+
+    def v(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (f"jax-blink {__version__} (jax {v('jax')}, jaxlib {v('jaxlib')}, "
+            f"Python {sys.version.split()[0]})")
 
 
 def main(argv: list[str] | None = None) -> int:
