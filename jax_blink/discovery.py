@@ -23,7 +23,7 @@ import networkx as nx
 from .errors import TopologyError
 from .ncclxml import normalise_busid, parse_nccl_xml
 from .nvsmi import build_topology, parse_topo
-from .presets import is_preset, preset
+from .presets import NVLINK1_GBPS, NVLINK5_GBPS, NVLINK_GBPS, is_preset, preset
 from .topology import Topology
 
 SUPPORTED_FORMATS = ("a preset name (e.g. 'dgx1v', 'dgx-a100', 'host8')",
@@ -36,11 +36,11 @@ HOW_TO_PASS = ("pass a topology explicitly instead: " + ", ".join(SUPPORTED_FORM
 _TOPO_M_GPU = re.compile(r"GPU\d+\b")  # a topo -m header or row names GPU0, GPU1, ...
 
 # NVLink version -> GB/s per link per direction (P100 NVLink1 20; NVLink2-4 25; NVLink5 50).
-NVLINK_VERSION_GBPS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
+NVLINK_VERSION_GBPS = {1: NVLINK1_GBPS, 2: NVLINK_GBPS, 3: NVLINK_GBPS, 4: NVLINK_GBPS, 5: NVLINK5_GBPS}
 # GPU model substring -> GB/s per link per direction, when NVML does not report the version.
-NVLINK_MODEL_GBPS = (("P100", 20.0), ("V100", 25.0), ("A100", 25.0), ("A800", 25.0), ("H100", 25.0),
-                     ("H200", 25.0), ("H800", 25.0), ("GH200", 25.0), ("B100", 50.0), ("B200", 50.0),
-                     ("GB200", 50.0), ("B300", 50.0))
+NVLINK_MODEL_GBPS = (("P100", NVLINK1_GBPS), ("V100", NVLINK_GBPS), ("A100", NVLINK_GBPS), ("A800", NVLINK_GBPS),
+                     ("H100", NVLINK_GBPS), ("H200", NVLINK_GBPS), ("H800", NVLINK_GBPS), ("GH200", NVLINK_GBPS),
+                     ("B100", NVLINK5_GBPS), ("B200", NVLINK5_GBPS), ("GB200", NVLINK5_GBPS), ("B300", NVLINK5_GBPS))
 _NVML_LEVEL = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 
 

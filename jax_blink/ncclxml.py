@@ -57,7 +57,7 @@ import re
 import xml.etree.ElementTree as ET
 
 from .errors import TopologyError
-from .presets import INTER_SOCKET_GBPS, NVLINK1_GBPS, NVLINK_GBPS, PCIE_GEN3_GBPS
+from .presets import INTER_SOCKET_GBPS, NVLINK1_GBPS, NVLINK5_GBPS, NVLINK_GBPS, PCIE_GEN3_GBPS
 from .topology import Topology
 
 # ----------------------------------------------------------------------------- rates
@@ -68,14 +68,14 @@ _GPU_PREFIX = "0x03"          # display controller: VGA 0x0300xx, 3D 0x0302xx
 _NIC_PREFIX = "0x02"          # network controller: Ethernet 0x0200xx, InfiniBand 0x0207xx
 
 # GPU architecture (first ``sm`` of the family, sm = 10 x CUDA compute capability) -> GB/s per NVLink
-# per direction, line rate. Sources: NVIDIA Tesla P100 whitepaper (WP-08019-001: NVLink1, 4 links,
-# 160 GB/s bidirectional -> 20); V100 whitepaper (WP-08608-001: NVLink2, 6 links, 300 GB/s -> 25;
-# Turing's NVLink2 bridge, sm 75, has the same per-link rate); A100 whitepaper (WP-10083-001:
-# NVLink3, 12 links, 600 GB/s -> 25); A40 / RTX 3090 datasheets (GA102, sm 86: 4 NVLink3 x4 links,
-# 112.5 GB/s bidirectional -> 14.0625); H100 whitepaper (WP-10785-001: NVLink4, 18 links, 900 GB/s
-# -> 25); Blackwell B200 (NVLink5, 18 links, 1.8 TB/s -> 50). The same facts as the presets use.
+# per direction, line rate. Sources: NVIDIA Tesla P100 whitepaper (NVLink1, 4 links, 160 GB/s
+# bidirectional -> 20); V100 whitepaper (NVLink2, 6 links, 300 GB/s -> 25; Turing's NVLink2 bridge,
+# sm 75, has the same per-link rate); A100 architecture whitepaper (NVLink3, 12 links, 600 GB/s -> 25);
+# A40 / RTX 3090 datasheets (GA102, sm 86: 4 NVLink3 x4 links, 112.5 GB/s bidirectional -> 14.0625);
+# H100 architecture whitepaper (NVLink4, 18 links, 900 GB/s -> 25); Blackwell B200 (NVLink5, 18 links,
+# 1.8 TB/s -> 50). The same per-link rates as the presets and NVML discovery use.
 NVLINK_GBPS_BY_SM = ((60, NVLINK1_GBPS), (70, NVLINK_GBPS), (80, NVLINK_GBPS), (86, 112.5 / 8),
-                     (90, NVLINK_GBPS), (100, 50.0))
+                     (90, NVLINK_GBPS), (100, NVLINK5_GBPS))
 
 # PCIe: GT/s per lane -> payload bits per transferred bit. PCI Express Base Specification: gen1
 # (2.5 GT/s) and gen2 (5 GT/s) use 8b/10b encoding, gen3 (8 GT/s) and later 128b/130b (gen6's FLIT
