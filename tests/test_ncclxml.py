@@ -313,11 +313,20 @@ def test_unsupported_format_lists_the_supported_ones(tmp_path):
         load_topology(bad)
 
 
-def test_env_variable_accepts_xml(topology_dir, monkeypatch):
-    from jax_blink import mapping
+def test_env_variable_accepts_xml(topology_dir, monkeypatch, tmp_path):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
     monkeypatch.setenv("JAX_BLINK_TOPOLOGY", str(topology_dir / XML))
-    key = mapping.make_plan_key()
-    assert nvlink_table(mapping._load(key.topology)) == nvlink_table(preset("dgx1v"))
+    x = jnp.arange(8 * 5, dtype=jnp.float32).reshape(8, 5)
+    y = jax.pmap(lambda v: jax_blink.psum(v, "i", impl="ppermute"), axis_name="i")(x)
+    np.testing.assert_array_equal(np.asarray(y), np.broadcast_to(np.asarray(x).sum(0), (8, 5)))
+    other = tmp_path / "cluster.cfg"
+    other.write_text("hosts = a, b\n")
+    monkeypatch.setenv("JAX_BLINK_TOPOLOGY", str(other))
+    with pytest.raises(Exception, match="no supported format"):
+        jax.pmap(lambda v: jax_blink.psum(v, "i"), axis_name="i")(x + 1)
 
 
 def test_cli_topology_plan_bench_show_accept_xml(capsys, topology_dir, tmp_path):
