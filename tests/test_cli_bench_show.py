@@ -212,6 +212,33 @@ def test_show_ring_is_for_allreduce_like_plan(capsys, tmp_path):
     assert "ring" in capsys.readouterr().out
 
 
+def test_bench_json_one_object_per_size(capsys):
+    from jax_blink.baselines import nccl_ring_plan, nccl_tree_plan
+    from jax_blink.simulate import simulate
+
+    assert main(["bench", "--topology", "dgx1v", "--sizes", "1M,1G", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["size"] for r in rows] == [1 << 20, 1 << 30]
+    topo = preset("dgx1v")
+    for r in rows:
+        for name in ("blink", "ring", "tree"):
+            assert r[f"{name}_algbw_gbps"] == pytest.approx(r["size"] / r[f"{name}_time_s"] / 1e9)
+            assert r[f"{name}_busbw_gbps"] == pytest.approx(r[f"{name}_algbw_gbps"] * 2 * 7 / 8)
+        assert r["ring_time_s"] == simulate(nccl_ring_plan(topo), r["size"], topology=topo).time_s
+        assert r["tree_time_s"] == simulate(nccl_tree_plan(topo), r["size"], topology=topo).time_s
+        assert r["blink_time_s"] <= min(r["ring_time_s"], r["tree_time_s"])
+    assert rows[0]["blink_plan"].startswith("ring, ")  # 1 MiB on dgx1v: rings (issue: trees were 0.46x)
+
+
+def test_plan_ring_reports_the_collective_bound_and_rings(capsys):
+    assert main(["plan", "--topology", "dgx1v", "--algorithm", "ring"]) == 0
+    out = capsys.readouterr().out
+    assert "ring, 32 rings" in out and "rate 92.571 GB/s, bound 92.571 GB/s (1.000 of bound)" in out
+    assert main(["plan", "--topology", "dgx1v", "--size", "1M"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen for 1048576 B per GPU" in out and "ring, " in out.splitlines()[0]
+
+
 def _texts_outside(fig):
     """Texts (titles, suptitle, node labels, colour bar labels) whose drawn box leaves the figure."""
     fig.canvas.draw()
@@ -241,20 +268,22 @@ def test_show_titles_and_labels_fit_in_the_figure(source, devices, collective, a
     import matplotlib.pyplot as plt
 
     from jax_blink import load_topology
-    from jax_blink.baselines import double_binary_tree_plan, ring_plan
+    from jax_blink.baselines import nccl_ring_plan, nccl_tree_plan
     from jax_blink.cli.bench_cmd import human_bytes
     from jax_blink.plot import plan_figure
     from jax_blink.simulate import simulate
 
     root = pathlib.Path(__file__).resolve().parent.parent
     topo = load_topology(str(root / source) if "/" in source else source)
-    p = {"blink": lambda: plan(topo, collective, devices=devices, root=0 if collective != "allreduce" else None),
-         "ring": lambda: ring_plan(topo, collective, devices=devices),
-         "tree": lambda: double_binary_tree_plan(topo, devices=devices)}[algorithm]()
-    res = simulate(p, 256 << 20, topology=topo)
-    # the title show_cmd writes, at its longest
-    title = (f"{p.collective} on {topo.name} GPUs {list(p.devices)}: {p.algorithm}, {len(p.trees)} trees, "
-             f"planned {p.rate_gbps:.2f} GB/s, simulated algbw {res.algbw_gbps:.2f} GB/s at {human_bytes(256 << 20)}")
+    size = 256 << 20
+    # the plans and the title `jax-blink show` draws (show_cmd.run)
+    p = {"blink": lambda: plan(topo, collective, devices=devices, root=0 if collective != "allreduce" else None,
+                               nbytes=size),
+         "ring": lambda: nccl_ring_plan(topo, collective, devices=devices),
+         "tree": lambda: nccl_tree_plan(topo, devices=devices)}[algorithm]()
+    res = simulate(p, size, topology=topo)
+    title = (f"{p.collective} on {topo.name} GPUs {list(p.devices)}: {p.shape()}, planned {p.rate_gbps:.2f} GB/s, "
+             f"simulated algbw {res.algbw_gbps:.2f} GB/s at {human_bytes(size)}")
     fig, _ = plan_figure(topo, p, link_util=res.link_util, title=title)
     try:
         assert _texts_outside(fig) == []
