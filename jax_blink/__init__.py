@@ -8,11 +8,17 @@ from .topology import Topology
 from .presets import PRESETS, multi_node
 from .discovery import detect, load_topology
 
-try:  # one source of truth: the version in pyproject.toml, as installed
-    from importlib.metadata import PackageNotFoundError, version as _version
-    __version__ = _version("jax_blink")
-except PackageNotFoundError:  # imported from a source tree that was never installed
-    __version__ = "0+unknown"
+def _installed_version() -> str:
+    """The version in pyproject.toml, as installed (one source of truth); '0+unknown' for a source
+    tree that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("jax_blink")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 # JAX-facing API, imported lazily so the CLI and planners load without importing jax.
 _LAZY = {"psum": "api", "pmean": "api", "broadcast": "api", "reduce": "api", "set_device_map": "mapping",
