@@ -8,7 +8,17 @@ from .topology import Topology
 from .presets import PRESETS, multi_node
 from .discovery import detect, load_topology
 
-__version__ = "0.1.0"
+def _installed_version() -> str:
+    """The version in pyproject.toml, as installed (one source of truth); '0+unknown' for a source
+    tree that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("jax_blink")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 # JAX-facing API, imported lazily so the CLI and planners load without importing jax.
 _LAZY = {"psum": "api", "pmean": "api", "broadcast": "api", "reduce": "api", "set_device_map": "mapping",
@@ -21,6 +31,11 @@ def __getattr__(name):
         import importlib
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    """The module's names, including the lazily imported ones (so completion and dir() show them)."""
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = ["BlinkError", "PlanError", "ScheduleError", "Topology", "TopologyError", "__version__",

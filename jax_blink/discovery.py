@@ -14,27 +14,33 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 
 import networkx as nx
 
 from .errors import TopologyError
+from .ncclxml import normalise_busid, parse_nccl_xml
 from .nvsmi import build_topology, parse_topo
-from .presets import is_preset, preset
+from .presets import NVLINK1_GBPS, NVLINK5_GBPS, NVLINK_GBPS, is_preset, preset
 from .topology import Topology
 
-HOW_TO_PASS = ("pass a topology explicitly instead: a preset name (e.g. 'dgx1v', 'dgx-a100', 'host8'), "
-               "the path of a saved `nvidia-smi topo -m` output (.txt), or a JSON file written by "
-               "Topology.to_json(); e.g. jax_blink.Topology.load('topo.txt') or "
+SUPPORTED_FORMATS = ("a preset name (e.g. 'dgx1v', 'dgx-a100', 'host8')",
+                     "the path of a saved `nvidia-smi topo -m` output (.txt)",
+                     "NCCL's topology XML (.xml, as NCCL_TOPO_DUMP_FILE writes it)",
+                     "a JSON file written by Topology.to_json() (.json)")
+HOW_TO_PASS = ("pass a topology explicitly instead: " + ", ".join(SUPPORTED_FORMATS[:-1]) + ", or "
+               + SUPPORTED_FORMATS[-1] + "; e.g. jax_blink.Topology.load('topo.txt') or "
                "`jax-blink topology topo.txt`")
+_TOPO_M_GPU = re.compile(r"GPU\d+\b")  # a topo -m header or row names GPU0, GPU1, ...
 
 # NVLink version -> GB/s per link per direction (P100 NVLink1 20; NVLink2-4 25; NVLink5 50).
-NVLINK_VERSION_GBPS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
+NVLINK_VERSION_GBPS = {1: NVLINK1_GBPS, 2: NVLINK_GBPS, 3: NVLINK_GBPS, 4: NVLINK_GBPS, 5: NVLINK5_GBPS}
 # GPU model substring -> GB/s per link per direction, when NVML does not report the version.
-NVLINK_MODEL_GBPS = (("P100", 20.0), ("V100", 25.0), ("A100", 25.0), ("A800", 25.0), ("H100", 25.0),
-                     ("H200", 25.0), ("H800", 25.0), ("GH200", 25.0), ("B100", 50.0), ("B200", 50.0),
-                     ("GB200", 50.0), ("B300", 50.0))
+NVLINK_MODEL_GBPS = (("P100", NVLINK1_GBPS), ("V100", NVLINK_GBPS), ("A100", NVLINK_GBPS), ("A800", NVLINK_GBPS),
+                     ("H100", NVLINK_GBPS), ("H200", NVLINK_GBPS), ("H800", NVLINK_GBPS), ("GH200", NVLINK_GBPS),
+                     ("B100", NVLINK5_GBPS), ("B200", NVLINK5_GBPS), ("GB200", NVLINK5_GBPS), ("B300", NVLINK5_GBPS))
 _NVML_LEVEL = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 
 
@@ -100,19 +106,11 @@ def _run(cmd: list[str]) -> str:
     return out.stdout
 
 
-def _bus_key(bus) -> tuple[int, int, str]:
-    """Normalise a PCI bus id ('00000000:07:00.0' or b'0000:07:00.0') to (domain, bus, dev.fn)."""
+def _bus_key(bus) -> str:
+    """Normalise a PCI bus id ('00000000:07:00.0' or b'0000:07:00.0') to '0000:07:00.0'."""
     if isinstance(bus, bytes):
         bus = bus.decode(errors="replace")
-    parts = str(bus).strip().lower().split(":")
-    try:
-        if len(parts) == 3:
-            return int(parts[0], 16), int(parts[1], 16), parts[2]
-        if len(parts) == 2:
-            return 0, int(parts[0], 16), parts[1]
-    except ValueError:
-        pass
-    raise TopologyError(f"unrecognised PCI bus id {bus!r}")
+    return normalise_busid(bus, "PCI bus id")
 
 
 def from_nvml(nvml, *, nvlink_gbps: float | None = None, pcie_gbps: float = 12.0,
@@ -208,12 +206,16 @@ def load_topology(source, **kw) -> Topology:
 
     Args:
       source: a Topology (returned as is); a preset name (``dgx1v``, ``dgx-a100``, ``host8``...);
-        ``"detect"`` (:func:`detect`); a path to a ``.json`` file (``Topology.to_json``) or to a text
-        file with ``nvidia-smi topo -m`` output; or a dict (``Topology.to_dict``).
-      **kw: forwarded to the ``topo -m`` parser (``nvlink_gbps``, ``pcie_gbps``, ...) or to
+        ``"detect"`` (:func:`detect`); a path to a ``.json`` file (``Topology.to_json``), to NCCL's
+        topology XML (``.xml``, :func:`jax_blink.ncclxml.parse_nccl_xml`) or to a text file with
+        ``nvidia-smi topo -m`` output; or a dict (``Topology.to_dict``). A file's format comes from
+        its suffix, else from its first character (``{`` JSON, ``<`` XML), else from ``GPU<i>``
+        names (topo -m).
+      **kw: forwarded to the ``topo -m`` or XML parser (``nvlink_gbps``, ``pcie_gbps``, ...) or to
         :func:`detect`.
 
-    Raises TopologyError when the source is none of these or does not parse.
+    Raises TopologyError when the source is none of these (listing the supported formats) or does
+    not parse.
     """
     if isinstance(source, Topology):
         return source
@@ -232,9 +234,19 @@ def load_topology(source, **kw) -> Topology:
         text = path.read_text(errors="replace")
     except OSError as err:
         raise TopologyError(f"cannot read {str(path)!r}: {err}") from None
+    head, suffix = text.lstrip("\ufeff \t\r\n"), path.suffix.lower()
     try:
-        if path.suffix.lower() == ".json" or text.lstrip().startswith("{"):
+        if "\x00" in text:
+            raise TopologyError("binary data (it holds NUL bytes), not a topology; supported: "
+                                + "; ".join(SUPPORTED_FORMATS))
+        if suffix == ".json" or (suffix != ".xml" and head.startswith("{")):
             return Topology.from_json(text)
-        return parse_topo(text, name=path.stem, **kw)
+        if suffix == ".xml" or head.startswith("<"):
+            return parse_nccl_xml(text, name=path.stem, **kw)
+        if _TOPO_M_GPU.search(text):
+            return parse_topo(text, name=path.stem, **kw)
+        raise TopologyError("the file is in no supported format (no JSON object, no XML element, no "
+                            "`nvidia-smi topo -m` header line 'GPU0 GPU1 ...'); supported: "
+                            + "; ".join(SUPPORTED_FORMATS))
     except TopologyError as err:
         raise TopologyError(f"{path}: {err}") from None

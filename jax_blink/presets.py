@@ -31,6 +31,7 @@ from .topology import Topology
 
 NVLINK1_GBPS = 20.0   # P100, per link per direction
 NVLINK_GBPS = 25.0    # V100 (NVLink2), A100 (NVLink3), H100 (NVLink4), per link per direction
+NVLINK5_GBPS = 50.0   # B200 / GB200 (NVLink5: 18 links, 1.8 TB/s bidirectional), per link per direction
 PCIE_GEN3_GBPS = 12.0  # achievable per direction on a gen3 x16 link
 INTER_SOCKET_GBPS = 20.0  # see the module docstring
 EDR_IB_GBPS = 12.5    # 100 Gb/s EDR InfiniBand, the DGX-1's NICs

@@ -28,6 +28,8 @@ class Topology:
       graph: the directed graph. Node attribute ``kind`` in :data:`NODE_KINDS`; edge attributes
         ``bandwidth_gbps`` (float, GB/s per direction), ``kind`` (str), ``links`` (int).
       name: a short human name ("dgx1v", "custom", ...).
+      notes: what a parser assumed or ignored while reading the source (e.g. NCCL XML without
+        NVLink information); printed by ``jax-blink topology``; not part of :meth:`fingerprint`.
 
     Build one with :meth:`add_gpu` / :meth:`add_switch` / :meth:`add_link`, a preset
     (:meth:`preset`), a parser (:meth:`from_nvidia_smi`, :meth:`from_json`), or :meth:`detect`.
@@ -36,6 +38,7 @@ class Topology:
     def __init__(self, name: str = "custom"):
         self.graph = nx.DiGraph()
         self.name = name
+        self.notes: list[str] = []
 
     # ----------------------------------------------------------------- building
     def add_gpu(self, index: int, **attrs) -> None:
@@ -137,16 +140,20 @@ class Topology:
             leaves = [n for n in nbrs if n in und and not isinstance(n, int) and und.degree(n) <= 1]
         t = Topology(f"{self.name}[{','.join(map(str, devices))}]")
         t.graph = self.graph.subgraph(und.nodes).copy()
+        t.notes = list(self.notes)
         return t
 
     # ----------------------------------------------------------------- serialisation
     def to_dict(self) -> dict:
         """JSON-ready dict: {"name", "nodes": [{"id", "kind"}], "links": [{"src", "dst",
-        "bandwidth_gbps", "kind", "links"}]} in a stable order."""
+        "bandwidth_gbps", "kind", "links"}]} in a stable order, plus "notes" when there are any."""
         nodes = [{"id": n, "kind": self.graph.nodes[n]["kind"]} for n in sorted(self.graph, key=_key)]
         links = [{"src": u, "dst": v, "bandwidth_gbps": bw, "kind": k, "links": c}
                  for u, v, bw, k, c in self.links()]
-        return {"name": self.name, "nodes": nodes, "links": links}
+        d = {"name": self.name, "nodes": nodes, "links": links}
+        if self.notes:
+            d["notes"] = list(self.notes)
+        return d
 
     def to_json(self, **kw) -> str:
         """Serialise with :meth:`to_dict`; round-trips through :meth:`from_json`."""
@@ -158,6 +165,10 @@ class Topology:
         if not isinstance(data, dict) or "nodes" not in data or "links" not in data:
             raise TopologyError("topology JSON must be an object with 'nodes' and 'links'")
         t = cls(str(data.get("name", "custom")))
+        notes = data.get("notes", [])
+        if not isinstance(notes, list) or not all(isinstance(x, str) for x in notes):
+            raise TopologyError(f"'notes' must be a list of strings, got {notes!r}")
+        t.notes = list(notes)
         for i, n in enumerate(data["nodes"]):
             try:
                 nid, kind = n["id"], n["kind"]
@@ -197,6 +208,7 @@ class Topology:
         """Stable hex digest of nodes, kinds and links (not the name): a cache key for plans."""
         d = self.to_dict()
         d.pop("name")
+        d.pop("notes", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def __eq__(self, other) -> bool:

@@ -53,6 +53,29 @@ def test_bench_measure_runs_real_collective(capsys):
     assert "measured on local JAX devices [0, 2, 5] planned on dgx1v" in out and "yes" in out
 
 
+@pytest.mark.slow
+def test_bench_measure_sets_up_host_devices_itself():
+    """Found by a user: without XLA_FLAGS it printed the simulated table, then failed (1 CPU device)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, "-m", "jax_blink", "bench", "--topology", "dgx1v", "--devices", "0,5",
+                        "--sizes", "4K", "--measure", "--repeats", "1"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "measured on local JAX devices [0, 5] planned on dgx1v" in p.stdout and "yes" in p.stdout
+
+
+def test_bench_measure_checks_devices_before_the_simulated_table(capsys):
+    # this process started JAX with 8 host devices: id 9 cannot be measured, and nothing is printed first
+    assert main(["bench", "--topology", "dgx2", "--devices", "0,9", "--sizes", "4K", "--measure"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "ids [9] are not among [0, 1, 2, 3, 4, 5, 6, 7]" in err and "fresh process" in err
+
+
 def test_show_png(tmp_path, capsys):
     out = tmp_path / "t.png"
     assert main(["show", "--topology", "dgx1v", "--devices", "0,1,4", "--collective", "broadcast",
@@ -214,3 +237,56 @@ def test_plan_ring_reports_the_collective_bound_and_rings(capsys):
     assert main(["plan", "--topology", "dgx1v", "--size", "1M"]) == 0
     out = capsys.readouterr().out
     assert "chosen for 1048576 B per GPU" in out and "ring, " in out.splitlines()[0]
+
+
+def _texts_outside(fig):
+    """Texts (titles, suptitle, node labels, colour bar labels) whose drawn box leaves the figure."""
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    W, H = fig.bbox.width, fig.bbox.height
+    out = []
+    for t in fig.findobj(lambda a: hasattr(a, "get_text") and hasattr(a, "get_window_extent")):
+        if not t.get_visible() or not t.get_text().strip():
+            continue
+        b = t.get_window_extent(r)
+        if b.x0 < -0.5 or b.y0 < -0.5 or b.x1 > W + 0.5 or b.y1 > H + 0.5:
+            out.append((t.get_text(), tuple(round(v) for v in (b.x0, b.y0, b.x1, b.y1)), (W, H)))
+    return out
+
+
+@pytest.mark.parametrize("source, devices, collective, algorithm", [
+    ("tests/data/topologies/a100_pcie_nvlink_pairs.txt", [0, 1, 2], "allreduce", "blink"),  # the user's case
+    ("dgx1v", None, "broadcast", "blink"),
+    ("dgx1v-4node", None, "allreduce", "blink"),
+    ("tests/data/topologies/h100_sxm_nvswitch.txt", None, "allreduce", "tree"),
+    ("tests/data/topologies/dgx1v_nccl_topo.xml", [0, 1, 4], "allreduce", "ring"),
+])
+def test_show_titles_and_labels_fit_in_the_figure(source, devices, collective, algorithm):
+    """Found by a user: `show ... --devices 0,1,2` clipped its title on both sides."""
+    import pathlib
+
+    import matplotlib.pyplot as plt
+
+    from jax_blink import load_topology
+    from jax_blink.baselines import nccl_ring_plan, nccl_tree_plan
+    from jax_blink.cli.bench_cmd import human_bytes
+    from jax_blink.plot import plan_figure
+    from jax_blink.simulate import simulate
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    topo = load_topology(str(root / source) if "/" in source else source)
+    size = 256 << 20
+    # the plans and the title `jax-blink show` draws (show_cmd.run)
+    p = {"blink": lambda: plan(topo, collective, devices=devices, root=0 if collective != "allreduce" else None,
+                               nbytes=size),
+         "ring": lambda: nccl_ring_plan(topo, collective, devices=devices),
+         "tree": lambda: nccl_tree_plan(topo, devices=devices)}[algorithm]()
+    res = simulate(p, size, topology=topo)
+    title = (f"{p.collective} on {topo.name} GPUs {list(p.devices)}: {p.shape()}, planned {p.rate_gbps:.2f} GB/s, "
+             f"simulated algbw {res.algbw_gbps:.2f} GB/s at {human_bytes(size)}")
+    fig, _ = plan_figure(topo, p, link_util=res.link_util, title=title)
+    try:
+        assert _texts_outside(fig) == []
+        assert fig.texts and "simulated algbw" in fig.texts[0].get_text().replace("\n", " ")
+    finally:
+        plt.close(fig)

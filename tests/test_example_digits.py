@@ -135,3 +135,28 @@ def test_multiprocess_launcher_help_lists_the_worker_options():
     for opt in ("--epochs", "--compare-lax", "--min-accuracy", "--nic-gbps", "--batch-size", "--mode"):
         assert opt in passed, p.stdout
     assert "--processes" in p.stdout.partition("options passed through")[0]
+
+
+def test_script_says_why_it_exits_1(ex, capsys, monkeypatch):
+    """Found by a user: `train.py --epochs 1` exited 1 with no message (a hidden 0.95 accuracy target)."""
+    import dataclasses
+
+    def fake_train(config, coll, *a, **k):
+        return dataclasses.replace(_FAKE, epochs=[{}] * config.epochs)
+
+    _FAKE = ex.Result("jax_blink", "shard_map", [2.3], [], 0.8125, [0.01], 1.0, True, 10)
+    monkeypatch.setattr(ex, "train", fake_train)
+    assert ex.main(["--epochs", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert ("held-out accuracy 0.8125 is below --min-accuracy 0.95 after 1 epoch(s): train longer (--epochs) "
+            "or lower --min-accuracy") in err
+    assert ex.main(["--epochs", "1", "--no-progress", "--min-accuracy", "0.8"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_script_help_documents_the_accuracy_target(ex, capsys):
+    with pytest.raises(SystemExit):
+        ex.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--min-accuracy MIN_ACCURACY exit status 1 (with the reason on stderr) when the held-out accuracy " \
+           "ends below this (default 0.95)" in out

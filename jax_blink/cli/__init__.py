@@ -13,7 +13,7 @@ from ..errors import BlinkError
 
 # subcommand -> (module, one-line help)
 COMMANDS = {
-    "topology": ("jax_blink.cli.topology_cmd", "show a topology (preset, nvidia-smi topo -m file, or JSON)"),
+    "topology": ("jax_blink.cli.topology_cmd", "show a topology (preset, nvidia-smi topo -m file, NCCL XML, JSON, detect)"),
     "plan": ("jax_blink.cli.plan_cmd", "plan a tree packing for a collective"),
     "bench": ("jax_blink.cli.bench_cmd", "simulated (and measured) time, algbw, busbw: blink vs ring vs tree"),
     "show": ("jax_blink.cli.show_cmd", "draw the trees of a plan to a PNG"),
@@ -25,6 +25,8 @@ COMMANDS = {
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; ``only`` imports just that subcommand's module."""
     p = argparse.ArgumentParser(prog="jax-blink", description="Topology-aware collectives for JAX (Blink).")
+    p.add_argument("--version", action="version", version=version_text(),
+                   help="print the versions of jax_blink, jax, jaxlib and Python, then exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (mod, help_) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
@@ -38,6 +40,22 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             module.add_arguments(sp)
             sp.set_defaults(_run=module.run)
     return p
+
+
+def version_text() -> str:
+    """'jax-blink 0.1.0 (jax 0.10.2, jaxlib 0.10.2, Python 3.11.7)', read without importing jax."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .. import __version__
+
+    def v(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (f"jax-blink {__version__} (jax {v('jax')}, jaxlib {v('jaxlib')}, "
+            f"Python {sys.version.split()[0]})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,13 +9,28 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 
 from ..errors import BlinkError, PlanError
 from ..packing import COLLECTIVES
 
-TOPOLOGY_HELP = "preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, JSON file, or 'detect'"
+TOPOLOGY_HELP = ("preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, NCCL topology XML file, "
+                 "JSON file, or 'detect'")
 _ITEM = re.compile(r"(\d+)(?:-(\d+))?")
+HOST_FLAG = "--xla_force_host_platform_device_count"
+
+
+def force_host_devices(n: int) -> None:
+    """Ask XLA for ``n`` host CPU devices, unless ``XLA_FLAGS`` already sets a count.
+
+    Only shapes the host (CPU) platform, so it is harmless on a GPU machine; it takes effect only
+    when JAX has not started its backends yet (importing jax alone does not start them), so the
+    commands that run JAX (``demo``, ``bench --measure``) call it first.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if HOST_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {HOST_FLAG}={int(n)}".strip()
 
 
 def parse_devices(text: str | None, option: str = "--devices") -> list[int] | None:

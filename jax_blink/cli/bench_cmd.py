@@ -4,7 +4,8 @@ tree per size; ``--json`` prints the same as a JSON list, one object per size.
 blink is ``algorithm="auto"`` at each size (:func:`jax_blink.costmodel.choose_plan`: the fastest
 candidate by the simulator), or the ``--plan`` file's plan at every size. With ``--measure`` it also
 times the real all-reduce on the local JAX devices: ``jax_blink.psum`` against ``jax.lax.psum``
-inside ``jax.pmap`` (ratio measured in the same run).
+inside ``jax.pmap`` (ratio measured in the same run). Without GPUs it asks XLA for one host CPU
+device per topology GPU id first (unless ``XLA_FLAGS`` sets a count), as ``jax-blink demo`` does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import re
 import sys
 
 from ..errors import BlinkError, PlanError
-from ._args import add_job_arguments, check_plan_fits_topology, check_root, parse_devices, read_text
+from ._args import (HOST_FLAG, add_job_arguments, check_plan_fits_topology, check_root, force_host_devices,
+                    parse_devices, read_text)
 
 __all__ = ["add_common", "human_bytes", "human_time", "load_inputs", "parse_devices", "parse_size",
            "parse_sizes", "run"]
@@ -137,8 +139,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-us", type=float, default=None,
                    help="per-send latency of the simulator in microseconds (default: simulate.DEFAULT_LATENCY_US)")
     p.add_argument("--measure", action="store_true",
-                   help="also time jax_blink.psum vs lax.psum (float32, pmap) on the local JAX devices "
-                        "(allreduce only)")
+                   help="also time jax_blink.psum vs lax.psum (float32, pmap) on the local JAX devices; "
+                        "without GPUs, host CPU devices standing in for the GPU ids (allreduce only)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per size with --measure (default 5)")
     p.add_argument("--json", action="store_true",
                    help="print a JSON list, one object per size: size (bytes per GPU), blink_plan, and "
@@ -202,6 +204,27 @@ def _progress(items, desc, enabled):
     return tqdm(items, desc=desc, unit="size", file=sys.stderr, leave=False, disable=None)
 
 
+def measure_devices(devices=None) -> list:
+    """The local JAX devices ``--measure`` runs on: those with ids ``devices`` (default: all).
+
+    Raises BlinkError, before anything is timed, when an id is not a local JAX device or fewer than
+    2 devices would be used, saying how to get more host devices.
+    """
+    import jax
+
+    local = {d.id: d for d in jax.local_devices()}
+    ids = sorted(local) if devices is None else list(devices)
+    hint = (f"JAX started with {len(local)} local device(s) before bench could ask for more; on CPU run "
+            f"it in a fresh process or set XLA_FLAGS={HOST_FLAG}=<n>")
+    missing = [i for i in ids if i not in local]
+    if missing:
+        raise BlinkError(f"--measure runs on local JAX devices; ids {missing} are not among "
+                         f"{sorted(local)} ({hint})")
+    if len(ids) < 2:
+        raise BlinkError(f"--measure needs at least 2 local JAX devices ({hint})")
+    return [local[i] for i in ids]
+
+
 def measure_sweep(sizes, repeats: int, progress=True, topology=None, devices=None) -> list[dict]:
     """Time ``jax_blink.psum`` and ``jax.lax.psum`` (float32, one pmap over local JAX devices).
 
@@ -219,17 +242,8 @@ def measure_sweep(sizes, repeats: int, progress=True, topology=None, devices=Non
 
     from .. import api
 
-    local = {d.id: d for d in jax.local_devices()}
-    ids = sorted(local) if devices is None else list(devices)
-    missing = [i for i in ids if i not in local]
-    if missing:
-        raise BlinkError(f"--measure runs on local JAX devices; ids {missing} are not among {sorted(local)} "
-                         "(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    n = len(ids)
-    if n < 2:
-        raise BlinkError("--measure needs at least 2 local JAX devices (on CPU set "
-                         "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    devs = [local[i] for i in ids]
+    devs = measure_devices(devices)
+    n = len(devs)
     f_blink = jax.pmap(lambda x: api.psum(x, "i", topology=topology), axis_name="i", devices=devs)
     f_lax = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i", devices=devs)
     rows = []
@@ -269,6 +283,11 @@ def run(args: argparse.Namespace) -> int:
                               fixed=args.plan is not None) if len(devices) > 1 else []
         print(json.dumps(json_rows(rows), indent=1))
         return 0
+    if args.measure and len(devices) >= 2:
+        # as `demo` does: on a machine without GPUs, one host CPU device per topology GPU id; then
+        # check the devices before the simulated table, so a run that cannot measure fails first
+        force_host_devices(max(devices) + 1)
+        measure_devices(devices)
     console = Console(file=sys.stdout, width=180)
     root = "" if bp.root is None else f" root {bp.root}"
     which = f"--plan {bp.shape()}" if args.plan else "auto (the fastest simulated candidate per size)"

@@ -9,13 +9,12 @@ package itself never imports flax, optax or scikit-learn.
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
 import sys
 
 from ..errors import BlinkError
+from ._args import HOST_FLAG, force_host_devices
 
-HOST_FLAG = "--xla_force_host_platform_device_count"
 HOST_DEVICES = 8
 EXAMPLE = pathlib.Path("examples") / "flax_digits" / "train.py"
 _MODULE = "jax_blink_example_flax_digits"
@@ -30,8 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate (default 5e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--topology", default=None,
-                   help="preset name, nvidia-smi topo -m file or JSON (default: detected GPUs, else the "
-                        "dgx1v preset mapped onto 8 host CPU devices)")
+                   help="preset name, nvidia-smi topo -m file, NCCL topology XML or JSON (default: "
+                        "detected GPUs, else the dgx1v preset mapped onto 8 host CPU devices)")
     p.add_argument("--impl", choices=("auto", "ppermute", "ffi"), default="auto",
                    help="jax_blink lowering: auto (ffi where built, else ppermute), ppermute, ffi")
     p.add_argument("--min-accuracy", type=float, default=0.95,
@@ -61,14 +60,6 @@ def load_example():
         del sys.modules[_MODULE]
         raise BlinkError(f"{err} (install the examples extra: pip install -e \".[examples]\")") from None
     return module
-
-
-def _force_host_devices() -> None:
-    # Only shapes the host (CPU) platform, so it is harmless on a GPU machine; it must be in the
-    # environment before JAX starts its backends (importing jax alone does not start them).
-    flags = os.environ.get("XLA_FLAGS", "")
-    if HOST_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {HOST_FLAG}={HOST_DEVICES}".strip()
 
 
 def choose_devices(topology_source: str | None):
@@ -144,7 +135,7 @@ def _lowering_name(impl: str, platform: str) -> str:
 
 def run(args) -> int:
     """Choose the topology, print the plan, train with jax_blink and lax, print the summary."""
-    _force_host_devices()
+    force_host_devices(HOST_DEVICES)
     ex = load_example()
     try:
         config = ex.config_from_args(args, ndevices=HOST_DEVICES)

@@ -1,4 +1,4 @@
-"""``jax-blink topology SOURCE [--json]``: show a topology (preset, ``topo -m`` file, JSON, detect)."""
+"""``jax-blink topology SOURCE [--json]``: show a topology (preset, ``topo -m`` file, NCCL XML, JSON, detect)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ from ..discovery import load_topology
 from ..errors import BlinkError
 from ..presets import is_preset
 from ..topology import Topology
-from ._args import positive_gbps
+from ._args import TOPOLOGY_HELP, positive_gbps
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register SOURCE, --json and the parser's bandwidth options."""
-    p.add_argument("source", metavar="SOURCE",
-                   help="preset name (dgx1v, dgx-a100, host8, ...), nvidia-smi topo -m .txt file, "
-                        "JSON file, or 'detect'")
+    p.add_argument("source", metavar="SOURCE", help=TOPOLOGY_HELP)
     p.add_argument("--json", action="store_true", help="print the model as JSON (Topology.to_json)")
     p.add_argument("--nvlink-gbps", type=positive_gbps, default=None,
-                   help="GB/s per NVLink per direction when parsing a topo -m file (default 25)")
+                   help="GB/s per NVLink per direction when parsing a topo -m file (default 25) or an "
+                        "NCCL XML file (default: from each GPU's sm)")
     p.add_argument("--pcie-gbps", type=positive_gbps, default=None,
-                   help="GB/s per PCIe hop per direction when parsing a topo -m file (default 12)")
+                   help="GB/s per PCIe hop per direction when parsing a topo -m file (default 12) or an "
+                        "NCCL XML file (default: from each link's link_speed and link_width)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     if kw and (is_preset(src) or src.lower().endswith(".json")):
         # presets and JSON models carry their own bandwidths; silently ignoring the option misleads
         what = "preset" if is_preset(src) else "JSON model"
-        raise BlinkError(f"--nvlink-gbps/--pcie-gbps apply to an nvidia-smi topo -m file or 'detect'; "
+        raise BlinkError(f"--nvlink-gbps/--pcie-gbps apply to an nvidia-smi topo -m file, an NCCL XML "
+                         f"file or 'detect'; "
                          f"the {what} {src!r} has fixed bandwidths")
     t = load_topology(args.source, **kw)
     if args.json:
@@ -61,6 +62,8 @@ def print_table(t: Topology, file=None) -> None:
     console.print(f"[bold]{t.name}[/bold]: {len(t.gpus)} GPUs, {len(t.switches)} shared nodes "
                   f"({', '.join(sorted({t.kind(s) for s in t.switches})) or 'none'}), "
                   f"fingerprint {t.fingerprint()}")
+    for note in t.notes:
+        console.print(f"note: {note}", highlight=False, markup=False)
     gt = Table(title="GPUs", title_justify="left")
     for col in ("GPU", "neighbours (links)", "out GB/s"):
         gt.add_column(col, justify="right" if col != "neighbours (links)" else "left")
