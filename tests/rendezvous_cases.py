@@ -30,9 +30,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_blink
 from jax_blink import lowering
 from jax_blink.lowering import ffi as ffi_lowering
-from jax_blink.packing import plan
-from jax_blink.schedule import build_schedule
-from jax_blink.topology import Topology
 
 N = 8
 AX = "i"
@@ -242,19 +239,20 @@ def train_step_case(mode):
 
 
 def fail_fast_case():
-    """A device that cannot join (here: device 5 is missing from the call's device table) fails the
-    whole call at once with its own error, although the peer-wait timeout is 60 s; a lax.psum after
-    the collective must not hang either."""
+    """A device that cannot join (here: device 5 is missing from the call's device table, whose rank 5
+    names a device id that does not exist) fails the whole call at once with its own error, although
+    the peer-wait timeout is 60 s; a lax.psum after the collective must not hang either. (Rank 5 stays
+    in the group, so the other seven can never complete the meeting without device 5: dropping the
+    rank instead would let them finish a valid 7-rank meeting before device 5 fails, and then wait for
+    it in the lax.psum.)"""
     rule = lowering.find_lowering("ffi", "cpu")
     assert rule is not None, ffi_lowering.UNAVAILABLE
 
     def drop5(ctx, x, request):
         import dataclasses
-        table = np.asarray(request.device_table).reshape(-1, 3)
-        devs = [int(d) for d, _, _ in sorted(table.tolist(), key=lambda r: r[2]) if d != 5]
-        sched = build_schedule(plan(Topology.host(len(devs)), request.collective), request.schedules[0].nelems)
-        req = dataclasses.replace(request, schedules=(sched,), timeout_ms=60_000,
-                                  device_table=np.asarray([(d, 0, r) for r, d in enumerate(devs)], np.int64))
+        table = np.asarray(request.device_table).reshape(-1, 3).copy()
+        table[table[:, 0] == 5, 0] = 99  # rank 5 is now a device that never calls
+        req = dataclasses.replace(request, timeout_ms=60_000, device_table=table)
         return rule(ctx, x, req)
 
     lowering.register_lowering("ffi_drop5", "cpu", drop5)
