@@ -26,6 +26,7 @@ from collections import OrderedDict
 import numpy as np
 
 import jax
+from jax._src.lib.mlir import ir
 
 from .. import _native
 from ..errors import BlinkError
@@ -95,10 +96,18 @@ def timeout_ms(default_ms: int) -> int:
     return max(1, int(s * 1000))
 
 
+def _produced(x) -> bool:
+    """True when ``x`` is an op's result, not an argument of the function being lowered."""
+    return not isinstance(x.owner, ir.Block)
+
+
 def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool):
     avals = ctx.avals_in
-    aliases = {i: i for i in range(len(xs))} if alias else None
-    lower = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)
+    # Alias only operands computed in this function (gradients, activations): they usually die at
+    # the call, so the collective works in place on pages already touched. An argument (a jit
+    # parameter, not donated) would make XLA copy it first: one more pass over fresh pages.
+    aliases = {i: i for i, x in enumerate(xs) if _produced(x)} if alias else {}
+    lower = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases or None)
     return list(lower(ctx, *xs,
                       schedule=schedule_attribute(request),
                       device_table=np.asarray(request.device_table, np.int64).reshape(-1),
