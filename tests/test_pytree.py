@@ -197,18 +197,19 @@ def test_one_custom_call_per_dtype_no_concatenate_and_aliasing():
 
 @pytest.mark.skipif("ffi" not in IMPLS, reason="native CPU module not built")
 def test_aliased_operand_still_used_after_the_call():
-    # The operand lives on after the collective: XLA must copy it before the in-place call.
+    # The operand lives on after the collective, and is passed twice: XLA must copy it before the
+    # in-place call (aliasing is a request; XLA keeps the program's meaning).
     mesh = Mesh(np.array(jax.devices()), ("i",))
     x = tree_inputs()["big"]
 
     def body(v):
         u = v[0] * 3.0
-        s = jax_blink.psum([u, u + 1.0], "i", impl="ffi")
-        return (s[0] + s[1] - u)[None], u[None]
+        s = jax_blink.psum([u, u + 1.0, u], "i", impl="ffi")
+        return (s[0] + s[1] + s[2] - u)[None], u[None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
     got, u = f(x)
-    want = (x * 3.0).sum(0) + ((x * 3.0) + 1.0).sum(0) - x * 3.0
+    want = 2 * (x * 3.0).sum(0) + ((x * 3.0) + 1.0).sum(0) - x * 3.0
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-3)
     np.testing.assert_array_equal(np.asarray(u), (x * 3.0).astype(np.float32))
 
