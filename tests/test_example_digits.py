@@ -61,6 +61,7 @@ def test_shard_map_training_reaches_accuracy_and_matches_lax(dgx1v_run):
     assert c.blink.broadcast_ok and c.lax.broadcast_ok
     assert c.blink.step_time > 0 and c.lax.step_time > 0
     assert set(c.collective_s) == {"jax_blink", "lax"}
+    assert set(c.step_s) == {"jax_blink", "lax"} and min(c.step_s.values()) > 0
 
 
 def test_lockstep_check_catches_a_wrong_gradient(ex, data):
