@@ -1,10 +1,12 @@
-"""Blink's motivation on a DGX-1V: tree packings vs rings on fragmented allocations (simulated).
+"""Blink's motivation on a DGX-1V: tree packings vs NCCL on fragmented allocations (simulated).
 
 For every allocation of 3..8 GPUs of the ``dgx1v`` preset (NVLink cube-mesh + PCIe tree): the
-simulated broadcast (root = first GPU) and all-reduce time at 256 MiB of the tree plan
-(``jax_blink.plan``) and of the ring baseline (``jax_blink.baselines.ring_plan``), both on the same
-link-level model (``jax_blink.simulate``). Prints min / median / max speedup per GPU count, saves a
-plot (docs/fragmentation.png by default).
+simulated broadcast (root = first GPU) and all-reduce time at 256 MiB of jax_blink's choice
+(``jax_blink.plan(nbytes=size)``: the fastest candidate by the simulator) and of NCCL's baselines as
+NCCL builds them (``jax_blink.baselines``): rings over NVLink, or over PCIe / inter-socket links when
+the allocation has no NVLink ring, and (all-reduce) the double binary tree over the same links; all on
+the same link-level model (``jax_blink.simulate``). Prints min / median / max speedup per GPU count
+over each baseline, saves a plot of the speedup over NCCL's rings (docs/fragmentation.png by default).
 
 Then the single-pair case of shared/topologies/README.md (DGX-1V, NCCL 2.7.8, 1 GiB): broadcast
 0 -> 1 over the direct NVLink measured 22.90 GB/s; over three paths at once (direct, via GPU 2, via
@@ -16,13 +18,15 @@ Run: python benchmarks/fragmentation.py [--png docs/fragmentation.png] [--size 2
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import pathlib
 import statistics
 import sys
 import time
 
-from jax_blink.baselines import ring_plan
+from jax_blink.baselines import nccl_ring_plan, nccl_tree_plan
+from jax_blink import costmodel
 from jax_blink.cli.bench_cmd import human_bytes, parse_size
 from jax_blink.packing import Plan, Tree, plan
 from jax_blink.presets import preset
@@ -30,6 +34,7 @@ from jax_blink.simulate import simulate
 
 
 def sweep(topo, size, progress=True):
+    """Rows {"devices", coll: {"blink"|"ring"|"tree": (seconds, plan)}}; "tree" only for all-reduce."""
     rows = []
     allocs = [c for k in range(3, 9) for c in itertools.combinations(topo.gpus, k)]
     it = allocs
@@ -39,13 +44,17 @@ def sweep(topo, size, progress=True):
     for devs in it:
         row = {"devices": devs}
         for coll in ("broadcast", "allreduce"):
-            bp = plan(topo, coll, devices=devs)
-            rp = ring_plan(topo, coll, devices=devs)
-            tb = simulate(bp, size, topology=topo).time_s
-            tr = simulate(rp, size, topology=topo).time_s
-            row[coll] = (tr / tb, bp.rate_gbps, rp.rate_gbps, size / tb / 1e9, size / tr / 1e9)
+            plans = {"blink": plan(topo, coll, devices=devs, nbytes=size),
+                     "ring": nccl_ring_plan(topo, coll, devices=devs, root=devs[0] if coll == "broadcast" else None)}
+            if coll == "allreduce":
+                plans["tree"] = nccl_tree_plan(topo, devices=devs)
+            row[coll] = {k: (costmodel.simulated_time(p, size, topo), p) for k, p in plans.items()}
         rows.append(row)
     return rows
+
+
+def speedup(row, coll, base):
+    return row[coll][base][0] / row[coll]["blink"][0]
 
 
 def pair_case(out):
@@ -91,23 +100,26 @@ def main(argv=None) -> int:
     rows = sweep(topo, size)
     out = print
     out(f"dgx1v, every allocation of 3..8 GPUs ({len(rows)}), {human_bytes(size)} per GPU, simulated "
-        f"speedup of the tree plan over the ring baseline ({time.time() - t0:.0f} s)")
-    out(f"{'GPUs':>4} {'allocs':>6} | {'broadcast min':>13} {'median':>7} {'max':>6} | "
-        f"{'allreduce min':>13} {'median':>7} {'max':>6}")
-    summary = {}
+        f"speedup of jax_blink (auto) over NCCL's rings and double binary tree ({time.time() - t0:.0f} s)")
+    cols = [("broadcast", "ring"), ("allreduce", "ring"), ("allreduce", "tree")]
+    out(f"{'GPUs':>4} {'allocs':>6} | " + " | ".join(f"{c + ' vs ' + b + ', min / median / max':<40}"
+                                                   for c, b in cols))
     for k in list(range(3, 9)) + ["all"]:
         sel = [r for r in rows if k == "all" or len(r["devices"]) == k]
-        line = f"{str(k):>4} {len(sel):>6} |"
-        for coll in ("broadcast", "allreduce"):
-            sp = [r[coll][0] for r in sel]
-            summary[k, coll] = (min(sp), statistics.median(sp), max(sp))
-            line += f" {min(sp):12.2f}x {statistics.median(sp):6.2f}x {max(sp):5.2f}x |"
-        out(line.rstrip("|"))
-    for coll in ("broadcast", "allreduce"):
-        best = max(rows, key=lambda r: r[coll][0])
-        s, b_rate, r_rate, b_bw, r_bw = best[coll]
-        out(f"largest {coll} speedup: GPUs {list(best['devices'])}: {s:.2f}x (trees {b_bw:.1f} GB/s "
-            f"algbw vs ring {r_bw:.1f}; planned {b_rate:.1f} vs {r_rate:.1f} GB/s)")
+        cells = []
+        for coll, base in cols:
+            sp = [speedup(r, coll, base) for r in sel]
+            cells.append(f"{min(sp):.2f} / {statistics.median(sp):.2f} / {max(sp):.2f}x".ljust(40))
+        out(f"{str(k):>4} {len(sel):>6} | " + " | ".join(cells))
+    levels = collections.Counter(r["allreduce"]["ring"][1].notes[0].split(" on ")[1].split(" links")[0] for r in rows)
+    out(f"NCCL ring links per allocation: {dict(levels)} (pcie: no NVLink ring through the GPUs)")
+    for coll, base in cols:
+        best = max(rows, key=lambda r: speedup(r, coll, base))
+        (tb, bp), (tr, rp) = best[coll]["blink"], best[coll][base]
+        out(f"largest {coll} speedup over NCCL's {base}: GPUs {list(best['devices'])}: {tr / tb:.2f}x "
+            f"({bp.shape()} {size / tb / 1e9:.1f} GB/s algbw vs {rp.shape()} {size / tr / 1e9:.1f})")
+    slower = sum(speedup(r, c, b) < 1 - 1e-9 for r in rows for c, b in cols)
+    out(f"cells where jax_blink is slower than a baseline: {slower}")
     pair_case(out)
     _plot(rows, args.png, size)
     out(f"\nwrote {args.png}")
@@ -122,7 +134,7 @@ def _plot(rows, path, size):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, coll in zip(axes, ("broadcast", "allreduce")):
         for k in range(3, 9):
-            sp = sorted(r[coll][0] for r in rows if len(r["devices"]) == k)
+            sp = sorted(speedup(r, coll, "ring") for r in rows if len(r["devices"]) == k)
             xs = [k + (i / max(1, len(sp) - 1) - 0.5) * 0.6 for i in range(len(sp))]
             ax.scatter(xs, sp, s=10, alpha=0.7)
             ax.plot([k - 0.35, k + 0.35], [statistics.median(sp)] * 2, color="black", lw=1.5)
@@ -130,8 +142,8 @@ def _plot(rows, path, size):
         ax.set_title(f"{coll}, {human_bytes(size)} per GPU")
         ax.set_xlabel("GPUs in the allocation (every subset of a DGX-1V)")
         ax.set_xticks(range(3, 9))
-    axes[0].set_ylabel("simulated speedup: tree plan / ring")
-    fig.suptitle("Blink-style tree packing vs NCCL-style rings on fragmented DGX-1V allocations "
+    axes[0].set_ylabel("simulated speedup: jax_blink / NCCL rings")
+    fig.suptitle("jax_blink (auto) vs NCCL's rings (NVLink, else PCIe) on fragmented DGX-1V allocations "
                  "(black: median)", fontsize=10)
     fig.tight_layout()
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)

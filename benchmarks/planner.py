@@ -30,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def timed_plan(t, coll, **kw):
-    packing._CACHE.clear()
+    packing.clear_caches()
     s = time.perf_counter()
     p = packing.plan(t, coll, **kw)
     return p, (time.perf_counter() - s) * 1e3

@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 
 # JAX-facing API, imported lazily so the CLI and planners load without importing jax.
 _LAZY = {"psum": "api", "pmean": "api", "broadcast": "api", "reduce": "api", "set_device_map": "mapping",
-         "plan": "packing", "Plan": "packing", "Tree": "packing", "ring_rate": "bounds"}
+         "plan": "packing", "Plan": "packing", "Tree": "packing", "ring_rate": "bounds",
+         "selftest": "gpu_selftest"}
 
 
 def __getattr__(name):
@@ -24,4 +25,4 @@ def __getattr__(name):
 
 __all__ = ["BlinkError", "PlanError", "ScheduleError", "Topology", "TopologyError", "__version__",
            "PRESETS", "multi_node", "detect", "load_topology",
-           "psum", "pmean", "broadcast", "reduce", "set_device_map", "plan", "Plan", "Tree", "ring_rate"]
+           "psum", "pmean", "broadcast", "reduce", "set_device_map", "plan", "Plan", "Tree", "ring_rate", "selftest"]

@@ -1,29 +1,39 @@
 """NCCL-style baselines expressed as plans: rings and the double binary tree.
 
-Both return a :class:`jax_blink.packing.Plan` (docs/architecture.md), so the simulator, the schedule
-builder and ``jax-blink show`` treat them like a tree packing:
+All return a :class:`jax_blink.packing.Plan` (docs/architecture.md), so the simulator, the schedule
+builder, the cost model and ``jax-blink show`` treat them like a tree packing:
 
 - :func:`ring_plan`: the best packing of directed rings (Hamiltonian cycles) over the job's GPUs,
-  from :func:`jax_blink.bounds.ring_packing` (LP over rings routed over NVLink where the allocation has
-  such cycles, otherwise through PCIe/host/NVSwitch routes). All-reduce is NCCL's ring algorithm
-  (reduce-scatter + all-gather: per ring, one tree per GPU); broadcast and reduce pipeline a chain
-  along each ring from / to the root (NCCL's ring broadcast and reduce). Since the LP may combine
-  fractional rings and mixed NVLink/PCIe rings, this baseline is at least as fast as the rings NCCL
-  would build on the same links: speedups over it are conservative.
+  from :func:`jax_blink.bounds.ring_packing` (LP over rings routed over any links: NVLink, PCIe,
+  host, NVSwitch). All-reduce is NCCL's ring algorithm (reduce-scatter + all-gather: per ring, one
+  tree per GPU); broadcast and reduce pipeline a chain along each ring from / to the root. The LP may
+  mix fractional and NVLink/PCIe rings: at least as fast as any ring on the same links.
+- :func:`nccl_ring_plan`: rings on the links NCCL's search uses (:func:`nccl_links`): NVLink (direct
+  or through an NVSwitch) when those links hold a ring through every GPU of the job, otherwise PCIe /
+  inter-socket links only. NCCL falls back to PCIe rings when it cannot close an NVLink ring (Blink,
+  MLSys 2020, s. 2: the source of its largest speedups on fragmented DGX-1 allocations).
 - :func:`double_binary_tree_plan`: NCCL's double binary tree (Sanders, Speck, Traeff 2009; NCCL 2.4,
   ``src/graph/trees.cc``: ``ncclGetBtree`` / ``ncclGetDtree``): two complementary binary trees over
-  the ranks, each carrying half the data, each GPU-level edge routed over the topology (direct link,
-  else the fewest-hop path through switch nodes).
+  the ranks, each carrying half the data, each GPU-level edge routed over the given links (direct
+  link, else the fewest-hop path through switch nodes). :func:`nccl_tree_plan` builds it over the
+  same links as :func:`nccl_ring_plan`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+
+import networkx as nx
 
 from . import bounds as _bounds
 from .errors import PlanError
-from .packing import Plan, Tree, _hops, _ring_trees, job_devices, ring_paths
+from .packing import Plan, Tree, _hops, job_devices, plan, ring_paths
 from .simulate import route
+from .topology import Topology
+
+NVLINK_KINDS = ("nvlink", "nvswitch")
 
 
 def ring_plan(topology, collective: str = "allreduce", *, devices=None, root=None) -> Plan:
@@ -47,20 +57,78 @@ def ring_plan(topology, collective: str = "allreduce", *, devices=None, root=Non
         root = None
     if n == 1:
         return Plan(collective, root, devices, (), math.inf, math.inf, "trivial", ("one device",))
+    if collective == "allreduce":
+        return plan(topology, "allreduce", devices=devices, algorithm="ring")
     b_ring, rings = _bounds.ring_packing(topology, devices)
     if not rings:
         raise PlanError(f"no ring over devices {list(devices)}: some GPUs cannot reach each other")
     note = (f"ring packing: {len(rings)} ring(s), {b_ring:.3f} GB/s in total",)
-    if collective == "allreduce":
-        trees = tuple(_ring_trees(rings, n))
-        rate = n * b_ring / (2 * (n - 1))
-        return Plan(collective, None, devices, trees, rate, rate, "ring", note)
     trees = []
     for cycle, routes, b in rings:
         chain, red = ring_paths(cycle, routes, root)
         # reduce flows along the ring into the root: the GPU after it -> ... -> root
         trees.append(Tree(root, b, chain) if collective == "broadcast" else Tree(root, b, chain, red))
-    return Plan(collective, root, devices, tuple(trees), b_ring, b_ring, "ring", note)
+    bound = (_bounds.broadcast_bound if collective == "broadcast" else _bounds.reduce_bound)(topology, devices, root)
+    return Plan(collective, root, devices, tuple(trees), b_ring, bound, "ring", note)
+
+
+def _links_of_kind(topology: Topology, keep) -> Topology:
+    """``topology`` with only the links whose kind is in (or, ``keep=None``, not in) NVLINK_KINDS."""
+    g = nx.DiGraph()
+    g.add_nodes_from(topology.graph.nodes(data=True))
+    g.add_edges_from((u, v, d) for u, v, d in topology.graph.edges(data=True)
+                     if (d["kind"] in NVLINK_KINDS) == keep)
+    t = Topology(f"{topology.name}:{'nvlink' if keep else 'pcie'}")
+    t.graph = g
+    return t
+
+
+@functools.lru_cache(maxsize=256)
+def _nccl_level(topology: Topology, devices: tuple) -> str:
+    """"nvlink" when NVLink links alone close a ring through ``devices``, else "pcie" when the other
+    links do, else "any" (a topology without a PCIe tree: rings over every link)."""
+    for level, keep in (("nvlink", True), ("pcie", False)):
+        sub = _links_of_kind(topology, keep)
+        if _bounds.ring_packing(sub, devices)[0] > 0:
+            return level
+    return "any"
+
+
+def nccl_links(topology: Topology, devices=None) -> tuple[Topology, str]:
+    """The links NCCL builds rings on for ``devices``: (topology restricted to them, level).
+
+    Level "nvlink": NVLink / NVSwitch links only (they hold a ring through every GPU); "pcie": PCIe,
+    CPU and inter-socket links only (NCCL's fallback when no NVLink ring exists); "any": every link
+    (neither alone holds a ring). Raises PlanError for bad devices.
+    """
+    devices = job_devices(topology, devices)
+    if len(devices) < 2:
+        return topology, "any"
+    level = _nccl_level(topology, devices)
+    return (topology if level == "any" else _links_of_kind(topology, level == "nvlink")), level
+
+
+def _nccl_note(plan_: Plan, level: str, what: str) -> Plan:
+    why = {"nvlink": "NVLink links close a ring through every GPU",
+           "pcie": "no NVLink ring through every GPU: NCCL falls back to PCIe / inter-socket links",
+           "any": "neither NVLink nor PCIe links alone close a ring: every link"}[level]
+    return dataclasses.replace(plan_, notes=(f"NCCL {what} on {level} links ({why})",) + plan_.notes)
+
+
+def nccl_ring_plan(topology, collective: str = "allreduce", *, devices=None, root=None) -> Plan:
+    """NCCL's rings: :func:`ring_plan` over the links of :func:`nccl_links` (the LP packing on those
+    links, so at least as fast as NCCL's own equal-speed channels on them). Raises like ring_plan."""
+    links, level = nccl_links(topology, devices)
+    return _nccl_note(ring_plan(links, collective, devices=devices, root=root), level, "rings")
+
+
+def nccl_tree_plan(topology, *, devices=None) -> Plan:
+    """NCCL's double binary tree all-reduce over the links NCCL's rings use (:func:`nccl_links`),
+    except that at the "nvlink" level a pair of ranks without an NVLink route goes over PCIe (NCCL's
+    tree sends between ranks over their best path). Raises PlanError like double_binary_tree_plan."""
+    links, level = nccl_links(topology, devices)
+    return _nccl_note(double_binary_tree_plan(topology if level == "nvlink" else links, devices=devices),
+                      level, "double binary tree")
 
 
 def btree_parents(nranks: int) -> list[int]:

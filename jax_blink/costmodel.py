@@ -1,4 +1,20 @@
-"""Latency-aware choice of (tree packing, chunk count) per operand size.
+"""The one cost model: which plan (and chunk count) is fastest for an operand size.
+
+``algorithm="auto"`` means the least predicted time over :func:`candidate_plans`: the
+bandwidth-optimal tree packing, the same with fewer trees (``max_trees`` in CANDIDATE_MAX_TREES),
+the LP-optimal ring packing, NCCL's rings and double binary tree (:mod:`jax_blink.baselines`) and,
+across nodes, Blink's three phases. Every baseline is a Plan, so whichever wins runs as a schedule.
+Users: ``packing.plan(nbytes=...)`` and ``jax-blink plan --size`` (:func:`choose_plan`),
+``jax-blink bench`` (blink column = :func:`choose_plan` per size), and the lowerings
+(:func:`lowering_schedule`, from ``primitives.build_request``).
+
+Predicted time of a plan (:func:`simulated_time`): the link-level simulator
+(:func:`jax_blink.simulate.simulate`, per-send latency ``latency_us``). Native lowerings (FFI,
+per-tree pipelines with no global barrier) use it with their step latency as the per-send latency.
+The round-synchronous "ppermute" lowering pays a barrier per schedule round, which the simulator
+does not model; it uses the round model below over the same candidates.
+
+Round model (the "ppermute" lowering):
 
 The bandwidth-optimal packing (Blink section 4.1) often has many trees (8 on ``Topology.host(8)``,
 17 for a dgx1v all-reduce), and every round of a :class:`~jax_blink.schedule.Schedule` is one
@@ -21,12 +37,15 @@ classic pipelined-broadcast time, Johnsson & Ho 1989; the same model as
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
 
 import numpy as np
 
-from .errors import ScheduleError
+from .errors import PlanError, ScheduleError
 from .schedule import DEFAULT_MAX_TOTAL_CHUNKS, DEFAULT_STEP_LATENCY_S, Schedule, _depth, build_schedule
+from .simulate import DEFAULT_LATENCY_US, simulate
 
 #: Fixed cost of one schedule round per lowering, seconds. "ppermute": measured on 8 host CPU devices
 #: (jax 0.10.2, 2 cores): 20 chained jitted ``lax.ppermute`` of 16 bytes cost 97 us each over the
@@ -35,6 +54,13 @@ STEP_LATENCY_S = {"ppermute": 100e-6, "ffi": 5e-6}
 
 #: ``packing.plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
 CANDIDATE_MAX_TREES = (None, 4, 2, 1)
+
+#: Lowerings with a barrier per schedule round (ranked by the round model, not the simulator).
+ROUND_SYNCHRONOUS = frozenset({"ppermute"})
+
+_CHOICES: "collections.OrderedDict" = collections.OrderedDict()
+_TIMES: "collections.OrderedDict" = collections.OrderedDict()
+_CACHE_SIZE = 4096
 
 
 def step_latency(impl: str) -> float:
@@ -112,3 +138,122 @@ def choose_schedule(plans, nelems: int, *, itemsize: int = 4, step_latency_s: fl
             if best is None or t < best[2] * (1 - 1e-9):
                 best = (plan, sched, t)
     return best
+
+
+# ------------------------------------------------------------------------------ plan choice
+def _cached(cache, key, make):
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = make()
+        if len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return hit
+
+
+def candidate_plans(topology, collective: str, *, devices=None, root=None, algorithm: str = "auto",
+                    max_trees: int | None = None) -> list:
+    """The plans ``auto`` chooses among, bandwidth-optimal packing first (it wins ties).
+
+    "auto": tree packings with at most k trees (k in CANDIDATE_MAX_TREES, below the optimal count),
+    the LP ring packing, NCCL's rings and (all-reduce) double binary tree, and Blink's three phases
+    when ``devices`` span several nodes. A forced ``algorithm`` keeps its family: "trees" (packings),
+    "ring" (the LP ring packing), "hierarchical". ``max_trees`` given: ``plan(max_trees=...)`` only
+    (an explicit choice, like a forced algorithm). Candidates that cannot be built on these
+    devices (PlanError) are left out; duplicates are dropped. Raises PlanError when the
+    bandwidth-optimal plan itself fails (bad devices, root, unreachable GPUs).
+    """
+    from . import baselines, packing  # packing.plan(nbytes=) imports this module: no cycle at load
+    devices = packing.job_devices(topology, devices)
+    first = packing.plan(topology, collective, devices=devices, root=root, algorithm=algorithm,
+                         max_trees=max_trees)  # rate-optimal: wins ties
+    out = [first]
+    if len(devices) == 1 or max_trees is not None:
+        return out
+    makers = []
+    if algorithm in ("auto", "trees"):
+        opt = packing.plan(topology, collective, devices=devices, root=root, algorithm="trees")
+        ks = [k for k in CANDIDATE_MAX_TREES if k is not None and k < len(opt.trees)]
+        makers.append(lambda: opt)
+        makers += [lambda k=k: packing.plan(topology, collective, devices=devices, root=root,
+                                            algorithm="trees", max_trees=k) for k in ks]
+    if algorithm == "auto":
+        if collective == "allreduce":
+            makers.append(lambda: packing.plan(topology, collective, devices=devices, algorithm="ring"))
+            makers.append(lambda: baselines.nccl_tree_plan(topology, devices=devices))
+        else:
+            makers.append(lambda: baselines.ring_plan(topology, collective, devices=devices, root=root))
+        makers.append(lambda: baselines.nccl_ring_plan(topology, collective, devices=devices, root=root))
+        if len(packing._node_groups(topology, list(devices))) > 1:
+            makers.append(lambda: packing.plan(topology, collective, devices=devices, root=root,
+                                               algorithm="hierarchical"))
+    seen = {first.trees}
+    for make in makers:
+        try:
+            p = make()
+        except PlanError:
+            continue
+        if p.trees in seen:
+            continue
+        seen.add(p.trees)
+        out.append(p)
+    return out
+
+
+def simulated_time(plan, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US) -> float:
+    """Seconds of one ``plan`` collective of ``nbytes`` bytes per GPU on ``topology``, by the
+    link-level simulator (its own chunking, per-send latency ``latency_us``). Cached."""
+    key = (topology.fingerprint(), plan, float(nbytes), float(latency_us))
+    return _cached(_TIMES, key, lambda: simulate(plan, nbytes, topology=topology, latency_us=latency_us).time_s)
+
+
+def fastest(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US):
+    """(plan, seconds) with the least :func:`simulated_time` among ``plans`` (earlier wins ties)."""
+    timed = [(p, simulated_time(p, nbytes, topology, latency_us)) for p in plans]
+    return min(timed, key=lambda pt: pt[1])
+
+
+def choose_plan(topology, collective: str, nbytes: float, *, devices=None, root=None,
+                algorithm: str = "auto", max_trees: int | None = None,
+                latency_us: float = DEFAULT_LATENCY_US):
+    """The fastest of :func:`candidate_plans` at ``nbytes`` bytes per GPU, by the simulator.
+
+    Returns the Plan with a note naming its simulated time and the runner-up (cached: the same
+    inputs give the same object). Raises PlanError like ``packing.plan``.
+    """
+    key = (topology.fingerprint(), collective, devices if devices is None else tuple(devices), root,
+           algorithm, max_trees, float(nbytes), float(latency_us))
+    return _cached(_CHOICES, key, lambda: _choose_plan(
+        topology, candidate_plans(topology, collective, devices=devices, root=root, algorithm=algorithm,
+                                  max_trees=max_trees), nbytes, latency_us))
+
+
+def _choose_plan(topology, plans, nbytes, latency_us):
+    best, t = fastest(plans, nbytes, topology, latency_us)
+    if len(plans) == 1:
+        return best
+    others = sorted((simulated_time(p, nbytes, topology, latency_us), i) for i, p in enumerate(plans)
+                    if p is not best)
+    second = plans[others[0][1]]
+    note = (f"chosen for {nbytes:.0f} B per GPU: simulated {t * 1e6:.1f} us, fastest of {len(plans)} "
+            f"candidates (next: {second.shape()}, {others[0][0] * 1e6:.1f} us)")
+    return dataclasses.replace(best, notes=best.notes + (note,))
+
+
+def lowering_schedule(plans, nelems: int, *, itemsize: int, impl: str, topology,
+                      chunk_elems: int | None = None):
+    """(plan, schedule, predicted seconds) a lowering ``impl`` runs, among ``plans`` (candidates).
+
+    Round-synchronous lowerings (ROUND_SYNCHRONOUS): :func:`choose_schedule` (round model) over all
+    plans and chunk counts. Others: the plan :func:`fastest` by the simulator with the lowering's
+    step latency as per-send latency, then its chunk count by :func:`choose_schedule`. Plans the
+    schedule cannot run (relays) are skipped.
+    """
+    plans = [p for p in plans if not p.relays]
+    if not plans:
+        raise ScheduleError("no candidate plan can be scheduled on the job's devices")
+    lat = step_latency(impl)
+    if impl not in ROUND_SYNCHRONOUS and len(plans) > 1:
+        plans = [fastest(plans, nelems * itemsize, topology, lat * 1e6)[0]]
+    return choose_schedule(plans, nelems, itemsize=itemsize, step_latency_s=lat, chunk_elems=chunk_elems)

@@ -236,25 +236,10 @@ def plan_group(topology: Topology, collective: str, gpu_ids: list[int], root_ran
 
 def candidate_plans(topology: Topology, collective: str, gpu_ids: list[int], root_rank: int | None,
                     algorithm: str = "auto", max_trees: int | None = None) -> list:
-    """Plans the cost model (:func:`jax_blink.costmodel.choose_schedule`) chooses among for one group.
-
-    ``max_trees`` given: that plan only. Otherwise the bandwidth-optimal plan first, then
-    ``plan(max_trees=k)`` for k in ``costmodel.CANDIDATE_MAX_TREES`` below its tree count, for the
-    "auto" and "trees" algorithms (ring and three-phase plans have a fixed shape). Plans are cached
-    by ``packing.plan``; a k the planner refuses (PlanError) is skipped.
-    """
+    """Plans the cost model chooses among for one group (:func:`jax_blink.costmodel.candidate_plans`
+    with the group's GPUs and root): the plan of :func:`plan_group` first, then fewer trees, rings,
+    NCCL's baselines and three phases as ``algorithm`` and ``max_trees`` allow."""
     from . import costmodel
-    from .errors import PlanError
-    best = plan_group(topology, collective, gpu_ids, root_rank, algorithm, max_trees)
-    if max_trees is not None or algorithm not in ("auto", "trees"):
-        return [best]
-    out = [best]
-    ntrees = sum(1 for t in best.trees if t.weight_gbps > 0)
-    for k in costmodel.CANDIDATE_MAX_TREES:
-        if k is None or k >= ntrees:
-            continue
-        try:
-            out.append(plan_group(topology, collective, gpu_ids, root_rank, algorithm, k))
-        except PlanError:
-            continue
-    return out
+    best = plan_group(topology, collective, gpu_ids, root_rank, algorithm, max_trees)  # coverage errors
+    return costmodel.candidate_plans(topology, collective, devices=best.devices, root=best.root,
+                                     algorithm=algorithm, max_trees=max_trees)

@@ -49,6 +49,12 @@ _CACHE: "collections.OrderedDict" = collections.OrderedDict()
 _CACHE_SIZE = 1024
 
 
+def clear_caches() -> None:
+    """Forget every cached plan (for uncached timing)."""
+    _CACHE.clear()
+    _TREE_PLANS.clear()
+
+
 def _is_gpu(n) -> bool:
     return isinstance(n, int)
 
@@ -142,7 +148,8 @@ class Plan:
       bound_gbps: certificate: an upper bound on the rate of the chosen algorithm family (Edmonds
         max-flow bound for broadcast/reduce; LP dual bound for all-reduce trees and rings; max-flow
         orientation bound for hierarchical all-reduce).
-      algorithm: "trees" | "ring" | "hierarchical" | "trivial".
+      algorithm: "trees" | "ring" | "hierarchical" | "double-binary-tree" (NCCL's, from
+        ``plan(nbytes=...)`` or ``baselines``) | "trivial".
       notes: why this algorithm, alternatives' rates, losses from ``max_trees``.
       relays: GPUs outside ``devices`` that forward data inside routes (``plan(relays=...)``). A
         relayed plan needs those GPUs to run the forwarding: the simulator models it, the JAX
@@ -166,6 +173,26 @@ class Plan:
             for e, k in t.link_usage(self.collective).items():
                 load[e] += k * t.weight_gbps
         return dict(sorted(load.items(), key=lambda kv: (_key(kv[0][0]), _key(kv[0][1]))))
+
+    def rings(self) -> list:
+        """For ring plans, [(hops, GB/s)] per ring: its physical hops in order and its bandwidth
+        (all-reduce: n consecutive trees per ring, bandwidth 2(n-1) x tree weight; broadcast / reduce:
+        one chain per ring). [] for other plans."""
+        if self.algorithm != "ring" or not self.trees:
+            return []
+        n = len(self.devices)
+        if self.collective != "allreduce":
+            return [(t.edges, t.weight_gbps) for t in self.trees]
+        return [(tuple(dict.fromkeys(h for t in self.trees[i:i + n] for h in t.edges)),
+                 sum(t.weight_gbps for t in self.trees[i:i + n]) * 2 * (n - 1) / n)
+                for i in range(0, len(self.trees), n)]
+
+    def shape(self) -> str:
+        """Algorithm and size: "ring, 8 rings" for ring plans, else e.g. "trees, 17 trees"."""
+        rings = self.rings()
+        if rings:
+            return f"ring, {len(rings)} ring{'s' * (len(rings) != 1)}"
+        return f"{self.algorithm}, {len(self.trees)} tree{'s' * (len(self.trees) != 1)}"
 
     def predicted_time_s(self, nbytes: float) -> float:
         """Bandwidth-only time for ``nbytes`` bytes: nbytes / (rate_gbps * 1e9) seconds."""
@@ -215,8 +242,7 @@ class Plan:
         fmt = lambda x: "inf" if math.isinf(x) else f"{x:.3f}"  # noqa: E731
         root = "" if self.root is None else f" root {self.root}"
         relay = f" (relay GPUs {list(self.relays)})" if self.relays else ""
-        lines = [f"{self.collective}{root} over GPUs {list(self.devices)}{relay}: {self.algorithm}, "
-                 f"{len(self.trees)} tree(s), rate {fmt(self.rate_gbps)} GB/s, bound {fmt(self.bound_gbps)} GB/s"]
+        lines = [f"{self.collective}{root} over GPUs {list(self.devices)}{relay}: {self.shape()}, rate {fmt(self.rate_gbps)} GB/s, bound {fmt(self.bound_gbps)} GB/s"]
         lines += [f"  note: {n}" for n in self.notes]
         for i, t in enumerate(self.trees):
             par = t.gpu_parents()
@@ -361,7 +387,25 @@ def _drop_light_trees(table: RouteTable, cols, w, rate: float, tolerance: float)
     return best, lo
 
 
+_TREE_PLANS: "collections.OrderedDict" = collections.OrderedDict()
+
+
 def _tree_plan(topology, devices, collective, root, max_trees, relays=(), target=None, rate_tolerance=0.0):
+    """:func:`_tree_plan_uncached`, memoised: plans that differ only in ``algorithm`` share it."""
+    key = (topology.fingerprint(), tuple(devices), collective, root, max_trees, tuple(relays), target,
+           rate_tolerance)
+    hit = _TREE_PLANS.get(key)
+    if hit is None:
+        hit = _TREE_PLANS[key] = _tree_plan_uncached(topology, devices, collective, root, max_trees, relays,
+                                                     target, rate_tolerance)
+        if len(_TREE_PLANS) > _CACHE_SIZE:
+            _TREE_PLANS.popitem(last=False)
+    trees, rate, dual, table, notes, exact = hit
+    return list(trees), rate, dual, table, list(notes), exact
+
+
+def _tree_plan_uncached(topology, devices, collective, root, max_trees, relays=(), target=None,
+                        rate_tolerance=0.0):
     """Exact LP packing + tree-count ILP on one node (no hierarchy).
 
     ``target``: an independent upper bound (max-flow) that stops column generation once reached.
@@ -651,7 +695,7 @@ def job_devices(topology: Topology, devices=None) -> tuple:
 
 def plan(topology: Topology, collective: str = "allreduce", *, devices=None, root=None,
          max_trees: int | None = None, algorithm: str = "auto", relays=None,
-         rate_tolerance: float = 0.0) -> Plan:
+         rate_tolerance: float = 0.0, nbytes: float | None = None) -> Plan:
     """Plan a tree packing for ``collective`` over ``devices`` of ``topology``.
 
     Args:
@@ -660,7 +704,10 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
       devices: GPU ids of the job (rank r <-> devices[r]); default all GPUs of the topology.
       root: GPU id (broadcast/reduce; default ``devices[0]``); must be None or ignored for all-reduce.
       max_trees: at most this many trees (rate may drop; the loss is in ``notes``).
-      algorithm: "auto" (the fastest on predicted time, the reason in ``notes``), or force one:
+      algorithm: "auto" (the fastest: with ``nbytes``, the least simulated time at that size over
+        trees, fewer trees, rings, NCCL's rings and double binary tree, three phases, by
+        :func:`jax_blink.costmodel.choose_plan`; without, the highest rate, i.e. the large-operand
+        limit, trees or the ring packing; the reason in ``notes``), or force one:
         "trees" (exact packing over all devices), "ring" (all-reduce only), "hierarchical" (Blink's
         three phases, section 5; needs devices on two or more nodes).
       relays: GPUs outside ``devices`` that may forward data inside routes (Blink issue "relays";
@@ -674,6 +721,8 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
       rate_tolerance: 0.0 (default: exact optimum). A fraction in [0, 1): drop the lightest trees
         while the re-optimised rate stays >= (1 - rate_tolerance) * optimum (fewer, larger trees;
         the loss is in ``notes``). Ignored when ``max_trees`` is given.
+      nbytes: operand bytes per GPU for ``algorithm="auto"`` (see there); ignored with ``relays`` or
+        ``rate_tolerance``.
 
     Returns a :class:`Plan` (cached; identical inputs give the identical object and JSON). One device:
     a trivial plan with no trees and ``rate_gbps = bound_gbps = inf``.
@@ -708,6 +757,13 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
     if relays and algorithm in ("ring", "hierarchical"):
         raise PlanError(f"relays={list(relays)} work with tree packings only; use algorithm='auto' or "
                         f"'trees' (got {algorithm!r})")
+    if nbytes is not None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not (0 < nbytes < math.inf):
+            raise PlanError(f"nbytes must be a positive number of bytes per GPU, got {nbytes!r}")
+        if algorithm == "auto" and not relays and not rate_tolerance:
+            from . import costmodel  # the cost model (right of the planner: it simulates), imported lazily
+            return costmodel.choose_plan(topology, collective, nbytes, devices=devices, root=root,
+                                         max_trees=max_trees)
     key = (topology.fingerprint(), devices, collective, root, max_trees, algorithm, relays,
            float(rate_tolerance))
     hit = _CACHE.get(key)
@@ -804,9 +860,13 @@ def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto",
         bound = _bounds.broadcast_bound(topology, devices, root)
     elif collective == "reduce":
         bound = _bounds.reduce_bound(topology, devices, root)
-    trees, rate, dual, table, notes, exact = _tree_plan(topology, devices, collective, root, max_trees,
-                                                 target=None if collective == "allreduce" else bound,
-                                                 rate_tolerance=rate_tolerance)
+    if collective == "allreduce" and algorithm == "ring":  # the tree packing is not needed
+        trees, rate, dual, table, notes, exact = [], 0.0, 0.0, RouteTable.build(topology, devices), [], math.inf
+        table.check_connected("allreduce plan")
+    else:
+        trees, rate, dual, table, notes, exact = _tree_plan(topology, devices, collective, root, max_trees,
+                                                            target=None if collective == "allreduce" else bound,
+                                                            rate_tolerance=rate_tolerance)
     if collective == "allreduce":
         bound = dual
         # any ring crosses every directed cut between job GPUs, so B_ring <= min max-flow between GPUs
@@ -819,7 +879,10 @@ def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto",
         b_ring, rings = _bounds.ring_packing(topology, devices, table)
         ring_rate = n * b_ring / (2 * (n - 1)) if b_ring > 0 else 0.0
         ring_fits = max_trees is None or n * len(rings) <= max_trees
-        if algorithm == "ring" and (b_ring <= 0 or not ring_fits):
+        if algorithm == "ring" and b_ring <= 0:
+            raise PlanError(f"no ring (cycle through every GPU) over devices {list(devices)} on the links of "
+                            f"{topology.name!r}")
+        if algorithm == "ring" and not ring_fits:
             raise PlanError(f"no ring packing over devices {list(devices)} within max_trees={max_trees} "
                             f"(it needs {n * len(rings)} trees)")
         if algorithm == "auto" and ring_rate > exact * (1 + 1e-6) and not ring_fits:
@@ -830,8 +893,9 @@ def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto",
             notes.append(f"ring chosen: rings of {b_ring:.3f} GB/s give all-reduce rate n*B/(2(n-1)) = "
                          f"{ring_rate:.3f} GB/s {why}")
             rtrees = _ring_trees(rings, n)
+            # bound in all-reduce rate units, n B / (2(n-1)) with B <= min max-flow: no ring packing beats it
             return Plan(collective, None, devices, tuple(rtrees), _round(sum(t.weight_gbps for t in rtrees)),
-                        _round(_bounds.allreduce_bound(topology, devices)), "ring", tuple(notes))
+                        _round(max(ring_cap, ring_rate)), "ring", tuple(notes))
         else:
             notes.append(f"trees chosen: all-reduce rate {rate:.3f} GB/s >= ring {ring_rate:.3f} GB/s "
                          f"(rings of {b_ring:.3f} GB/s, time 2(n-1)/n*S/B)")

@@ -57,7 +57,8 @@ def _short(name: str) -> str:
 
 def draw_plan(topology, plan, path, *, link_util: dict | None = None, title: str | None = None,
               max_tree_panels: int = MAX_TREE_PANELS) -> int:
-    """Write a PNG: one panel per tree (heaviest first; the rest summarised) and a utilisation panel.
+    """Write a PNG: one panel per tree (heaviest first) or, for a ring plan, per ring (the rest
+    summarised), and a utilisation panel.
 
     Args:
       topology: the Topology the plan runs on.
@@ -65,7 +66,7 @@ def draw_plan(topology, plan, path, *, link_util: dict | None = None, title: str
       path: output file (PNG).
       link_util: {(u, v): utilisation 0..1} (e.g. ``SimResult.link_util``); default: the plan's
         bandwidth-only load / capacity (``Plan.link_loads``).
-      max_tree_panels: trees drawn individually; lighter trees are listed in the last panel title.
+      max_tree_panels: trees (rings) drawn individually; the rest are summed in the last panel title.
 
     Each tree's physical hops are drawn as arrows (broadcast direction) in the tree's colour, width
     proportional to the tree's weight. Returns the number of panels. Raises OSError if the file cannot
@@ -78,29 +79,37 @@ def draw_plan(topology, plan, path, *, link_util: dict | None = None, title: str
     from matplotlib import cm, colors as mcolors
 
     pos = layout(topology)
-    trees = sorted(plan.trees, key=lambda t: -t.weight_gbps)
-    shown, hidden = trees[:max_tree_panels], trees[max_tree_panels:]
+    # panels: (title, hops, GB/s, root or None); a ring plan is drawn ring by ring
+    rings = sorted(plan.rings(), key=lambda r: -r[1])  # heaviest first, like the trees
+    items = [(f"ring {j}: {b:.2f} GB/s", hops, b, None) for j, (hops, b) in enumerate(rings)]
+    if not items:
+        for i, t in enumerate(sorted(plan.trees, key=lambda t: -t.weight_gbps)):
+            hops = t.edges
+            if t.reduce_edges is not None and plan.collective == "reduce":
+                hops = tuple((b, a) for a, b in t.reduce_edges)
+            items.append((f"tree {i}: root {t.root}, {t.weight_gbps:.2f} GB/s", hops, t.weight_gbps, t.root))
+    unit = "rings" if plan.rings() else "trees"
+    shown, hidden = items[:max_tree_panels], items[max_tree_panels:]
     panels = len(shown) + 1
     ncols = min(4, panels)
     nrows = math.ceil(panels / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 4.2 * nrows), squeeze=False)
     palette = plt.get_cmap("tab10" if len(shown) <= 10 else "tab20")
-    wmax = max((t.weight_gbps for t in trees), default=1.0) or 1.0
+    wmax = max((it[2] for it in items), default=1.0) or 1.0
     devs = set(plan.devices)
-    for i, t in enumerate(shown):
+    for i, (label, hops, w, root) in enumerate(shown):
         ax = axes[i // ncols][i % ncols]
         _base(ax, topology, pos, devs)
-        hops = list(dict.fromkeys(t.edges))  # a repeated hop is drawn once
-        if t.reduce_edges is not None and plan.collective == "reduce":
-            hops = list(dict.fromkeys((b, a) for a, b in t.reduce_edges))
+        hops = list(dict.fromkeys(hops))  # a repeated hop is drawn once
         dg = nx.DiGraph(hops)
         nx.draw_networkx_edges(dg, pos, ax=ax, edgelist=hops, edge_color=[palette(i % palette.N)],
-                               width=1.5 + 4.5 * t.weight_gbps / wmax, arrows=True, arrowsize=14,
+                               width=1.5 + 4.5 * w / wmax, arrows=True, arrowsize=14,
                                connectionstyle="arc3,rad=0.08", node_size=420)
-        nx.draw_networkx_nodes(dg, pos, nodelist=[t.root], node_color="#ff7f50", edgecolors="#000000",
-                               node_size=460, ax=ax)
-        nx.draw_networkx_labels(dg, pos, labels={t.root: str(t.root)}, font_size=7, ax=ax)
-        ax.set_title(f"tree {i}: root {t.root}, {t.weight_gbps:.2f} GB/s", fontsize=9)
+        if root is not None:
+            nx.draw_networkx_nodes(dg, pos, nodelist=[root], node_color="#ff7f50", edgecolors="#000000",
+                                   node_size=460, ax=ax)
+            nx.draw_networkx_labels(dg, pos, labels={root: str(root)}, font_size=7, ax=ax)
+        ax.set_title(label, fontsize=9)
     # utilisation panel
     ax = axes[(panels - 1) // ncols][(panels - 1) % ncols]
     _base(ax, topology, pos, devs)
@@ -119,13 +128,13 @@ def draw_plan(topology, plan, path, *, link_util: dict | None = None, title: str
                                edge_color=[cmap(norm(x)) for _, x in used], width=4.0)
     fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.046, pad=0.04,
                  label="busiest direction: busy time / total")
-    extra = f" (+{len(hidden)} lighter trees, {sum(t.weight_gbps for t in hidden):.2f} GB/s)" if hidden else ""
+    extra = f" (+{len(hidden)} lighter {unit}, {sum(it[2] for it in hidden):.2f} GB/s)" if hidden else ""
     ax.set_title("link utilisation" + extra, fontsize=9)
     for j in range(panels, nrows * ncols):
         axes[j // ncols][j % ncols].set_axis_off()
     root = "" if plan.root is None else f" root {plan.root}"
     fig.suptitle(title or f"{plan.collective}{root} on {topology.name} GPUs {list(plan.devices)}: "
-                 f"{plan.algorithm}, {len(plan.trees)} trees, {plan.rate_gbps:.2f} GB/s", fontsize=11)
+                 f"{plan.shape()}, {plan.rate_gbps:.2f} GB/s", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -228,16 +228,23 @@ batching.fancy_primitive_batchers[blink_reduce_p] = _reduce_batcher
 
 
 # -------------------------------------------------------------------------------- lowering
+def _native_auto_allowed(platform: str) -> bool:
+    from .lowering import ffi as _ffi  # registers the ffi lowerings; imported late (it imports jax)
+    return _ffi.native_auto_allowed(platform)
+
+
 def choose_lowering(impl: str, platforms, processes: int = 1) -> tuple[str, object]:
     """(impl name, rule) for ``impl`` on the module's platforms. Raises BlinkError if unavailable.
 
-    "auto" = "ffi" when registered for every platform of the module and the mesh lies in one
-    process (``processes == 1``; the custom call meets its peers in process memory), else "ppermute".
+    "auto" = "ffi" when registered for every platform of the module, the mesh lies in one process
+    (``processes == 1``; the custom call meets its peers in process memory) and, on GPUs, the native
+    executor passed ``jax_blink.selftest()`` here (``lowering.ffi.native_auto_allowed``), else "ppermute".
     """
     platforms = list(platforms)
     if impl == "auto":
         rules = [_lowering.find_lowering("ffi", p) for p in platforms]
-        if processes == 1 and all(r is not None for r in rules) and len(set(rules)) == 1:
+        if (processes == 1 and all(r is not None for r in rules) and len(set(rules)) == 1
+                and all(_native_auto_allowed(p) for p in platforms)):
             return "ffi", rules[0]
         impl = "ppermute"
     if impl == "ffi" and processes > 1:
@@ -258,10 +265,8 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
                   nelems: int, itemsize: int, platform: str, impl: str = "ppermute") -> _lowering.LoweringRequest:
     """The LoweringRequest for one call site: groups, device table, one schedule per group.
 
-    Each group's schedule is the least predicted time (:func:`jax_blink.costmodel.choose_schedule`,
-    step latency of lowering ``impl``) over chunk counts and, for the round-synchronous "ppermute"
-    lowering, over ``mapping.candidate_plans`` (fewer trees, fewer rounds); native lowerings keep the
-    bandwidth-optimal plan."""
+    Each group's schedule is the least predicted time over ``mapping.candidate_plans`` and chunk
+    counts (:func:`jax_blink.costmodel.lowering_schedule`, step latency of lowering ``impl``)."""
     groups = mapping.mesh_groups(tuple(mesh.devices.shape), tuple(mesh.axis_names), axes,
                                  axis_index_groups)
     flat = list(mesh.devices.flat)
@@ -273,15 +278,9 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
         gpus = tuple(all_ids[p] for p in members)
         if gpus not in cache:
             algorithm = mapping.effective_algorithm(key, topo, collective, gpus)
-            if impl == "ppermute":
-                plans = mapping.candidate_plans(topo, collective, list(gpus), root, algorithm, key.max_trees)
-            else:
-                # Native executors pipeline each tree on its own (streams / tiles), with no global
-                # round barrier: keep the bandwidth-optimal packing (Blink's point); only chunks vary.
-                plans = [mapping.plan_group(topo, collective, list(gpus), root, algorithm, key.max_trees)]
-            _, cache[gpus], _ = costmodel.choose_schedule(
-                plans, nelems, itemsize=itemsize, step_latency_s=costmodel.step_latency(impl),
-                chunk_elems=key.chunk_elems)
+            plans = mapping.candidate_plans(topo, collective, list(gpus), root, algorithm, key.max_trees)
+            _, cache[gpus], _ = costmodel.lowering_schedule(
+                plans, nelems, itemsize=itemsize, impl=impl, topology=topo, chunk_elems=key.chunk_elems)
         schedules.append(cache[gpus])
     return _lowering.LoweringRequest(collective=collective, schedules=tuple(schedules), device_table=table,
                                      groups=tuple(tuple(g) for g in groups), axis_names=tuple(axes))

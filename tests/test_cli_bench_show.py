@@ -187,3 +187,30 @@ def test_show_ring_is_for_allreduce_like_plan(capsys, tmp_path):
     assert "ring' is an all-reduce algorithm" in capsys.readouterr().err
     assert main(["show", "--topology", "dgx1v", "--devices", "0-3", "--algorithm", "ring", "--png", png]) == 0
     assert "ring" in capsys.readouterr().out
+
+
+def test_bench_json_one_object_per_size(capsys):
+    from jax_blink.baselines import nccl_ring_plan, nccl_tree_plan
+    from jax_blink.simulate import simulate
+
+    assert main(["bench", "--topology", "dgx1v", "--sizes", "1M,1G", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["size"] for r in rows] == [1 << 20, 1 << 30]
+    topo = preset("dgx1v")
+    for r in rows:
+        for name in ("blink", "ring", "tree"):
+            assert r[f"{name}_algbw_gbps"] == pytest.approx(r["size"] / r[f"{name}_time_s"] / 1e9)
+            assert r[f"{name}_busbw_gbps"] == pytest.approx(r[f"{name}_algbw_gbps"] * 2 * 7 / 8)
+        assert r["ring_time_s"] == simulate(nccl_ring_plan(topo), r["size"], topology=topo).time_s
+        assert r["tree_time_s"] == simulate(nccl_tree_plan(topo), r["size"], topology=topo).time_s
+        assert r["blink_time_s"] <= min(r["ring_time_s"], r["tree_time_s"])
+    assert rows[0]["blink_plan"].startswith("ring, ")  # 1 MiB on dgx1v: rings (issue: trees were 0.46x)
+
+
+def test_plan_ring_reports_the_collective_bound_and_rings(capsys):
+    assert main(["plan", "--topology", "dgx1v", "--algorithm", "ring"]) == 0
+    out = capsys.readouterr().out
+    assert "ring, 32 rings" in out and "rate 92.571 GB/s, bound 92.571 GB/s (1.000 of bound)" in out
+    assert main(["plan", "--topology", "dgx1v", "--size", "1M"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen for 1048576 B per GPU" in out and "ring, " in out.splitlines()[0]

@@ -56,10 +56,10 @@ def test_planning_prints_nothing_to_stdout(capfd):
     """HiGHS's MIP solver printed debug lines to the C stdout (corrupting --json); they are muted."""
     import itertools
 
-    from jax_blink.packing import _CACHE, plan
+    from jax_blink.packing import clear_caches, plan
     from jax_blink.presets import PRESETS
 
-    _CACHE.clear()
+    clear_caches()
     t = PRESETS["dgx1v"]()
     for devs in itertools.combinations(range(8), 6):
         plan(t, "allreduce", devices=list(devs))

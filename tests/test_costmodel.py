@@ -12,6 +12,7 @@ from jax_blink import ScheduleError, costmodel, mapping
 from jax_blink.packing import plan
 from jax_blink.presets import PRESETS
 from jax_blink.schedule import build_schedule, execute
+from jax_blink.simulate import simulate
 from jax_blink.topology import Topology
 
 DGX1V = PRESETS["dgx1v"]()
@@ -31,7 +32,9 @@ def test_predicted_time_by_hand():
 def test_small_operand_gets_fewer_rounds_than_optimal_plan():
     plans = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)
     opt = plans[0]
-    assert len(opt.trees) == 17 and [len(p.trees) for p in plans[1:]] == [4, 2, 1]
+    assert len(opt.trees) == 17 and [len(p.trees) for p in plans[1:4]] == [4, 2, 1]
+    # then the LP ring packing (NVLink + PCIe), NCCL's double binary tree and NCCL's NVLink rings
+    assert [p.algorithm for p in plans[4:]] == ["ring", "double-binary-tree", "ring"]
     lat = costmodel.step_latency("ppermute")
     chosen, sched, t = costmodel.choose_schedule(plans, 1024, step_latency_s=lat)
     base = build_schedule(opt, 1024, step_latency_s=lat)
@@ -44,15 +47,15 @@ def test_small_operand_gets_fewer_rounds_than_optimal_plan():
 
 def test_large_operand_keeps_optimal_rate():
     topo = Topology.host(8)
-    plans = mapping.candidate_plans(topo, "allreduce", ALL8, None)
-    assert len(plans) == 4
+    plans = mapping.candidate_plans(topo, "allreduce", ALL8, None)[:4]  # the packings
+    assert [len(p.trees) for p in plans] == [8, 4, 2, 1]
     for impl in ("ppermute", "ffi"):
         chosen, sched, _ = costmodel.choose_schedule(plans, 16 * 2**20, step_latency_s=costmodel.step_latency(impl))
         assert chosen is plans[0] and chosen.rate_gbps == max(p.rate_gbps for p in plans)
         assert len(sched.chunk_seg) > len(chosen.trees)  # pipelined
     # dgx1v: ppermute's latency keeps one tree; a negligible latency buys rate with more trees (not
     # all 17: the lightest trees' segments are too short to pipeline, the (k + d - 1) / k term)
-    dplans = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)
+    dplans = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)[:4]
     slow, _, _ = costmodel.choose_schedule(dplans, 2**24, step_latency_s=1e-4)
     fast, _, _ = costmodel.choose_schedule(dplans, 2**24, step_latency_s=1e-9)
     assert len(slow.trees) == 1 and len(fast.trees) > 1 and fast.rate_gbps > slow.rate_gbps
@@ -95,15 +98,21 @@ def test_psum_max_trees_matches_lax(max_trees):
         f(lambda v: jax_blink.psum(v, "i", max_trees=0))(x)
 
 
-def test_native_lowering_keeps_the_optimal_packing():
-    """Only the round-synchronous ppermute lowering trades trees for rounds; ffi keeps Blink's packing."""
+def test_native_lowering_runs_the_simulators_fastest_candidate():
+    """Native lowerings (no round barrier) take the plan the simulator predicts fastest at the
+    operand's size with their step latency; ppermute ranks the same candidates by rounds."""
     from jax_blink import primitives
 
     mesh = Mesh(np.array(jax.devices()), ("i",))
     key = mapping.make_plan_key("dgx1v")
-    full = plan(DGX1V, "allreduce", devices=ALL8)
-    nel = 2**22
-    native = primitives.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cpu", "ffi")
-    assert len(native.schedules[0].seg_root) == len(full.trees)
-    portable = primitives.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cpu", "ppermute")
-    assert len(portable.schedules[0].seg_root) < len(full.trees)
+    cands = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)
+    lat_us = costmodel.step_latency("ffi") * 1e6
+    for nel in (2**14, 2**22):
+        times = [simulate(p, nel * 4, topology=DGX1V, latency_us=lat_us).time_s for p in cands]
+        best = cands[int(np.argmin(times))]
+        native = primitives.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cpu", "ffi")
+        assert len(native.schedules[0].seg_root) == len(best.trees)
+        assert sorted(native.schedules[0].seg_root.tolist()) == sorted(
+            best.devices.index(t.root) for t in best.trees)
+    portable = primitives.build_request("allreduce", mesh, ("i",), None, None, key, 2**22, 4, "cpu", "ppermute")
+    assert len(portable.schedules[0].seg_root) < len(plan(DGX1V, "allreduce").trees)

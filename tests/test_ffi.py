@@ -196,6 +196,15 @@ def test_cuda_module_compiles(tmp_path):
     assert (tmp_path / "cuda_executor.o").stat().st_size > 10_000
 
 
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found: the gpu_check harness cannot be compiled here")
+def test_gpu_check_harness_compiles(tmp_path):
+    """The GPU harness (both issue paths, graph stats) compiles against the executor's header."""
+    cmd = [_nvcc(), "-std=c++17", "-O1", "-arch=sm_90", "-c", str(ROOT / "ffi" / "tests" / "gpu_check.cu"),
+           "-I", str(ROOT / "ffi" / "src"), "-o", str(tmp_path / "gpu_check.o")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "abc", "1e300"])
 def test_bad_timeout_env_is_a_clear_error(monkeypatch, value):
     """JAX_BLINK_TIMEOUT_S=inf once overflowed into an instant timeout; bad values now fail at lowering."""

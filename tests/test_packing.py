@@ -258,7 +258,7 @@ def test_deterministic_json_roundtrip():
     t = PRESETS["dgx1v"]()
     a = plan(t, "allreduce", devices=(0, 1, 2, 5, 6))
     from jax_blink import packing
-    packing._CACHE.clear()
+    packing.clear_caches()
     b = plan(t, "allreduce", devices=(0, 1, 2, 5, 6))
     assert a is not b and a.to_json() == b.to_json()
     assert Plan.from_json(a.to_json()).to_json() == a.to_json()

@@ -582,6 +582,12 @@ int64_t EffectiveTimeoutMs(int64_t attr_ms) {
   return attr_ms > 0 ? attr_ms : 60000;
 }
 
+int ErrorClassOf(const std::string& msg) {
+  if (msg.rfind("jax_blink: collective timed out", 0) == 0) return 2;
+  if (msg.find("jax_blink CUDA error") != std::string::npos) return 1;
+  return 0;
+}
+
 bool IsTestAbsentDevice(int64_t device) {
   const char* env = std::getenv("JAX_BLINK_TEST_ABSENT_DEVICE");
   if (!env || !*env) return false;

@@ -182,6 +182,12 @@ void FailCall(int64_t run_id, int64_t call_site, int64_t generation, const std::
 // else 60 s.
 int64_t EffectiveTimeoutMs(int64_t attr_ms);
 
+// Error class of a message the core or a backend produced, for the FFI error code: timeouts
+// ("jax_blink: collective timed out ...") -> 2 (kDeadlineExceeded), CUDA failures (messages containing
+// "jax_blink CUDA error") -> 1 (kInternal), everything else (bad attributes, mismatched participants,
+// a peer that could not join) -> 0 (kInvalidArgument).
+int ErrorClassOf(const std::string& msg);
+
 // Test hook (documented in docs): JAX_BLINK_TEST_ABSENT_DEVICE=<device id> makes that device's calls
 // skip the meeting (its output is left unwritten), to test the timeout path.
 bool IsTestAbsentDevice(int64_t device);

@@ -339,6 +339,15 @@ std::vector<Tile> MakeTiles(const std::vector<ChunkPlan>& chunks, const std::vec
 
 }  // namespace
 
+void SumInto(Dtype dtype, void* out, const void* first, const void* const* srcs, int k, int64_t n) {
+  Adder a = AdderFor(dtype);
+  if (k <= 0) {
+    if (out != first) std::memmove(out, first, static_cast<size_t>(n) * DtypeSize(dtype));
+    return;
+  }
+  a.fn(out, first, srcs, k, n * a.lanes);
+}
+
 void ExecuteOnCpu(std::shared_ptr<Meeting> meeting, int64_t caller_rank) {
   // 32 KiB tiles: a star tree over 8 ranks touches 16 such buffers per tile (512 KiB), within L2.
   constexpr int64_t kTileBytes = 32 << 10;

@@ -4,6 +4,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#include <nanobind/stl/pair.h>
 
 #include <condition_variable>
 #include <cstring>
@@ -13,6 +14,9 @@
 
 #include "blink_core.h"
 #include "cpu_executor.h"
+#include "gpu_emulator.h"
+#include "gpu_program.h"
+#include "cuda_compat.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_dtype.h"
 
@@ -98,7 +102,10 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args
   a.leaves = std::move(leaves);
   a.done = [promise](const std::string& msg) mutable {
     if (msg.empty()) promise.SetAvailable();
-    else promise.SetError(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg));
+    else promise.SetError(ffi::Error(ErrorClassOf(msg) == 2   ? ffi::ErrorCode::kDeadlineExceeded
+                                     : ErrorClassOf(msg) == 1 ? ffi::ErrorCode::kInternal
+                                                              : ffi::ErrorCode::kInvalidArgument,
+                                     msg));
   };
   MeetingKey key{run.run_id, call_site, e->group, generation};
   auto meeting = Arrive(key, info, std::move(a), EffectiveTimeoutMs(timeout_ms));
@@ -207,6 +214,98 @@ std::string Validate(I64Array schedule) {
   return BuildExecPlan(s[0], &p);
 }
 
+// Test entry (tests/test_gpu_program.py, scripts/gpu_sim_check.sh): builds the GPU program of the
+// first group's schedule, race-checks it, computes its critical path, and runs the CPU emulator of
+// CUDA streams/events for `seeds` random timings on `inputs`, comparing every rank's captured output
+// with `expected` bit for bit. mutate = ("wait" | "record", i) drops the i-th wait / record first
+// (mutation tests); ("", 0) changes nothing. rank_device: device of each rank; peer_ok: nranks *
+// nranks flags (empty: all peers loadable); max_streams: work streams per device (0: no cap).
+nb::dict GpuProgramCheck(I64Array schedule, std::string dtype, std::vector<AnyArray> inputs,
+                         std::vector<AnyArray> expected, std::vector<int32_t> rank_device,
+                         std::vector<uint8_t> peer_ok, int max_streams, int seeds,
+                         std::pair<std::string, int64_t> mutate) {
+  nb::dict out;
+  auto dt = FromName(dtype);
+  if (!dt) throw std::invalid_argument("unknown dtype " + dtype);
+  std::vector<Schedule> scheds;
+  std::string err = DecodeSchedules(schedule.data(), schedule.shape(0), &scheds);
+  if (!err.empty()) throw std::invalid_argument(err);
+  ExecPlan plan;
+  err = BuildExecPlan(scheds[0], &plan);
+  if (!err.empty()) throw std::invalid_argument(err);
+  GpuProgramOptions opt;
+  opt.rank_device = rank_device;
+  opt.peer_ok = peer_ok;
+  opt.max_streams_per_device = max_streams;
+  const bool cplx = *dt == Dtype::kC64 || *dt == Dtype::kC128;
+  GpuProgram prog;
+  err = BuildGpuProgram(plan, static_cast<int64_t>(DtypeSize(*dt)), cplx ? 2 : 1, opt, &prog);
+  if (!err.empty()) throw std::invalid_argument(err);
+  if (!mutate.first.empty()) {
+    GpuOpKind k = mutate.first == "wait" ? GpuOpKind::kWait : GpuOpKind::kRecord;
+    int64_t seen = 0;
+    bool dropped = false;
+    for (size_t i = 0; i < prog.ops.size(); ++i)
+      if (prog.ops[i].kind == k && seen++ == mutate.second) {
+        prog.ops.erase(prog.ops.begin() + static_cast<std::ptrdiff_t>(i));
+        dropped = true;
+        break;
+      }
+    if (!dropped) throw std::invalid_argument("mutation index out of range");
+  }
+  std::string race_info;
+  GpuProgramStats st = Stats(prog);
+  int64_t races, crit, mismatched_seeds = 0;
+  std::string emu_error;
+  const int64_t nelems = scheds[0].nelems;
+  {
+    nb::gil_scoped_release release;
+    races = CheckRaces(prog, &race_info);
+    crit = CriticalPath(prog);
+    std::vector<const void*> ins;
+    for (auto& a : inputs) ins.push_back(a.data());
+    const size_t bytes = static_cast<size_t>(nelems) * DtypeSize(*dt);
+    for (int s = 0; s < seeds && emu_error.empty(); ++s) {
+      std::vector<std::vector<uint8_t>> got;
+      emu_error = EmulateGpuProgram(prog, *dt, nelems, ins, static_cast<uint64_t>(s), &got);
+      if (!emu_error.empty()) break;
+      bool same = true;
+      for (size_t r = 0; r < got.size() && same; ++r)
+        same = got[r].size() == bytes && (bytes == 0 || std::memcmp(got[r].data(), expected[r].data(), bytes) == 0);
+      if (!same) ++mismatched_seeds;
+    }
+  }
+  out["races"] = races;
+  out["race_info"] = race_info;
+  out["critical_path"] = crit;
+  out["chunk_depth"] = prog.chunk_depth;
+  out["segment_chunks"] = prog.max_segment_chunks;
+  out["memory_ops"] = st.memory_ops;
+  out["records"] = st.records;
+  out["waits"] = st.waits;
+  out["streams"] = st.streams;
+  out["scratch_buffers"] = static_cast<int64_t>(prog.scratch.size());
+  out["mismatched_seeds"] = mismatched_seeds;
+  out["emulator_error"] = emu_error;
+  return out;
+}
+
+// The GPU program's listing (debugging): same arguments as gpu_program_check's first ones.
+std::string GpuProgramDescribe(I64Array schedule, int64_t elem_size, std::vector<int32_t> rank_device,
+                               std::vector<uint8_t> peer_ok, int max_streams) {
+  std::vector<Schedule> scheds;
+  std::string err = DecodeSchedules(schedule.data(), schedule.shape(0), &scheds);
+  if (!err.empty()) throw std::invalid_argument(err);
+  ExecPlan plan;
+  err = BuildExecPlan(scheds[0], &plan);
+  if (!err.empty()) throw std::invalid_argument(err);
+  GpuProgramOptions opt{rank_device, peer_ok, max_streams};
+  GpuProgram prog;
+  err = BuildGpuProgram(plan, elem_size, 1, opt, &prog);
+  if (!err.empty()) throw std::invalid_argument(err);
+  return Describe(prog);
+}
+
 }  // namespace
 }  // namespace jax_blink
 
@@ -220,4 +319,15 @@ NB_MODULE(_cpu, m) {
         "Test entry: run one meeting with the given devices arriving from separate threads (each device's "
         "array cut into leaves of leaf_sizes elements; in_place: results alias the inputs).");
   m.def("validate", &jax_blink::Validate, nb::arg("schedule"), "Decode + validate a schedule; '' or the error.");
+  m.def("gpu_program_check", &jax_blink::GpuProgramCheck, nb::arg("schedule"), nb::arg("dtype"), nb::arg("inputs"),
+        nb::arg("expected"), nb::arg("rank_device"), nb::arg("peer_ok"), nb::arg("max_streams"), nb::arg("seeds"),
+        nb::arg("mutate"), "Test entry: build, race-check and emulate the CUDA executor's GPU program.");
+  m.def("arch_support_reason", &jax_blink::ArchSupportReason, nb::arg("archs"), nb::arg("major"), nb::arg("minor"),
+        "'' when a CUDA binary with these architectures runs on compute capability major.minor, else why not.");
+  m.def("driver_support_reason", &jax_blink::DriverSupportReason, nb::arg("driver_version"),
+        nb::arg("runtime_version"), "'' when the driver can run a runtime of that version, else why not.");
+  m.def("error_class", &jax_blink::ErrorClassOf, nb::arg("message"),
+        "0 invalid argument, 1 internal (CUDA), 2 deadline exceeded: the FFI error code of a message.");
+  m.def("gpu_program_describe", &jax_blink::GpuProgramDescribe, nb::arg("schedule"), nb::arg("elem_size"),
+        nb::arg("rank_device"), nb::arg("peer_ok"), nb::arg("max_streams"), "The GPU program's listing.");
 }

@@ -1,11 +1,19 @@
-// gpu_check: runs the jax_blink CUDA executor for N ranks whose buffers all live on one GPU, checks the
-// result bitwise against a host execution of the same schedule rows, and prints the reduction kernel's
-// GB/s beside a device-to-device copy's GB/s.
-//   blink_gpu_check <schedule.int64 file | -> [nranks-for-builtin]
-// With "-", a built-in binary-tree all-reduce schedule (rank r's parent (r-1)/2, 8 chunks) is used.
+// gpu_check: runs the jax_blink CUDA executor on a real GPU for one schedule, rank r's buffers and
+// stream on GPU r % ndev (several ranks share a GPU when there are fewer GPUs than ranks), checks every
+// rank's output bitwise against a host execution of the schedule rows, then times it.
+//   blink_gpu_check <schedule.int64 file> [float32|int32] [iterations=20]
+// JAX_BLINK_CUDA_FORCE_STAGING=1 forces the no-peer path (reduce sources staged by the copy engine).
+// Both issue paths are checked and timed: op by op (JAX_BLINK_CUDA_GRAPHS=0) and the CUDA graph path
+// (when every rank is on one GPU; a graph path that falls back is a FAIL here), then a pointer change
+// on the graph path (cudaGraphExecUpdate).
+// Prints "gpu_check: PASS ..." / "gpu_check: FAIL ..." lines; exit 0 on pass, 1 on mismatch, 2 on a
+// setup or CUDA error, 3 without a GPU.
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -19,129 +27,211 @@ using namespace jax_blink;
   do {                                                                                       \
     cudaError_t e_ = (expr);                                                                 \
     if (e_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "gpu_check: %s failed: %s\n", #expr, cudaGetErrorString(e_));     \
+      std::fprintf(stderr, "gpu_check: FAIL %s: %s\n", #expr, cudaGetErrorString(e_));       \
       return 2;                                                                              \
     }                                                                                        \
   } while (0)
 
-static std::vector<int64_t> BuiltinSchedule(int64_t n, int64_t nelems, int64_t chunks) {
-  std::vector<int64_t> parent(n);
-  for (int64_t r = 0; r < n; ++r) parent[r] = r == 0 ? -1 : (r - 1) / 2;
-  std::vector<int64_t> depth(n, 0);
-  for (int64_t r = 1; r < n; ++r) depth[r] = depth[parent[r]] + 1;
-  std::vector<int64_t> a = {kScheduleMagic, kScheduleVersion, 0, n, nelems, 1, chunks, 0};
-  a.push_back(0); a.push_back(0); a.push_back(nelems);                 // segment
-  for (int k = 0; k < 2; ++k) for (int64_t r = 0; r < n; ++r) a.push_back(parent[r]);
-  std::vector<int64_t> rows;
-  int64_t maxd = 0;
-  for (auto d : depth) maxd = std::max(maxd, d);
-  for (int64_t c = 0; c < chunks; ++c) a.push_back(0);
-  for (int64_t c = 0; c < chunks; ++c) a.push_back(nelems * c / chunks);
-  for (int64_t c = 0; c < chunks; ++c) a.push_back(nelems * (c + 1) / chunks - nelems * c / chunks);
-  int64_t round = 0, T = 0;
-  for (int64_t c = 0; c < chunks; ++c) {
-    for (int64_t d = maxd; d >= 1; --d)  // reduce, deepest first
-      for (int64_t r = 1; r < n; ++r)
-        if (depth[r] == d) { rows.insert(rows.end(), {round++, 0, r, parent[r], c}); ++T; }
-    for (int64_t d = 1; d <= maxd; ++d)  // broadcast
-      for (int64_t r = 1; r < n; ++r)
-        if (depth[r] == d) { rows.insert(rows.end(), {round++, 1, parent[r], r, c}); ++T; }
+template <typename T>
+int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
+  const Schedule& s = plan.schedule;
+  const int64_t n = s.nranks, ne = s.nelems;
+  int ndev = 0;
+  CHECK(cudaGetDeviceCount(&ndev));
+  const bool staging = std::getenv("JAX_BLINK_CUDA_FORCE_STAGING") && std::strcmp(std::getenv("JAX_BLINK_CUDA_FORCE_STAGING"), "0");
+  const char* coll = s.collective == Collective::kAllReduce ? "allreduce" : s.collective == Collective::kBroadcast ? "broadcast" : "reduce";
+  std::mt19937 rng(7);
+  std::vector<std::vector<T>> host(n, std::vector<T>(ne));
+  for (auto& v : host)
+    for (auto& x : v) x = static_cast<T>(static_cast<int>(rng() % 2001) - 1000);  // exact float sums
+  std::vector<CudaRank> ranks(n);
+  for (int64_t r = 0; r < n; ++r) {
+    const int dev = static_cast<int>(r % ndev);
+    CHECK(cudaSetDevice(dev));
+    cudaStream_t st;
+    CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    void *in, *out;
+    CHECK(cudaMalloc(&in, ne * sizeof(T) + 16));
+    CHECK(cudaMalloc(&out, ne * sizeof(T) + 16));
+    CHECK(cudaMemcpy(in, host[r].data(), ne * sizeof(T), cudaMemcpyHostToDevice));
+    CHECK(cudaMemset(out, 0x7f, ne * sizeof(T)));
+    ranks[r] = CudaRank{dev, st, in, out};
   }
-  a[7] = T;
-  a.insert(a.end(), rows.begin(), rows.end());
-  return a;
+  std::vector<std::vector<T>> ref = host;
+  for (const Transfer& t : s.transfers) {
+    const int64_t lo = s.chunk_offset[t.chunk], hi = lo + s.chunk_length[t.chunk];
+    for (int64_t i = lo; i < hi; ++i) ref[t.dst][i] = t.op == 0 ? static_cast<T>(ref[t.dst][i] + ref[t.src][i]) : ref[t.src][i];
+  }
+  if (s.collective == Collective::kReduce && !s.seg_root.empty())
+    for (int64_t r = 0; r < n; ++r)
+      if (r != s.seg_root[0]) std::fill(ref[r].begin(), ref[r].end(), T(0));
+  bool one_device = true;
+  for (auto& r : ranks) one_device = one_device && r.device == ranks[0].device;
+  auto sync = [&] { for (int d = 0; d < ndev; ++d) { cudaSetDevice(d); cudaDeviceSynchronize(); } };
+  const double bytes = ne * static_cast<double>(sizeof(T));
+  // One checked call: outputs scribbled, enqueue, wait, every rank's output bitwise against the host.
+  // Returns 0, 1 (mismatch) or 2 (error); *us gets the host time of the enqueue.
+  auto checked = [&](const char* what, double* us) -> int {
+    for (auto& r : ranks) {
+      cudaSetDevice(r.device);
+      if (cudaMemset(r.out, 0x7f, ne * sizeof(T)) != cudaSuccess) return 2;
+    }
+    sync();
+    auto t0 = std::chrono::steady_clock::now();
+    CudaStatus st = EnqueueOnCuda(plan, dt, ranks, /*cache_key=*/12345, /*group=*/0);
+    if (us) *us = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e6;
+    if (!st.ok()) { std::fprintf(stderr, "gpu_check: FAIL enqueue (%s): %s\n", what, st.message.c_str()); return 2; }
+    sync();
+    if (cudaGetLastError() != cudaSuccess) { std::fprintf(stderr, "gpu_check: FAIL %s: CUDA error after the call\n", what); return 2; }
+    int bad = 0;
+    std::vector<T> got(ne);
+    for (int64_t r = 0; r < n; ++r) {
+      if (cudaMemcpy(got.data(), ranks[r].out, ne * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess) return 2;
+      if (std::memcmp(got.data(), ref[r].data(), ne * sizeof(T)) != 0) {
+        int64_t i = 0;
+        while (i < ne && std::memcmp(&got[i], &ref[r][i], sizeof(T)) == 0) ++i;
+        if (bad++ < 3)
+          std::fprintf(stderr, "gpu_check: %s: rank %lld differs from the host reference first at element %lld (%g vs %g)\n",
+                       what, (long long)r, (long long)i, (double)got[i], (double)ref[r][i]);
+      }
+    }
+    if (bad) {
+      std::printf("gpu_check: FAIL %s %s ranks=%lld gpus=%d staging=%s %s: %d ranks differ\n", coll, dname, (long long)n,
+                  ndev, staging ? "forced" : "auto", what, bad);
+      return 1;
+    }
+    return 0;
+  };
+  // Both issue paths, each checked bitwise then timed (the same call repeatedly, program cached; wall
+  // clock with all devices synchronised). op: JAX_BLINK_CUDA_GRAPHS=0 (one CUDA call per op, record and
+  // wait); graph: one CUDA graph per pointer set, captured on the first call ("first" = its enqueue).
+  double time_s[2] = {0, 0}, enq_us[2] = {0, 0};
+  const char* names[2] = {"op", "graph"};
+  for (int path = 0; path < 2; ++path) {
+    setenv("JAX_BLINK_CUDA_GRAPHS", path == 0 ? "0" : "1", 1);
+    const CudaGraphStats before = GetCudaGraphStats();
+    double first_us = 0;
+    int rc = checked(names[path], &first_us);
+    if (rc) return rc;
+    const int warm = iters > 1 ? 1 : 0;  // sanitizer runs (1 iteration) skip the warm-up call
+    if (warm) EnqueueOnCuda(plan, dt, ranks, 12345, 0);
+    sync();
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) {
+      CudaStatus st = EnqueueOnCuda(plan, dt, ranks, 12345, 0);
+      if (!st.ok()) { std::fprintf(stderr, "gpu_check: FAIL enqueue: %s\n", st.message.c_str()); return 2; }
+    }
+    auto t1 = std::chrono::steady_clock::now();
+    sync();
+    auto t2 = std::chrono::steady_clock::now();
+    const CudaGraphStats after = GetCudaGraphStats();
+    const int64_t launches = after.launches - before.launches;
+    std::string label = names[path];
+    if (path == 1 && launches != iters + 1 + warm) {
+      if (one_device) {
+        std::printf("gpu_check: FAIL %s %s graph path not taken (%lld of %d calls launched a graph): %s\n", coll, dname,
+                    (long long)launches, iters + 1 + warm, after.last_fallback.c_str());
+        return 1;
+      }
+      label = "op(multi-device)";
+    }
+    const double t = std::chrono::duration<double>(t2 - t0).count() / iters;
+    const double host_us = std::chrono::duration<double>(t1 - t0).count() / iters * 1e6;
+    time_s[path] = t;
+    enq_us[path] = host_us;
+    const double algbw = bytes / t / 1e9;
+    const double busbw = s.collective == Collective::kAllReduce ? algbw * 2.0 * (n - 1) / n : algbw;
+    std::printf("gpu_check: PASS %s %s ranks=%lld gpus=%d staging=%s path=%s size=%.1fMiB time=%.3fms algbw=%.1fGB/s "
+                "busbw=%.1fGB/s enqueue=%.0fus first=%.0fus", coll, dname, (long long)n, ndev, staging ? "forced" : "auto",
+                label.c_str(), bytes / 1048576.0, t * 1e3, algbw, busbw, host_us, first_us);
+    if (path == 1)
+      std::printf(" captures=%lld instantiates=%lld", (long long)(after.captures - before.captures),
+                  (long long)(after.instantiates - before.instantiates));
+    std::printf("\n");
+  }
+  std::printf("gpu_check: graph vs op %s %s size=%.1fMiB: time %.3fms -> %.3fms (%.2fx), enqueue %.0fus -> %.0fus\n",
+              coll, dname, bytes / 1048576.0, time_s[0] * 1e3, time_s[1] * 1e3, time_s[0] / time_s[1], enq_us[0],
+              enq_us[1]);
+  // New buffer pointers on the graph path with a one-graph cache: a new capture that updates the
+  // cached executable graph in place (cudaGraphExecUpdate; re-instantiated if CUDA refuses), checked
+  // bitwise, then back to the first pointers (updated again).
+  if (one_device) {
+    setenv("JAX_BLINK_CUDA_GRAPH_CACHE", "1", 1);
+    std::vector<void*> first_out(n), alt(n, nullptr);
+    const CudaGraphStats before = GetCudaGraphStats();
+    for (int64_t r = 0; r < n; ++r) {
+      CHECK(cudaSetDevice(ranks[r].device));
+      CHECK(cudaMalloc(&alt[r], ne * sizeof(T) + 16));
+      first_out[r] = ranks[r].out;
+      ranks[r].out = alt[r];
+    }
+    int rc = checked("graph new pointers", nullptr);
+    for (int64_t r = 0; r < n; ++r) ranks[r].out = first_out[r];
+    if (!rc) rc = checked("graph first pointers again", nullptr);
+    sync();
+    for (int64_t r = 0; r < n; ++r) { cudaSetDevice(ranks[r].device); cudaFree(alt[r]); }
+    unsetenv("JAX_BLINK_CUDA_GRAPH_CACHE");
+    if (rc) return rc;
+    const CudaGraphStats after = GetCudaGraphStats();
+    if (after.launches - before.launches != 2) {
+      std::printf("gpu_check: FAIL %s %s graph path not taken after a pointer change: %s\n", coll, dname,
+                  after.last_fallback.c_str());
+      return 1;
+    }
+    std::printf("gpu_check: PASS %s %s graph pointer change: 2 calls, captures=%lld updates=%lld instantiates=%lld\n",
+                coll, dname, (long long)(after.captures - before.captures), (long long)(after.updates - before.updates),
+                (long long)(after.instantiates - before.instantiates));
+  }
+  unsetenv("JAX_BLINK_CUDA_GRAPHS");
+  // Kernel rates on rank 0's GPU (reference for the numbers above).
+  if (n >= 2 && ranks[1].device == ranks[0].device) {
+    cudaSetDevice(ranks[0].device);
+    cudaStream_t s0 = static_cast<cudaStream_t>(ranks[0].stream);
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    auto timeit = [&](auto&& body) {
+      body();
+      cudaEventRecord(e0, s0);
+      for (int i = 0; i < iters; ++i) body();
+      cudaEventRecord(e1, s0);
+      cudaEventSynchronize(e1);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, e0, e1);
+      return ms / 1e3 / iters;
+    };
+    const void* src1[1] = {ranks[1].in};
+    double ta = timeit([&] { LaunchReduce(dt, ranks[0].out, ranks[0].in, src1, 1, ne, s0); });
+    double tc = timeit([&] { cudaMemcpyAsync(ranks[0].out, ranks[0].in, ne * sizeof(T), cudaMemcpyDeviceToDevice, s0); });
+    std::printf("gpu_check: kernel out=a+b %.1f GB/s (r+w), device copy %.1f GB/s (r+w)\n", 3 * bytes / ta / 1e9,
+                2 * bytes / tc / 1e9);
+  }
+  return 0;
 }
 
 int main(int argc, char** argv) {
   int ndev = 0;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    std::fprintf(stderr, "gpu_check: no CUDA device visible (cudaGetDeviceCount failed or returned 0); "
-                         "run this on a machine with an NVIDIA GPU and driver\n");
+    std::fprintf(stderr, "gpu_check: no CUDA device visible\n");
     return 3;
   }
-  std::vector<int64_t> words;
-  if (argc > 1 && std::strcmp(argv[1], "-") != 0) {
-    std::ifstream f(argv[1], std::ios::binary);
-    if (!f) { std::fprintf(stderr, "gpu_check: cannot read %s\n", argv[1]); return 2; }
-    f.seekg(0, std::ios::end);
-    words.resize(static_cast<size_t>(f.tellg()) / 8);
-    f.seekg(0);
-    f.read(reinterpret_cast<char*>(words.data()), words.size() * 8);
-  } else {
-    int64_t n = argc > 2 ? std::atoll(argv[2]) : 8;
-    words = BuiltinSchedule(n, (64ll << 20) / 4, 8);
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: blink_gpu_check <schedule.int64> [float32|int32] [iterations]\n");
+    return 2;
   }
+  std::ifstream f(argv[1], std::ios::binary);
+  if (!f) { std::fprintf(stderr, "gpu_check: cannot read %s\n", argv[1]); return 2; }
+  f.seekg(0, std::ios::end);
+  std::vector<int64_t> words(static_cast<size_t>(f.tellg()) / 8);
+  f.seekg(0);
+  f.read(reinterpret_cast<char*>(words.data()), words.size() * 8);
   std::vector<Schedule> scheds;
   std::string err = DecodeSchedules(words.data(), words.size(), &scheds);
-  if (!err.empty()) { std::fprintf(stderr, "gpu_check: %s\n", err.c_str()); return 2; }
   ExecPlan plan;
-  BuildExecPlan(scheds[0], &plan);
-  const Schedule& s = plan.schedule;
-  const int64_t n = s.nranks, ne = s.nelems;
-  std::printf("gpu_check: %lld ranks on GPU 0, %lld float32 elements (%.1f MiB) per rank, %zu transfers\n",
-              (long long)n, (long long)ne, ne * 4 / 1048576.0, s.transfers.size());
-  // Integer-valued inputs: every float32 sum is exact, and the host runs the same rows anyway.
-  std::mt19937 rng(1);
-  std::vector<std::vector<float>> host(n, std::vector<float>(ne));
-  for (auto& v : host) for (auto& x : v) x = static_cast<float>(static_cast<int>(rng() % 201) - 100);
-  std::vector<CudaRank> ranks(n);
-  CHECK(cudaSetDevice(0));
-  for (int64_t r = 0; r < n; ++r) {
-    cudaStream_t st;
-    CHECK(cudaStreamCreate(&st));
-    void *in, *out;
-    CHECK(cudaMalloc(&in, ne * 4));
-    CHECK(cudaMalloc(&out, ne * 4));
-    CHECK(cudaMemcpy(in, host[r].data(), ne * 4, cudaMemcpyHostToDevice));
-    ranks[r] = CudaRank{0, st, in, out};
-  }
-  // Host reference: the rows in order (docs/architecture.md semantics).
-  std::vector<std::vector<float>> ref = host;
-  for (const Transfer& t : s.transfers) {
-    int64_t lo = s.chunk_offset[t.chunk], hi = lo + s.chunk_length[t.chunk];
-    for (int64_t i = lo; i < hi; ++i) ref[t.dst][i] = t.op == 0 ? ref[t.dst][i] + ref[t.src][i] : ref[t.src][i];
-  }
-  err = EnqueueOnCuda(plan, Dtype::kF32, ranks);
-  if (!err.empty()) { std::fprintf(stderr, "gpu_check: %s\n", err.c_str()); return 1; }
-  CHECK(cudaDeviceSynchronize());
-  int bad = 0;
-  std::vector<float> got(ne);
-  for (int64_t r = 0; r < n; ++r) {
-    CHECK(cudaMemcpy(got.data(), ranks[r].out, ne * 4, cudaMemcpyDeviceToHost));
-    if (std::memcmp(got.data(), ref[r].data(), ne * 4) != 0) {
-      ++bad;
-      std::fprintf(stderr, "gpu_check: rank %lld differs from the host reference\n", (long long)r);
-    }
-  }
-  if (bad) return 1;
-  std::printf("gpu_check: results match the host reference bitwise on all %lld ranks\n", (long long)n);
-
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  cudaStream_t st = static_cast<cudaStream_t>(ranks[0].stream);
-  const int iters = 20;
-  auto timeit = [&](auto&& body) -> double {
-    body();
-    cudaEventRecord(e0, st);
-    for (int i = 0; i < iters; ++i) body();
-    cudaEventRecord(e1, st);
-    cudaEventSynchronize(e1);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    return ms / 1e3 / iters;
-  };
-  const double bytes = ne * 4.0;
-  double t_add = timeit([&] { LaunchAdd(Dtype::kF32, ranks[0].in, ranks[1 % n].in, ranks[0].out, ne, st); });
-  double t_copy = timeit([&] { cudaMemcpyAsync(ranks[0].out, ranks[0].in, ne * 4, cudaMemcpyDeviceToDevice, st); });
-  double t_ar = timeit([&] {
-    EnqueueOnCuda(plan, Dtype::kF32, ranks);
-  });
-  CHECK(cudaDeviceSynchronize());
-  std::printf("%-34s %10s %12s\n", "kernel", "time (ms)", "GB/s (r+w)");
-  std::printf("%-34s %10.3f %12.1f\n", "reduction kernel out=a+b (f32)", t_add * 1e3, 3 * bytes / t_add / 1e9);
-  std::printf("%-34s %10.3f %12.1f\n", "device-to-device copy", t_copy * 1e3, 2 * bytes / t_copy / 1e9);
-  std::printf("%-34s %10.3f %12.1f  (algbw = bytes per rank / time)\n", "executor all-reduce", t_ar * 1e3,
-              bytes / t_ar / 1e9);
-  return 0;
+  if (err.empty()) err = BuildExecPlan(scheds[0], &plan);
+  if (!err.empty()) { std::fprintf(stderr, "gpu_check: %s\n", err.c_str()); return 2; }
+  const std::string dt = argc > 2 ? argv[2] : "float32";
+  const int iters = argc > 3 ? std::atoi(argv[3]) : 20;
+  if (dt == "int32") return Run<int32_t>(plan, Dtype::kS32, "int32", iters);
+  return Run<float>(plan, Dtype::kF32, "float32", iters);
 }

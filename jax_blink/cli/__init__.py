@@ -18,6 +18,7 @@ COMMANDS = {
     "bench": ("jax_blink.cli.bench_cmd", "simulated (and measured) time, algbw, busbw: blink vs ring vs tree"),
     "show": ("jax_blink.cli.show_cmd", "draw the trees of a plan to a PNG"),
     "demo": ("jax_blink.cli.demo_cmd", "plan + data-parallel Flax training with jax_blink.psum"),
+    "selftest": ("jax_blink.cli.selftest_cmd", "check the native CUDA executor on this machine's GPUs"),
 }
 
 

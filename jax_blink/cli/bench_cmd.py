@@ -1,12 +1,16 @@
-"""``jax-blink bench``: simulated time, algbw and busbw of blink vs ring vs double binary tree per size.
+"""``jax-blink bench``: simulated time, algbw and busbw of blink vs NCCL's ring and double binary
+tree per size; ``--json`` prints the same as a JSON list, one object per size.
 
-With ``--measure`` it also times the real all-reduce on the local JAX devices: ``jax_blink.psum``
-against ``jax.lax.psum`` inside ``jax.pmap`` (ratio measured in the same run).
+blink is ``algorithm="auto"`` at each size (:func:`jax_blink.costmodel.choose_plan`: the fastest
+candidate by the simulator), or the ``--plan`` file's plan at every size. With ``--measure`` it also
+times the real all-reduce on the local JAX devices: ``jax_blink.psum`` against ``jax.lax.psum``
+inside ``jax.pmap`` (ratio measured in the same run).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
@@ -136,29 +140,59 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time jax_blink.psum vs lax.psum (float32, pmap) on the local JAX devices "
                         "(allreduce only)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per size with --measure (default 5)")
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON list, one object per size: size (bytes per GPU), blink_plan, and "
+                        "<name>_time_s, <name>_algbw_gbps, <name>_busbw_gbps for blink, ring, tree "
+                        "(null where a baseline does not exist); no tables")
 
 
-def simulate_sweep(topo, blink_plan, sizes, *, latency_us=None, progress=True) -> list[dict]:
-    """Simulate blink, ring and (all-reduce) double binary tree for every size.
+def simulate_sweep(topo, blink_plan, sizes, *, latency_us=None, progress=True, fixed=False) -> list[dict]:
+    """Simulate blink, NCCL's rings and (all-reduce) NCCL's double binary tree for every size.
 
-    Returns rows {"size", "blink", "ring", "tree"} with SimResult values (tree None where NCCL has no
-    tree algorithm: broadcast and reduce).
+    blink: ``algorithm="auto"`` for the size on ``blink_plan``'s devices and root
+    (:func:`jax_blink.costmodel.choose_plan` at this latency), or ``blink_plan`` itself with
+    ``fixed=True`` (a --plan file). ring / tree: :func:`jax_blink.baselines.nccl_ring_plan` /
+    :func:`~jax_blink.baselines.nccl_tree_plan` (NVLink, else PCIe links). Returns rows {"size",
+    "blink_plan", "blink", "ring", "tree"} with SimResult values (None where the baseline does not
+    exist: no ring through the GPUs, or tree for broadcast / reduce).
     """
-    from ..baselines import double_binary_tree_plan, ring_plan
+    from ..baselines import nccl_ring_plan, nccl_tree_plan
+    from ..costmodel import choose_plan
     from ..simulate import DEFAULT_LATENCY_US, simulate
 
     lat = DEFAULT_LATENCY_US if latency_us is None else latency_us
     devs = list(blink_plan.devices)
-    ring = ring_plan(topo, blink_plan.collective, devices=devs, root=blink_plan.root)
-    tree = double_binary_tree_plan(topo, devices=devs) if blink_plan.collective == "allreduce" else None
+    coll = blink_plan.collective
+
+    def baseline(make):
+        try:
+            return make()
+        except PlanError:
+            return None
+
+    ring = baseline(lambda: nccl_ring_plan(topo, coll, devices=devs, root=blink_plan.root))
+    tree = baseline(lambda: nccl_tree_plan(topo, devices=devs)) if coll == "allreduce" else None
     rows = []
-    it = _progress(sizes, "simulating", progress)
-    for s in it:
-        rows.append({"size": s,
-                     "blink": simulate(blink_plan, s, topology=topo, latency_us=lat),
-                     "ring": simulate(ring, s, topology=topo, latency_us=lat),
-                     "tree": None if tree is None else simulate(tree, s, topology=topo, latency_us=lat)})
+    for s in _progress(sizes, "simulating", progress):
+        bp = blink_plan if fixed else choose_plan(topo, coll, s, devices=devs, root=blink_plan.root, latency_us=lat)
+        sim = lambda p: None if p is None else simulate(p, s, topology=topo, latency_us=lat)  # noqa: E731
+        rows.append({"size": s, "blink_plan": bp, "blink": sim(bp), "ring": sim(ring), "tree": sim(tree)})
     return rows
+
+
+def json_rows(rows) -> list[dict]:
+    """``bench --json`` objects: size (bytes per GPU), blink_plan (e.g. "ring, 1 ring") and, for blink,
+    ring and tree, time in seconds and algbw / busbw in GB/s (None where the baseline is missing)."""
+    out = []
+    for r in rows:
+        d = {"size": r["size"], "blink_plan": r["blink_plan"].shape()}
+        for name in ("blink", "ring", "tree"):
+            res = r[name]
+            d[f"{name}_time_s"] = None if res is None else res.time_s
+            d[f"{name}_algbw_gbps"] = None if res is None else res.algbw_gbps
+            d[f"{name}_busbw_gbps"] = None if res is None else res.busbw_gbps
+        out.append(d)
+    return out
 
 
 def _progress(items, desc, enabled):
@@ -216,7 +250,7 @@ def measure_sweep(sizes, repeats: int, progress=True, topology=None, devices=Non
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print one table of simulated results per sweep (and a measured table with --measure)."""
+    """Print the simulated table (or --json) and, with --measure, a measured table."""
     from rich.console import Console
     from rich.table import Table
 
@@ -228,33 +262,43 @@ def run(args: argparse.Namespace) -> int:
     if args.measure and args.collective != "allreduce":
         raise BlinkError("--measure times the all-reduce (jax_blink.psum vs lax.psum); use --collective allreduce")
     topo, devices, bp = load_inputs(args)
-    console = Console(file=sys.stdout, width=160)
+    if args.json:
+        if args.measure:
+            raise BlinkError("--json prints the simulated sweep only; drop --measure")
+        rows = simulate_sweep(topo, bp, sizes, latency_us=args.latency_us, progress=False,
+                              fixed=args.plan is not None) if len(devices) > 1 else []
+        print(json.dumps(json_rows(rows), indent=1))
+        return 0
+    console = Console(file=sys.stdout, width=180)
     root = "" if bp.root is None else f" root {bp.root}"
-    console.print(f"[bold]{bp.collective}{root}[/bold] on {topo.name} GPUs {devices}: blink "
-                  f"{bp.algorithm} ({len(bp.trees)} trees, {bp.rate_gbps:.2f} GB/s planned)")
+    which = f"--plan {bp.shape()}" if args.plan else "auto (the fastest simulated candidate per size)"
+    console.print(f"[bold]{bp.collective}{root}[/bold] on {topo.name} GPUs {devices}: blink = {which}")
     if len(devices) < 2:
         console.print("one device: nothing to communicate")
         return 0
-    rows = simulate_sweep(topo, bp, sizes, latency_us=args.latency_us)
+    rows = simulate_sweep(topo, bp, sizes, latency_us=args.latency_us, fixed=args.plan is not None)
     table = Table(title="simulated (link-level event model; busbw as nccl-tests)", title_justify="left")
     table.add_column("size", justify="right")
+    table.add_column("blink plan", justify="left")
     for name in ("blink", "ring", "tree"):
         for col in ("time", "algbw", "busbw"):
             table.add_column(f"{name} {col}", justify="right")
-    table.add_column("blink/ring", justify="right")
+    table.add_column("ring/blink", justify="right")
+    table.add_column("tree/blink", justify="right")
     for r in rows:
-        cells = [human_bytes(r["size"])]
+        cells = [human_bytes(r["size"]), r["blink_plan"].shape()]
         for name in ("blink", "ring", "tree"):
             res = r[name]
             if res is None:
                 cells += ["-", "-", "-"]
             else:
                 cells += [human_time(res.time_s), f"{res.algbw_gbps:.2f}", f"{res.busbw_gbps:.2f}"]
-        cells.append(f"{r['ring'].time_s / r['blink'].time_s:.2f}x")
+        for name in ("ring", "tree"):
+            cells.append("-" if r[name] is None else f"{r[name].time_s / r['blink'].time_s:.2f}x")
         table.add_row(*cells)
     console.print(table)
-    console.print("GB/s = 1e9 B/s; ring = NCCL-style ring packing, tree = NCCL double binary tree "
-                  "(all-reduce only)")
+    console.print("GB/s = 1e9 B/s; ring/blink, tree/blink: time ratios (> 1: blink faster); ring = NCCL's "
+                  "rings, tree = NCCL's double binary tree (all-reduce), on NVLink, else PCIe links")
     if args.measure:
         # The same topology and GPUs, run on the local JAX devices with those ids.
         mrows = measure_sweep(sizes, args.repeats, topology=topo, devices=devices)

@@ -1,5 +1,6 @@
-"""``jax-blink plan --topology SOURCE [--devices 0,1,2] [--collective C] [--root R] [--max-trees K] [--json]``:
-plan a tree packing and print its trees, rate, certificate and the ring rate for comparison."""
+"""``jax-blink plan --topology SOURCE [--devices 0,1,2] [--collective C] [--root R] [--max-trees K]
+[--size BYTES] [--json]``: plan a tree packing (or the fastest candidate at ``--size``) and print its
+trees, rate, certificate and the ring rate for comparison."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--relays", default=None, metavar="IDS|gpus",
                    help="GPUs outside --devices that may forward data (comma list, or 'gpus' for all); "
                         "such plans can be simulated (jax-blink bench) but not run by JAX")
+    p.add_argument("--size", default=None, metavar="BYTES",
+                   help="operand bytes per GPU (4K, 1M, 1G): --algorithm auto picks the fastest plan at "
+                        "this size by the simulator (trees, fewer trees, rings, NCCL's baselines); "
+                        "default: the highest rate (large operands)")
     p.add_argument("--json", action="store_true", help="print Plan.to_json() (infinite rates as null)")
 
 
@@ -43,8 +48,10 @@ def run(args: argparse.Namespace) -> int:
             relays = parse_devices(relays, "--relays")
         except BlinkError as err:
             raise PlanError(f"--relays takes GPU ids (0,1,4 or 0-3) or 'gpus': {err}") from None
+    from .bench_cmd import parse_size
+    nbytes = None if args.size is None else parse_size(args.size)
     p = plan(t, args.collective, devices=args.devices, root=args.root, max_trees=args.max_trees,
-             algorithm=args.algorithm, rate_tolerance=args.rate_tolerance, relays=relays)
+             algorithm=args.algorithm, rate_tolerance=args.rate_tolerance, relays=relays, nbytes=nbytes)
     if args.json:
         print(p.to_json(indent=2))
         return 0
@@ -58,12 +65,15 @@ def run(args: argparse.Namespace) -> int:
     ring_eff = b_ring * n / (2 * (n - 1)) if p.collective == "allreduce" and n > 1 else b_ring
     root = "" if p.root is None else f" root {p.root}"
     console.print(f"[bold]{p.collective}[/bold]{root} on {t.name} GPUs {list(p.devices)}: "
-                  f"algorithm [bold]{p.algorithm}[/bold], {len(p.trees)} tree(s)")
+                  f"[bold]{p.shape()}[/bold]")
     ratio = "" if math.isinf(p.rate_gbps) or p.bound_gbps == 0 else f" ({p.rate_gbps / p.bound_gbps:.3f} of bound)"
     console.print(f"rate {fmt(p.rate_gbps)} GB/s, bound {fmt(p.bound_gbps)} GB/s{ratio}; "
                   f"ring {fmt(ring_eff)} GB/s (ring bandwidth {fmt(b_ring)} GB/s)")
     for note in p.notes:
         console.print(f"  note: {note}")
+    if nbytes is None and args.algorithm == "auto" and n > 1:
+        console.print("  note: no --size: the highest-rate plan (large operands); --size BYTES gives the plan "
+                      "auto runs at that size (fewer trees, rings or NCCL's double binary tree may be faster)")
     if p.trees:
         tab = Table(title="trees", title_justify="left")
         for col in ("#", "root", "GB/s", "share", "edges (parent->child)", "via", "reduce"):

@@ -15,10 +15,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", required=True, metavar="FILE",
                    help="output PNG file; '.png' is appended when FILE does not end in it")
     p.add_argument("--algorithm", default="blink", choices=("blink", "ring", "tree"),
-                   help="which plan to draw: the tree packing (default), the ring baseline, or the "
-                        "double binary tree (all-reduce)")
+                   help="which plan to draw: the tree packing (default), NCCL's rings (NVLink, else "
+                        "PCIe links), or NCCL's double binary tree (all-reduce)")
     p.add_argument("--size", default="256M",
-                   help="bytes per GPU for the simulated link utilisation panel (default 256M)")
+                   help="bytes per GPU: blink draws the plan auto picks at this size; the link utilisation "
+                        "panel is simulated at it (default 256M)")
 
 
 def png_path(text: str) -> str:
@@ -33,8 +34,8 @@ def png_path(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Plan (or load --plan), simulate at --size for the utilisation panel, write --png."""
-    from ..baselines import double_binary_tree_plan, ring_plan
+    """Plan for --size (or load --plan), simulate at --size for the utilisation panel, write --png."""
+    from ..baselines import nccl_ring_plan, nccl_tree_plan
     from ..plot import draw_plan
     from ..simulate import simulate
 
@@ -44,23 +45,26 @@ def run(args: argparse.Namespace) -> int:
         raise BlinkError(f"--algorithm ring is an all-reduce algorithm, not for {args.collective!r}; "
                          f"use --collective allreduce")
     topo, devices, p = load_inputs(args)
+    if args.algorithm == "blink" and args.plan is None:  # what auto runs at --size
+        from ..packing import plan
+        p = plan(topo, args.collective, devices=devices, root=p.root, nbytes=size)
     if args.algorithm == "ring":
-        p = ring_plan(topo, args.collective, devices=devices, root=p.root)
+        p = nccl_ring_plan(topo, args.collective, devices=devices, root=p.root)
     elif args.algorithm == "tree":
         if args.collective != "allreduce":
             raise BlinkError("--algorithm tree is NCCL's double binary tree, an all-reduce; "
                              "use --collective allreduce")
-        p = double_binary_tree_plan(topo, devices=devices)
+        p = nccl_tree_plan(topo, devices=devices)
     if not p.trees:
         raise BlinkError(f"plan over devices {devices} has no trees to draw (one device)")
     res = simulate(p, size, topology=topo)
     root = "" if p.root is None else f" root {p.root}"
-    title = (f"{p.collective}{root} on {topo.name} GPUs {devices}: {p.algorithm}, {len(p.trees)} trees, "
+    title = (f"{p.collective}{root} on {topo.name} GPUs {devices}: {p.shape()}, "
              f"planned {p.rate_gbps:.2f} GB/s, simulated algbw {res.algbw_gbps:.2f} GB/s at "
              f"{human_bytes(size)}")
     try:
         panels = draw_plan(topo, p, png, link_util=res.link_util, title=title)
     except OSError as err:
         raise BlinkError(f"cannot write --png {png!r}: {err.strerror or err}") from None
-    print(f"wrote {png}: {panels} panels ({len(p.trees)} trees); {title}")
+    print(f"wrote {png}: {panels} panels ({p.shape().split(', ')[1]}); {title}")
     return 0

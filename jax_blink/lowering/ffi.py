@@ -12,6 +12,16 @@ Attributes of the custom call (docs/architecture.md): ``schedule`` (int64: the g
 operand type and the call's position in the module), ``timeout_ms`` (the runtime environment variable
 ``JAX_BLINK_TIMEOUT_S`` overrides it).
 
+CUDA specifics. The CUDA handler identifies itself by the CUDA ordinal of its operand's buffer, so
+the ``device_table`` of the CUDA target is keyed by each device's ``local_hardware_id`` (its CUDA
+ordinal in this process), not ``Device.id`` (global in multi-process jobs) nor the FFI device ordinal
+(which differs under a visible-device subset): :func:`cuda_device_table`. The CUDA target registers
+only when ``_cuda.check_compatibility()`` passes (driver new enough for the build's CUDA runtime, a
+cubin or PTX in the binary for every visible GPU); otherwise ``UNAVAILABLE["cuda"]`` says why and
+``impl="auto"`` uses ppermute. Even when registered, ``impl="auto"`` on GPUs keeps using ppermute
+until ``jax_blink.selftest()`` (``jax-blink selftest``) has passed on this machine and build
+(:func:`native_auto_allowed`); ``impl="ffi"`` always uses it.
+
 Test hook: ``JAX_BLINK_TEST_ABSENT_DEVICE=<device id>`` (read by the native handler at run time)
 makes that device skip every meeting, so the others hit the timeout error. Never set it otherwise.
 """
@@ -101,8 +111,41 @@ def _produced(x) -> bool:
     return not isinstance(x.owner, ir.Block)
 
 
-def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool):
+def cuda_device_table(table, devices, process_index: int) -> np.ndarray:
+    """The CUDA target's device table: rows (device_id, group, rank) -> (local_hardware_id, group, rank).
+
+    Args:
+      table: int64 rows (device_id, group, rank) (``LoweringRequest.device_table``).
+      devices: the mesh's devices (objects with ``id``, ``process_index``, ``local_hardware_id``).
+      process_index: this process's index (``jax.process_index()``).
+    Raises BlinkError when a device of the table is missing from ``devices``, belongs to another
+    process (the custom call meets its peers in process memory), has no local hardware id, or two
+    devices share one (the handler could not tell them apart).
+    """
+    by_id = {int(d.id): d for d in devices}
+    rows = np.asarray(table, np.int64).reshape(-1, 3).copy()
+    seen = {}
+    for row in rows:
+        dev = by_id.get(int(row[0]))
+        if dev is None:
+            raise BlinkError(f"jax_blink ffi (CUDA): device id {int(row[0])} of the device table is not in the mesh")
+        if int(getattr(dev, "process_index", 0)) != int(process_index):
+            raise BlinkError(f"jax_blink ffi (CUDA): device {dev.id} belongs to process {dev.process_index}, not "
+                             f"this one ({process_index}); the native executor runs inside one process: use "
+                             "impl='ppermute' or impl='auto'")
+        hw = getattr(dev, "local_hardware_id", None)
+        if hw is None or int(hw) < 0:
+            raise BlinkError(f"jax_blink ffi (CUDA): device {dev.id} has no local hardware id")
+        if int(hw) in seen:
+            raise BlinkError(f"jax_blink ffi (CUDA): devices {seen[int(hw)]} and {dev.id} share local hardware id {hw}")
+        seen[int(hw)] = dev.id
+        row[0] = int(hw)
+    return rows.reshape(-1)
+
+
+def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool, table=None):
     avals = ctx.avals_in
+    table = np.asarray(request.device_table, np.int64).reshape(-1) if table is None else table
     # Alias only operands computed in this function (gradients, activations): they usually die at
     # the call, so the collective works in place on pages already touched. An argument (a jit
     # parameter, not donated) would make XLA copy it first: one more pass over fresh pages.
@@ -110,7 +153,7 @@ def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool):
     lower = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases or None)
     return list(lower(ctx, *xs,
                       schedule=schedule_attribute(request),
-                      device_table=np.asarray(request.device_table, np.int64).reshape(-1),
+                      device_table=table,
                       call_site=np.int64(call_site_id(request, avals, _ordinal(ctx))),
                       timeout_ms=np.int64(timeout_ms(request.timeout_ms))))
 
@@ -129,9 +172,12 @@ def _cuda_rule(ctx, xs, request_for):
     """One custom call per leaf: the CUDA handler takes one operand (not yet variadic; it has never
     run on a GPU, see README), no aliasing."""
     outs = []
+    devices = list(ctx.module_context.axis_context.mesh.devices.flat)
     for x, a_in, a_out in zip(xs, ctx.avals_in, ctx.avals_out):
         sub = ctx.replace(avals_in=[a_in], avals_out=[a_out])
-        outs += _call(CUDA_TARGET, sub, [x], request_for(math.prod(a_in.shape)), False)
+        request = request_for(math.prod(a_in.shape))
+        table = cuda_device_table(request.device_table, devices, jax.process_index())
+        outs += _call(CUDA_TARGET, sub, [x], request, False, table)
     return outs
 
 
@@ -139,6 +185,15 @@ def _register(platform: str, xla_platform: str, module, target: str, missing: st
     if module is None:
         UNAVAILABLE[platform] = missing or "native module not built"
         return
+    if platform == "cuda":
+        try:
+            why = module.check_compatibility()
+        except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+            why = f"compatibility check failed: {e}"
+        if why:
+            UNAVAILABLE[platform] = (f"{why} (module built with CUDA {module.built_cuda_version()}, "
+                                     f"architectures {module.built_architectures()})")
+            return
     try:
         jax.ffi.register_ffi_target(target, module.handler(), platform=xla_platform)
     except Exception as e:  # e.g. jaxlib without this platform's plugin
@@ -150,3 +205,33 @@ def _register(platform: str, xla_platform: str, module, target: str, missing: st
 
 _register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule)
 _register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error, _cuda_rule)
+
+
+# ------------------------------------------------------------------------------ safe default on GPUs
+ENV_NATIVE = "JAX_BLINK_CUDA_NATIVE"
+_said = set()
+
+
+def native_auto_allowed(platform: str) -> bool:
+    """May ``impl="auto"`` use the native executor on ``platform``?
+
+    CPU: yes. CUDA: only once ``jax_blink.selftest()`` recorded a pass for this machine and build
+    (GPU names, driver version, module build id; see ``jax_blink.gpu_selftest.record_path``), or when
+    ``JAX_BLINK_CUDA_NATIVE=1``; ``JAX_BLINK_CUDA_NATIVE=0`` always says no. The first refusal is
+    reported once (a warning naming the command that enables it).
+    """
+    if platform != "cuda":
+        return True
+    env = os.environ.get(ENV_NATIVE, "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    from .. import gpu_selftest  # late import: only GPU lowerings need it
+    if gpu_selftest.has_passed():
+        return True
+    if platform not in _said:
+        _said.add(platform)
+        import warnings
+        warnings.warn("jax_blink: impl='auto' uses the portable ppermute lowering on GPUs until the native CUDA "
+                      "executor has passed its self-test on this machine: run `jax-blink selftest` once (or set "
+                      f"{ENV_NATIVE}=1 to trust it, or pass impl='ffi')", stacklevel=3)
+    return False
