@@ -169,8 +169,8 @@ def _cpu_rule(ctx, xs, request_for):
 
 
 def _cuda_rule(ctx, xs, request_for):
-    """One custom call per leaf: the CUDA handler takes one operand (not yet variadic; it has never
-    run on a GPU, see README), no aliasing."""
+    """One custom call per leaf: the CUDA handler takes one operand (not yet variadic like the CPU
+    one), no aliasing; its device table is keyed by local hardware id (``cuda_device_table``)."""
     outs = []
     devices = list(ctx.module_context.axis_context.mesh.devices.flat)
     for x, a_in, a_out in zip(xs, ctx.avals_in, ctx.avals_out):
