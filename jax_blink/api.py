@@ -5,8 +5,9 @@ moves along a tree packing of the machine's topology (Blink, Wang et al., MLSys 
 ``jax_blink.packing.plan`` -> ``jax_blink.schedule.build_schedule`` -> a lowering from
 ``jax_blink.lowering`` ("ppermute": rounds of collective_permute; "ffi": native custom call).
 
-Leaves of one dtype (and one varying-axes type) are packed into one flat buffer per call, like a
-gradient bucket, so a parameter tree costs one collective per dtype.
+Leaves of one dtype (and one varying-axes type) form one bucket and one collective (one native call
+over the leaves where they are, results aliased to operands), so a parameter tree costs one
+collective per dtype and no concatenate / slice copies.
 """
 
 from __future__ import annotations
@@ -78,7 +79,11 @@ def _vary(leaf, axes):
 
 
 def _bucketed(leaves, axes, bind):
-    """Apply ``bind`` (flat array -> flat array) once per (dtype, vma) bucket of leaves."""
+    """Apply ``bind`` (leaves -> results) once per (dtype, vma) bucket of leaves.
+
+    The leaves go to the primitive as they are: its lowering runs one schedule over their virtual
+    concatenation (one custom call, or per-leaf collective_permutes), so no concatenate / slice copies.
+    """
     leaves = [_vary(jnp.asarray(leaf), axes) for leaf in leaves]
     buckets: dict = {}
     for i, leaf in enumerate(leaves):
@@ -86,15 +91,8 @@ def _bucketed(leaves, axes, bind):
         buckets.setdefault((aval.dtype, frozenset(aval.mat.varying)), []).append(i)
     out = [None] * len(leaves)
     for idx in buckets.values():
-        if len(idx) == 1:
-            out[idx[0]] = bind(leaves[idx[0]])
-            continue
-        flat = bind(jnp.concatenate([leaves[i].reshape(-1) for i in idx]))
-        off = 0
-        for i in idx:
-            n = math.prod(leaves[i].shape)
-            out[i] = flat[off:off + n].reshape(leaves[i].shape)
-            off += n
+        for i, r in zip(idx, bind(*[leaves[i] for i in idx])):
+            out[i] = r
     return out
 
 
@@ -156,9 +154,9 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
         if groups is not None:
             raise NotImplementedError("axis_index_groups is not supported with shard_map(check_vma=True) "
                                       "(as lax.psum); use check_vma=False")
-        bind = lambda v: P.blink_psum_invariant_p.bind(v, axes=axes, impl=impl, key=key)
+        bind = lambda *v: P.blink_psum_invariant_p.bind(*v, axes=axes, impl=impl, key=key)
     else:
-        bind = lambda v: P.blink_psum_p.bind(v, axes=axes, impl=impl, key=key, axis_index_groups=groups)
+        bind = lambda *v: P.blink_psum_p.bind(*v, axes=axes, impl=impl, key=key, axis_index_groups=groups)
     return jax.tree_util.tree_unflatten(treedef, _bucketed(leaves, axes, bind))
 
 
@@ -200,7 +198,7 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
         if constant:
             out = [jnp.asarray(leaf, bool) if b else leaf for leaf, b in zip(leaves, was_bool)]
             return jax.tree_util.tree_unflatten(treedef, out)
-    bind = lambda v: prim.bind(v, axes=axes, root=root, impl=impl, key=key, vma=vma)
+    bind = lambda *v: prim.bind(*v, axes=axes, root=root, impl=impl, key=key, vma=vma)
     out = _bucketed(leaves, axes, bind)
     if prim_name == "broadcast":
         out = [lax.convert_element_type(o, np.bool_) if b else o for o, b in zip(out, was_bool)]

@@ -12,7 +12,10 @@ Modelled on ``jax/_src/lax/parallel.py`` (jax 0.10):
 - ``blink_reduce_p``: sum on the root, zeros elsewhere (output keeps the operand's vma); transpose is
   a broadcast from the root.
 
-All are linear (JVP applies the primitive to the tangent). Batching: a vmapped axis named in
+Each takes a bucket of leaves of one dtype (``bind(*leaves)``, one result per leaf): the public API
+binds once per (dtype, varying axes) bucket, and the lowering runs one schedule over the bucket's
+total element count with the leaves where they are (no concatenate, no slices).
+All are linear (JVP applies the primitive to the tangents). Batching: a vmapped axis named in
 ``axes`` is reduced / selected locally on the batch dimension and the rest runs as a collective.
 Lowering: the schedule for each group (``jax_blink.schedule``) through the registry
 ``jax_blink.lowering`` (``impl``: "auto" | "ppermute" | "ffi" | any registered name).
@@ -85,35 +88,41 @@ blink_psum_invariant_p = core.Primitive("blink_psum_invariant")
 blink_broadcast_p = core.Primitive("blink_broadcast")
 blink_reduce_p = core.Primitive("blink_reduce")
 
+# Each primitive takes a bucket of leaves (one dtype) and returns one result per leaf: one call site,
+# one schedule over the bucket's total size, no concatenate (the lowering passes the leaves as they are).
 for _p in (blink_psum_p, blink_psum_invariant_p, blink_broadcast_p, blink_reduce_p):
+    _p.multiple_results = True
     _p.def_impl(functools.partial(dispatch.apply_primitive, _p))
 
 
-def _psum_abstract(aval, *, axes, impl, key, axis_index_groups):
+def _psum_abstract(*avals, axes, impl, key, axis_index_groups):
     check_axis_names(axes, "jax_blink.psum")
-    return _plain(aval), _effects(axes)
+    return [_plain(a) for a in avals], _effects(axes)
 
 
-def _psum_invariant_abstract(aval, *, axes, impl, key):
+def _psum_invariant_abstract(*avals, axes, impl, key):
     check_axis_names(axes, "jax_blink.psum")
-    _require_varying(aval, axes, "jax_blink.psum")
-    return _drop_vma(aval, axes), _effects(axes)
+    for a in avals:
+        _require_varying(a, axes, "jax_blink.psum")
+    return [_drop_vma(a, axes) for a in avals], _effects(axes)
 
 
-def _broadcast_abstract(aval, *, axes, root, impl, key, vma):
+def _broadcast_abstract(*avals, axes, root, impl, key, vma):
     check_axis_names(axes, "jax_blink.broadcast")
     if vma:
-        _require_varying(aval, axes, "jax_blink.broadcast")
-        return _drop_vma(aval, axes), _effects(axes)
-    return _plain(aval), _effects(axes)
+        for a in avals:
+            _require_varying(a, axes, "jax_blink.broadcast")
+        return [_drop_vma(a, axes) for a in avals], _effects(axes)
+    return [_plain(a) for a in avals], _effects(axes)
 
 
-def _reduce_abstract(aval, *, axes, root, impl, key, vma):
+def _reduce_abstract(*avals, axes, root, impl, key, vma):
     check_axis_names(axes, "jax_blink.reduce")
     if vma:
-        _require_varying(aval, axes, "jax_blink.reduce")
-        return aval, _effects(axes)
-    return _plain(aval), _effects(axes)
+        for a in avals:
+            _require_varying(a, axes, "jax_blink.reduce")
+        return list(avals), _effects(axes)
+    return [_plain(a) for a in avals], _effects(axes)
 
 
 blink_psum_p.def_effectful_abstract_eval(_psum_abstract)
@@ -123,13 +132,18 @@ blink_reduce_p.def_effectful_abstract_eval(_reduce_abstract)
 
 
 # -------------------------------------------------------------------------------- transposes
-def _psum_transpose(ct, x, *, axes, impl, key, axis_index_groups):
+def _cts(cts, xs):
+    # symbolic-zero cotangents become zeros: the bucket's call needs every operand
+    return [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct for ct in cts]
+
+
+def _psum_transpose(cts, *xs, axes, impl, key, axis_index_groups):
     # psum = psum + pbroadcast (lax's view), so its transpose sums the cotangents again.
-    return (blink_psum_p.bind(ct, axes=axes, impl=impl, key=key, axis_index_groups=axis_index_groups),)
+    return blink_psum_p.bind(*_cts(cts, xs), axes=axes, impl=impl, key=key, axis_index_groups=axis_index_groups)
 
 
-def _psum_invariant_transpose(ct, x, *, axes, impl, key):
-    return (core.pvary(ct, axis_name=axes),)
+def _psum_invariant_transpose(cts, *xs, axes, impl, key):
+    return [core.pvary(ct, axis_name=axes) for ct in _cts(cts, xs)]
 
 
 def _root_mask(v, axes, root):
@@ -137,15 +151,16 @@ def _root_mask(v, axes, root):
     return jnp.where(lax.axis_index(axes) == root, v, jnp.zeros_like(v))
 
 
-def _broadcast_transpose(ct, x, *, axes, root, impl, key, vma):
+def _broadcast_transpose(cts, *xs, axes, root, impl, key, vma):
+    cts = _cts(cts, xs)
     if vma:  # one invariant cotangent: it flows to the root's operand only
-        return (_root_mask(core.pvary(ct, axis_name=axes), axes, root),)
-    return (blink_reduce_p.bind(ct, axes=axes, root=root, impl=impl, key=key, vma=False),)
+        return [_root_mask(core.pvary(ct, axis_name=axes), axes, root) for ct in cts]
+    return blink_reduce_p.bind(*cts, axes=axes, root=root, impl=impl, key=key, vma=False)
 
 
-def _reduce_transpose(ct, x, *, axes, root, impl, key, vma):
-    out = blink_broadcast_p.bind(ct, axes=axes, root=root, impl=impl, key=key, vma=vma)
-    return (core.pvary(out, axis_name=axes) if vma else out,)
+def _reduce_transpose(cts, *xs, axes, root, impl, key, vma):
+    out = blink_broadcast_p.bind(*_cts(cts, xs), axes=axes, root=root, impl=impl, key=key, vma=vma)
+    return [core.pvary(o, axis_name=axes) for o in out] if vma else out
 
 
 ad.deflinear2(blink_psum_p, _psum_transpose)
@@ -168,44 +183,42 @@ def _split_root(axes, root, name, size):
 
 
 def _psum_batcher(prim, axis_data, vals_in, dims_in, **params):
-    (v,), (d,) = vals_in, dims_in
     axes = params["axes"]
     if axis_data.name not in axes:
-        return prim.bind(v, **params), d
+        return prim.bind(*vals_in, **params), list(dims_in)
     if params.get("axis_index_groups") is not None:
         raise NotImplementedError("axis_index_groups not supported in vmap collectives (as lax.psum)")
     rest = tuple(a for a in axes if a != axis_data.name)
-    if d is None:
-        v = _lax._const(v, axis_data.size) * v
-    else:
-        v = lax.reduce_sum(v, (d,))
+    vs = [_lax._const(v, axis_data.size) * v if d is None else lax.reduce_sum(v, (d,))
+          for v, d in zip(vals_in, dims_in)]
     if rest:
-        v = prim.bind(v, **{**params, "axes": rest})
-    return v, None
+        vs = prim.bind(*vs, **{**params, "axes": rest})
+    return list(vs), [None] * len(vs)
 
 
 def _broadcast_batcher(axis_data, vals_in, dims_in, *, axes, root, **params):
-    (v,), (d,) = vals_in, dims_in
     if axis_data.name not in axes:
-        return blink_broadcast_p.bind(v, axes=axes, root=root, **params), d
+        return blink_broadcast_p.bind(*vals_in, axes=axes, root=root, **params), list(dims_in)
     b, rest, rest_root = _split_root(axes, root, axis_data.name, axis_data.size)
-    if d is not None:
-        v = lax.index_in_dim(v, b, d, keepdims=False)
+    vs = [v if d is None else lax.index_in_dim(v, b, d, keepdims=False) for v, d in zip(vals_in, dims_in)]
     if rest:
-        v = blink_broadcast_p.bind(v, axes=rest, root=rest_root, **params)
-    return v, None
+        vs = blink_broadcast_p.bind(*vs, axes=rest, root=rest_root, **params)
+    return list(vs), [None] * len(vs)
 
 
 def _reduce_batcher(axis_data, vals_in, dims_in, *, axes, root, **params):
-    (v,), (d,) = vals_in, dims_in
     if axis_data.name not in axes:
-        return blink_reduce_p.bind(v, axes=axes, root=root, **params), d
+        return blink_reduce_p.bind(*vals_in, axes=axes, root=root, **params), list(dims_in)
     b, rest, rest_root = _split_root(axes, root, axis_data.name, axis_data.size)
-    s = _lax._const(v, axis_data.size) * v if d is None else lax.reduce_sum(v, (d,))
+    ss = [_lax._const(v, axis_data.size) * v if d is None else lax.reduce_sum(v, (d,))
+          for v, d in zip(vals_in, dims_in)]
     if rest:
-        s = blink_reduce_p.bind(s, axes=rest, root=rest_root, **params)
-    here = (lax.iota(np.int32, axis_data.size) == b).reshape((axis_data.size,) + (1,) * s.ndim)
-    return jnp.where(here, s[None], jnp.zeros_like(s)[None]), 0
+        ss = blink_reduce_p.bind(*ss, axes=rest, root=rest_root, **params)
+    out = []
+    for s in ss:
+        here = (lax.iota(np.int32, axis_data.size) == b).reshape((axis_data.size,) + (1,) * s.ndim)
+        out.append(jnp.where(here, s[None], jnp.zeros_like(s)[None]))
+    return out, [0] * len(out)
 
 
 batching.fancy_primitive_batchers[blink_psum_p] = functools.partial(_psum_batcher, blink_psum_p)
@@ -253,7 +266,8 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
     """The LoweringRequest for one call site: groups, device table, one schedule per group.
 
     Each group's schedule is the least predicted time over ``mapping.candidate_plans`` and chunk
-    counts (:func:`jax_blink.costmodel.lowering_schedule`, step latency of lowering ``impl``)."""
+    counts (:func:`jax_blink.costmodel.lowering_schedule`, step latency of lowering ``impl``); the CPU
+    "ffi" executor keeps the first candidate (the packing) and chooses only its chunks."""
     groups = mapping.mesh_groups(tuple(mesh.devices.shape), tuple(mesh.axis_names), axes,
                                  axis_index_groups)
     flat = list(mesh.devices.flat)
@@ -266,6 +280,12 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
         if gpus not in cache:
             algorithm = mapping.effective_algorithm(key, topo, collective, gpus)
             plans = mapping.candidate_plans(topo, collective, list(gpus), root, algorithm, key.max_trees)
+            if impl == "ffi" and platform == "cpu":
+                # The CPU executor walks each tile through the whole schedule while it is in cache, so
+                # its cost is memory passes, which the link simulator does not model: the packing
+                # (first candidate) reads every input once and writes every output once, a ring writes
+                # every rank twice (measured 1.6-1.7x slower at 1-16 MiB per device on 8 devices).
+                plans = plans[:1]
             _, cache[gpus], _ = costmodel.lowering_schedule(
                 plans, nelems, itemsize=itemsize, impl=impl, topology=topo, chunk_elems=key.chunk_elems)
         schedules.append(cache[gpus])
@@ -273,9 +293,7 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
                                      groups=tuple(tuple(g) for g in groups), axis_names=tuple(axes))
 
 
-def _lower(collective, ctx, x, *, axes, impl, key, root=None, axis_index_groups=None, vma=None):
-    aval = ctx.avals_in[0]
-    nelems = math.prod(aval.shape)
+def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=None, vma=None):
     axis_ctx = ctx.module_context.axis_context
     if not isinstance(axis_ctx, SPMDAxisContext) or isinstance(axis_ctx.mesh, AbstractMesh):
         raise BlinkError(f"jax_blink.{collective} needs a concrete device mesh at lowering (jax.pmap or "
@@ -283,11 +301,24 @@ def _lower(collective, ctx, x, *, axes, impl, key, root=None, axis_index_groups=
     platforms = ctx.module_context.platforms
     nproc = len({d.process_index for d in axis_ctx.mesh.devices.flat})
     impl_name, rule = choose_lowering(impl, platforms, nproc)
-    if nelems == 0:
-        return [x]
-    request = build_request(collective, axis_ctx.mesh, tuple(axes), axis_index_groups, root, key,
-                            nelems, np.dtype(aval.dtype).itemsize, platforms[0], impl_name)
-    return [rule(ctx, x, request)]
+    # Zero-size leaves take no part (their results are themselves); the rest go to the rule as they are.
+    live = [i for i, a in enumerate(ctx.avals_in) if math.prod(a.shape) > 0]
+    outs = list(xs)
+    if not live:
+        return outs
+    avals = [ctx.avals_in[i] for i in live]
+    dtype = avals[0].dtype
+    if any(a.dtype != dtype for a in avals):
+        raise BlinkError(f"jax_blink.{collective}: one call takes leaves of one dtype, got "
+                         f"{sorted({str(a.dtype) for a in avals})} (the public API buckets by dtype)")
+    def request_for(n: int) -> _lowering.LoweringRequest:
+        return build_request(collective, axis_ctx.mesh, tuple(axes), axis_index_groups, root, key,
+                             n, np.dtype(dtype).itemsize, platforms[0], impl_name)
+
+    sub = ctx.replace(avals_in=avals, avals_out=[ctx.avals_out[i] for i in live])
+    for i, o in zip(live, rule(sub, [xs[i] for i in live], request_for)):
+        outs[i] = o
+    return outs
 
 
 # cacheable=False: every call site gets its own lowering (the ffi lowering numbers call sites, so two

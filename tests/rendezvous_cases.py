@@ -248,12 +248,15 @@ def fail_fast_case():
     rule = lowering.find_lowering("ffi", "cpu")
     assert rule is not None, ffi_lowering.UNAVAILABLE
 
-    def drop5(ctx, x, request):
+    def drop5(ctx, xs, request_for):
         import dataclasses
-        table = np.asarray(request.device_table).reshape(-1, 3).copy()
-        table[table[:, 0] == 5, 0] = 99  # rank 5 is now a device that never calls
-        req = dataclasses.replace(request, timeout_ms=60_000, device_table=table)
-        return rule(ctx, x, req)
+
+        def drop(nelems):
+            request = request_for(nelems)
+            table = np.asarray(request.device_table).reshape(-1, 3).copy()
+            table[table[:, 0] == 5, 0] = 99  # rank 5 is now a device that never calls
+            return dataclasses.replace(request, timeout_ms=60_000, device_table=table)
+        return rule(ctx, xs, drop)
 
     lowering.register_lowering("ffi_drop5", "cpu", drop5)
     f = compile_mode(lambda v: lax.psum(jax_blink.psum(v, AX, impl="ffi_drop5"), AX), "smap_novma")

@@ -30,9 +30,10 @@ def test_demo_runs_and_prints_plan_training_and_summary():
     m = re.search(r"largest per-step loss difference vs lax.psum: \S+ abs, (\S+) rel", out)
     assert m and float(m[1]) <= 1e-5, out
     assert "lowering: ffi (native XLA FFI custom call) on cpu" in out or "lowering: ppermute" in out
-    m = re.search(r"summary: held-out accuracy ([\d.]+) .* psum ([\d.]+) ms/step vs lax.psum ([\d.]+) "
-                  r"ms/step", out)
+    m = re.search(r"summary: held-out accuracy ([\d.]+) .* train step ([\d.]+) ms with jax_blink vs ([\d.]+) ms "
+                  r"with lax \(ratio ([\d.]+)\)", out)
     assert m and float(m[1]) >= 0.9 and float(m[2]) > 0 and float(m[3]) > 0, out
+    assert abs(float(m[4]) - float(m[2]) / float(m[3])) < 0.02, out
 
 
 def test_demo_bad_batch_size_is_a_clear_error():

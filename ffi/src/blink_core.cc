@@ -121,12 +121,13 @@ std::string DecodeSchedules(const int64_t* data, size_t n, std::vector<Schedule>
 
 namespace {
 // True when op (reading src, writing out[dst]) cannot move past step g: g writes what the op reads
-// or writes, or g reads the op's destination output.
+// or writes, or g reads the op's destination. A rank's input and output count as one buffer: XLA may
+// alias them (Leaf), so reading in[r] cannot move past a write of out[r], nor the reverse.
 bool Conflicts(const Step& g, const Operand& src, int32_t dst) {
   for (int32_t w : g.writes)
-    if (w == dst || (!src.input && w == src.rank)) return true;
+    if (w == dst || w == src.rank) return true;
   for (const Operand& r : g.reads)
-    if (!r.input && r.rank == dst) return true;
+    if (r.rank == dst) return true;
   return false;
 }
 }  // namespace
@@ -384,6 +385,13 @@ int64_t NextGeneration(int64_t run_id, int64_t call_site, int64_t device) {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+bool SameLeafSizes(const std::vector<Leaf>& a, const std::vector<Leaf>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i].nelems != b[i].nelems) return false;
+  return true;
+}
 constexpr int64_t kAnyGroup = -1;  // a failure remembered for every group of a call
 
 struct Pending {
@@ -431,11 +439,13 @@ class Registry {
         if (m.arrivals[a.rank].device >= 0) {
           err = "jax_blink: device " + std::to_string(a.device) + " (rank " + std::to_string(a.rank) +
                 ") arrived twice at one meeting (call site " + std::to_string(key.call_site) + ")";
-        } else if (first && (first->dtype != a.dtype || first->nelems != a.nelems)) {
+        } else if (first && (first->dtype != a.dtype || first->nelems != a.nelems ||
+                             !SameLeafSizes(first->leaves, a.leaves))) {
           err = std::string("jax_blink: participants disagree: device ") + std::to_string(first->device) +
                 " brought " + std::to_string(first->nelems) + " x " + DtypeName(first->dtype) + ", device " +
                 std::to_string(a.device) + " brought " + std::to_string(a.nelems) + " x " + DtypeName(a.dtype) +
-                " (every device must call the collective with the same shape and dtype)";
+                " in " + std::to_string(first->leaves.size()) + " vs " + std::to_string(a.leaves.size()) +
+                " leaves (every device must call the collective with the same shapes and dtype)";
         } else if (a.nelems != m.plan->schedule.nelems) {
           err = "jax_blink: operand has " + std::to_string(a.nelems) + " elements but the schedule was built for " +
                 std::to_string(m.plan->schedule.nelems);

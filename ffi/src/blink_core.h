@@ -118,12 +118,20 @@ std::string GetCallSiteInfo(int64_t call_site, const int64_t* sched, size_t nsch
 // completes the meeting gets the Meeting back and drives execution. Nobody blocks: a watchdog thread
 // fails meetings whose deadline passed, naming the devices (ids and ranks) that never arrived.
 
+// One operand of a call: a leaf of the bucket. The leaves of a call are one virtual concatenation
+// (the schedule runs over their total element count); `out` may equal `in` (XLA aliased the result to
+// the operand), so the executors read a rank's input only before they first write its output.
+struct Leaf {
+  const void* in = nullptr;
+  void* out = nullptr;
+  int64_t nelems = 0;
+};
+
 struct Arrival {
   int64_t device = -1, rank = -1;
   Dtype dtype = Dtype::kF32;
-  int64_t nelems = 0;
-  const void* in = nullptr;
-  void* out = nullptr;
+  int64_t nelems = 0;         // total over the leaves
+  std::vector<Leaf> leaves;   // every participant brings the same leaf sizes, in the same order
   void* backend = nullptr;                        // backend data (CUDA: stream, events)
   std::function<void(const std::string&)> done;   // "" on success, else the error message
 };

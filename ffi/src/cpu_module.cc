@@ -40,13 +40,42 @@ ffi::Future Ready() {
   return f;
 }
 
-// One device's call. Registers the buffers at the meeting and returns a future; the last arrival runs
-// the schedule for everyone (see cpu_executor.cc) and completes all futures. No thread waits.
-ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+// One device's call over a bucket of leaves (operands i and results i of one dtype, same shapes;
+// XLA may alias result i to operand i). Registers the buffers at the meeting and returns a future; the
+// last arrival runs the schedule over the leaves' virtual concatenation for everyone (cpu_executor.cc)
+// and completes every future. No thread waits.
+ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
                          ffi::Span<const int64_t> schedule, ffi::Span<const int64_t> device_table,
                          int64_t call_site, int64_t timeout_ms) {
-  const int64_t nelems = static_cast<int64_t>(x.element_count());
-  if (nelems == 0) return Ready();  // the same shape on every device: nobody meets
+  std::vector<Leaf> leaves;
+  std::optional<Dtype> dt;
+  std::string bad;  // a malformed call: reported to the peers below, once the generation is known
+  if (args.size() != rets.size() || args.size() == 0) {
+    bad = "the custom call has " + std::to_string(args.size()) + " operands and " + std::to_string(rets.size()) +
+          " results (expected as many of each, at least one)";
+  }
+  int64_t nelems = 0;
+  for (size_t i = 0; bad.empty() && i < args.size(); ++i) {
+    auto x = args.get<ffi::AnyBuffer>(i);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (!x.has_value() || !y.has_value()) {
+      bad = "operand/result " + std::to_string(i) + " is not a buffer";
+      break;
+    }
+    auto t = DtypeFromXla(x->element_type());
+    if (!t || (dt && *t != *dt) || (*y)->element_type() != x->element_type() ||
+        (*y)->element_count() != x->element_count()) {
+      bad = "operand " + std::to_string(i) + " has an unsupported dtype, another dtype than operand 0, or a "
+            "result of another type";
+      break;
+    }
+    dt = t;
+    const int64_t n = static_cast<int64_t>(x->element_count());
+    if (n == 0) continue;  // the same shapes on every device: zero-size leaves take no part
+    leaves.push_back(Leaf{x->untyped_data(), (*y)->untyped_data(), n});
+    nelems += n;
+  }
+  if (bad.empty() && nelems == 0) return Ready();  // nobody meets
   if (IsTestAbsentDevice(device)) return Ready();  // test hook: this device never arrives
   const int64_t generation = NextGeneration(run.run_id, call_site, device);
   // A device that cannot join fails the whole call at once: its peers get its error now, not at the
@@ -56,8 +85,7 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::AnyBuffer x, ffi::
     FailCall(run.run_id, call_site, generation, msg);
     return Failed(ffi::ErrorCode::kInvalidArgument, msg);
   };
-  auto dt = DtypeFromXla(x.element_type());
-  if (!dt) return cannot_join("unsupported dtype for the ffi collective");
+  if (!bad.empty()) return cannot_join(bad);
   std::shared_ptr<const CallSiteInfo> info;
   std::string err = GetCallSiteInfo(call_site, schedule.begin(), schedule.size(), device_table.begin(),
                                     device_table.size(), &info);
@@ -71,8 +99,7 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::AnyBuffer x, ffi::
   a.rank = e->rank;
   a.dtype = *dt;
   a.nelems = nelems;
-  a.in = x.untyped_data();
-  a.out = y->untyped_data();
+  a.leaves = std::move(leaves);
   a.done = [promise](const std::string& msg) mutable {
     if (msg.empty()) promise.SetAvailable();
     else promise.SetError(ffi::Error(ErrorClassOf(msg) == 2   ? ffi::ErrorCode::kDeadlineExceeded
@@ -92,8 +119,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkCpu, BlinkCpuImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::RunId>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
                                   .Attr<ffi::Span<const int64_t>>("schedule")
                                   .Attr<ffi::Span<const int64_t>>("device_table")
                                   .Attr<int64_t>("call_site")
@@ -115,7 +142,7 @@ using AnyArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
 // dtypes[i] names the numpy dtype of inputs[i] (so mismatches can be exercised).
 std::string Simulate(I64Array schedule, I64Array device_table, std::vector<int64_t> devices,
                      std::vector<AnyArray> inputs, std::vector<AnyArray> outputs, std::vector<std::string> dtypes,
-                     int64_t timeout_ms, int64_t call_site) {
+                     int64_t timeout_ms, int64_t call_site, std::vector<int64_t> leaf_sizes, bool in_place) {
   static std::atomic<int64_t> run_counter{1 << 30};
   const int64_t run = run_counter++;
   std::shared_ptr<const CallSiteInfo> info;
@@ -147,8 +174,17 @@ std::string Simulate(I64Array schedule, I64Array device_table, std::vector<int64
       a.rank = e->rank;
       a.dtype = *dt;
       a.nelems = static_cast<int64_t>(inputs[i].size());
-      a.in = inputs[i].data();
-      a.out = outputs[i].data();
+      // The device's array cut into leaves of leaf_sizes elements (the rest: one more leaf), as
+      // separate operands of one call; in_place: each result aliases its operand (outputs unused).
+      const size_t es = DtypeSize(*dt);
+      int64_t pos = 0;
+      for (size_t j = 0; j <= leaf_sizes.size(); ++j) {
+        int64_t n = j < leaf_sizes.size() ? std::min(leaf_sizes[j], a.nelems - pos) : a.nelems - pos;
+        char* in = static_cast<char*>(inputs[i].data()) + pos * es;
+        char* out = in_place ? in : static_cast<char*>(outputs[i].data()) + pos * es;
+        if (n > 0) a.leaves.push_back(Leaf{in, out, n});
+        pos += std::max<int64_t>(n, 0);
+      }
       a.done = [&, i](const std::string& msg) {
         std::lock_guard<std::mutex> l(mu);
         errors[i] = msg;
@@ -279,7 +315,9 @@ NB_MODULE(_cpu, m) {
         "PyCapsule of the XLA FFI handler for platform 'cpu'.");
   m.def("simulate", &jax_blink::Simulate, nb::arg("schedule"), nb::arg("device_table"), nb::arg("devices"),
         nb::arg("inputs"), nb::arg("outputs"), nb::arg("dtypes"), nb::arg("timeout_ms"), nb::arg("call_site"),
-        "Test entry: run one meeting with the given devices arriving from separate threads.");
+        nb::arg("leaf_sizes") = std::vector<int64_t>{}, nb::arg("in_place") = false,
+        "Test entry: run one meeting with the given devices arriving from separate threads (each device's "
+        "array cut into leaves of leaf_sizes elements; in_place: results alias the inputs).");
   m.def("validate", &jax_blink::Validate, nb::arg("schedule"), "Decode + validate a schedule; '' or the error.");
   m.def("gpu_program_check", &jax_blink::GpuProgramCheck, nb::arg("schedule"), nb::arg("dtype"), nb::arg("inputs"),
         nb::arg("expected"), nb::arg("rank_device"), nb::arg("peer_ok"), nb::arg("max_streams"), nb::arg("seeds"),

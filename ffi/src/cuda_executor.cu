@@ -797,8 +797,7 @@ ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, f
   a.rank = e->rank;
   a.dtype = *dt;
   a.nelems = nelems;
-  a.in = me.in;
-  a.out = me.out;
+  a.leaves = {Leaf{me.in, me.out, nelems}};
   a.backend = &me;  // valid: this thread waits below until the meeting finished
   a.done = [result](const std::string& msg) { result->set_value(msg); };
   MeetingKey key{run.run_id, call_site, e->group, generation};

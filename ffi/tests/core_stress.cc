@@ -224,8 +224,7 @@ void RunTrial(const Trial& t) {
         a.rank = r;
         a.dtype = dt;
         a.nelems = n;
-        a.in = in.data();
-        a.out = out.data();
+        a.leaves = {Leaf{in.data(), out.data(), n}};
         a.done = [s, bar, tname, faulty](const std::string& msg) {
           s->Set(msg);
           // As a device entering an XLA collective: wait for every peer's continuation.

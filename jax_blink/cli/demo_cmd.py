@@ -161,7 +161,8 @@ def run(args) -> int:
     print(f"summary: held-out accuracy {c.blink.test_accuracy:.4f} "
           f"(lax.psum run {c.lax.test_accuracy:.4f}; target {args.min_accuracy:.2f} "
           f"{'reached' if acc_ok else 'NOT reached'}); "
-          f"psum {c.blink.step_time * 1e3:.2f} ms/step vs lax.psum {c.lax.step_time * 1e3:.2f} ms/step; "
+          f"train step {c.step_s['jax_blink'] * 1e3:.2f} ms with jax_blink vs {c.step_s['lax'] * 1e3:.2f} ms "
+          f"with lax (ratio {c.step_s['jax_blink'] / c.step_s['lax']:.2f}); "
           f"loss difference {c.max_rel_diff:.1e} rel ({'ok' if diff_ok else 'TOO LARGE'})")
     if not acc_ok:
         print(f"jax-blink demo: held-out accuracy {c.blink.test_accuracy:.4f} is below --min-accuracy "

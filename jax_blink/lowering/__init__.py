@@ -1,7 +1,10 @@
 """Lowerings of the jax_blink primitives: a registry ``{impl: {platform: rule}}``.
 
-A rule is ``rule(ctx, x, request) -> ir.Value`` where ``ctx`` is the ``mlir.LoweringRuleContext``,
-``x`` the operand (any shape; the rule flattens it) and ``request`` a :class:`LoweringRequest`.
+A rule is ``rule(ctx, xs, request_for) -> list[ir.Value]``: ``ctx`` is the ``mlir.LoweringRuleContext``
+(its ``avals_in`` / ``avals_out`` describe ``xs``), ``xs`` a bucket of non-empty operands of one dtype
+(any shapes), one result per operand, and ``request_for(nelems)`` gives the :class:`LoweringRequest`
+for a schedule over ``nelems`` elements: the bucket's total (one call over the leaves as a virtual
+concatenation, as the ffi rule does) or one leaf's (the ppermute rule, one schedule per leaf).
 ``"ppermute"`` registers for every platform (``None``); ``"ffi"`` registers per platform once its
 native target exists. ``impl="auto"`` picks ``"ffi"`` when registered for the platform, else
 ``"ppermute"``.

@@ -36,6 +36,7 @@ from collections import OrderedDict
 import numpy as np
 
 import jax
+from jax._src.lib.mlir import ir
 
 from .. import _native
 from ..errors import BlinkError
@@ -70,16 +71,20 @@ def schedule_attribute(request: LoweringRequest) -> np.ndarray:
     return np.concatenate([np.asarray(s.to_array(), np.int64) for s in request.schedules])
 
 
-def call_site_id(request: LoweringRequest, aval, ordinal: int) -> int:
+def call_site_id(request: LoweringRequest, avals, ordinal: int) -> int:
     """Deterministic 63-bit id of a call site (same program, same ids, on every compile)."""
     h = hashlib.blake2b(digest_size=8)
     h.update(schedule_attribute(request).tobytes())
     h.update(np.asarray(request.device_table, np.int64).tobytes())
-    h.update(f"{request.collective}|{aval.shape}|{aval.dtype}|{ordinal}".encode())
+    shapes = ",".join(f"{a.shape}:{a.dtype}" for a in avals)
+    h.update(f"{request.collective}|{shapes}|{ordinal}".encode())
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
 MAX_TIMEOUT_S = 1e6
+
+# Results aliased to operands (JAX_BLINK_ALIAS=0 turns it off, to measure both).
+_ALIAS = os.environ.get("JAX_BLINK_ALIAS", "1") != "0"
 
 
 def timeout_ms(default_ms: int) -> int:
@@ -99,6 +104,11 @@ def timeout_ms(default_ms: int) -> int:
         raise BlinkError(f"JAX_BLINK_TIMEOUT_S must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
                          f"got {text!r}; unset it for the default {default_ms / 1000:g} s")
     return max(1, int(s * 1000))
+
+
+def _produced(x) -> bool:
+    """True when ``x`` is an op's result, not an argument of the function being lowered."""
+    return not isinstance(x.owner, ir.Block)
 
 
 def cuda_device_table(table, devices, process_index: int) -> np.ndarray:
@@ -133,27 +143,45 @@ def cuda_device_table(table, devices, process_index: int) -> np.ndarray:
     return rows.reshape(-1)
 
 
-def _rule(target: str):
-    lower = jax.ffi.ffi_lowering(target)
-
-    def rule(ctx, x, request: LoweringRequest):
-        aval = ctx.avals_in[0]
-        table = np.asarray(request.device_table, np.int64).reshape(-1)
-        if target == CUDA_TARGET:
-            table = cuda_device_table(table, list(ctx.module_context.axis_context.mesh.devices.flat),
-                                      jax.process_index())
-        out = lower(ctx, x,
-                    schedule=schedule_attribute(request),
-                    device_table=table,
-                    call_site=np.int64(call_site_id(request, aval, _ordinal(ctx))),
-                    timeout_ms=np.int64(timeout_ms(request.timeout_ms)))
-        return out[0] if isinstance(out, (list, tuple)) else out
-
-    rule.__name__ = f"ffi_rule_{target}"
-    return rule
+def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool, table=None):
+    avals = ctx.avals_in
+    table = np.asarray(request.device_table, np.int64).reshape(-1) if table is None else table
+    # Alias only operands computed in this function (gradients, activations): they usually die at
+    # the call, so the collective works in place on pages already touched. An argument (a jit
+    # parameter, not donated) would make XLA copy it first: one more pass over fresh pages.
+    aliases = {i: i for i, x in enumerate(xs) if _produced(x)} if alias else {}
+    lower = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases or None)
+    return list(lower(ctx, *xs,
+                      schedule=schedule_attribute(request),
+                      device_table=table,
+                      call_site=np.int64(call_site_id(request, avals, _ordinal(ctx))),
+                      timeout_ms=np.int64(timeout_ms(request.timeout_ms))))
 
 
-def _register(platform: str, xla_platform: str, module, target: str, missing: str | None) -> None:
+def _cpu_rule(ctx, xs, request_for):
+    """One custom call for the whole bucket: operand i -> result i, one schedule over the leaves'
+    virtual concatenation. Results are aliased to operands so that the collective works in place
+    (no fresh output pages) where an operand dies at the call; where it is still used, XLA copies it
+    first. The executor reads a rank's input only before it first writes its output, so in == out is
+    safe (ffi/src/blink_core.h, Leaf)."""
+    request = request_for(sum(math.prod(a.shape) for a in ctx.avals_in))
+    return _call(CPU_TARGET, ctx, xs, request, _ALIAS)
+
+
+def _cuda_rule(ctx, xs, request_for):
+    """One custom call per leaf: the CUDA handler takes one operand (not yet variadic like the CPU
+    one), no aliasing; its device table is keyed by local hardware id (``cuda_device_table``)."""
+    outs = []
+    devices = list(ctx.module_context.axis_context.mesh.devices.flat)
+    for x, a_in, a_out in zip(xs, ctx.avals_in, ctx.avals_out):
+        sub = ctx.replace(avals_in=[a_in], avals_out=[a_out])
+        request = request_for(math.prod(a_in.shape))
+        table = cuda_device_table(request.device_table, devices, jax.process_index())
+        outs += _call(CUDA_TARGET, sub, [x], request, False, table)
+    return outs
+
+
+def _register(platform: str, xla_platform: str, module, target: str, missing: str | None, rule) -> None:
     if module is None:
         UNAVAILABLE[platform] = missing or "native module not built"
         return
@@ -171,12 +199,12 @@ def _register(platform: str, xla_platform: str, module, target: str, missing: st
     except Exception as e:  # e.g. jaxlib without this platform's plugin
         UNAVAILABLE[platform] = f"register_ffi_target({target!r}, platform={xla_platform!r}) failed: {e}"
         return
-    register_lowering("ffi", platform, _rule(target))
+    register_lowering("ffi", platform, rule)
     REGISTERED[platform] = target
 
 
-_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error)
-_register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error)
+_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule)
+_register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error, _cuda_rule)
 
 
 # ------------------------------------------------------------------------------ safe default on GPUs

@@ -114,20 +114,23 @@ def _execute(flat, rounds, keep, nelems):
     return out
 
 
-def ppermute_lowering(ctx, x, request: LoweringRequest):
-    """Registry rule (impl "ppermute", every platform): lower ``request`` as collective_permutes."""
-    aval = ctx.avals_in[0]
-    nelems = int(np.prod(aval.shape))
+def ppermute_lowering(ctx, xs, request_for):
+    """Registry rule (impl "ppermute", every platform): each leaf as its own schedule's rounds of
+    collective_permute (a leaf is flattened in place; no concatenation of the bucket)."""
     ndevices = ctx.module_context.axis_context.mesh.size
-    rounds, keep = round_tables(request, ndevices)
-    plain = core.ShapedArray(aval.shape, aval.dtype)
+    outs = []
+    for x, aval in zip(xs, ctx.avals_in):
+        nelems = int(np.prod(aval.shape))
+        rounds, keep = round_tables(request_for(nelems), ndevices)
+        plain = core.ShapedArray(aval.shape, aval.dtype)
 
-    def body(v):
-        return _execute(v.reshape(-1), rounds, keep, nelems).reshape(aval.shape)
+        def body(v, rounds=rounds, keep=keep, nelems=nelems, shape=aval.shape):
+            return _execute(v.reshape(-1), rounds, keep, nelems).reshape(shape)
 
-    sub = ctx.replace(primitive=None, avals_in=[plain], avals_out=[plain])
-    out, = mlir.lower_fun(body, multiple_results=False)(sub, x)
-    return out
+        sub = ctx.replace(primitive=None, avals_in=[plain], avals_out=[plain])
+        out, = mlir.lower_fun(body, multiple_results=False)(sub, x)
+        outs.append(out)
+    return outs
 
 
 register_lowering("ppermute", None, ppermute_lowering)
