@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from . import _native
+from .lowering.gpu_program_check import random_operand, raw_bits
 
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8",
           "uint16", "uint32", "uint64", "complex64", "complex128")
@@ -80,21 +81,6 @@ def record_pass(key: dict) -> pathlib.Path:
     return path
 
 
-def _rand(rng, n, dtype):
-    import ml_dtypes
-    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
-    if np.issubdtype(dt, np.integer):
-        info = np.iinfo(dt)
-        return rng.integers(info.min, info.max, size=n, dtype=dt, endpoint=True)
-    if np.issubdtype(dt, np.complexfloating):
-        return (rng.standard_normal(n) + 1j * rng.standard_normal(n)).astype(dt)
-    return rng.standard_normal(n).astype(dt)
-
-
-def _raw(a):
-    return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
-
-
 def _schedule(collective: str, n: int, nelems: int, chunk_elems: int | None = None):
     from .packing import plan
     from .presets import PRESETS
@@ -113,7 +99,7 @@ def run_executor(schedule, xs, iters: int = 0) -> tuple[np.ndarray, float, str]:
     outs = [np.empty_like(x) for x in xs]
     _key_counter[0] += 1
     t, err = _native.cuda.execute(np.asarray(schedule.to_array(), np.int64), xs[0].dtype.name,
-                                  [_raw(np.ascontiguousarray(x)) for x in xs], [_raw(o) for o in outs], iters,
+                                  [raw_bits(np.ascontiguousarray(x)) for x in xs], [raw_bits(o) for o in outs], iters,
                                   _key_counter[0])
     return np.stack(outs), t, err
 
@@ -130,7 +116,7 @@ def check_executor(nranks: int, out=print) -> list[str]:
                 s = _schedule(coll, nranks, 10_007, chunk_elems=613)
                 bad = []
                 for i, dt in enumerate(DTYPES):
-                    xs = [_rand(np.random.default_rng(100 * i + r), s.nelems, dt) for r in range(nranks)]
+                    xs = [random_operand(np.random.default_rng(100 * i + r), s.nelems, dt) for r in range(nranks)]
                     got, _, err = run_executor(s, xs)
                     want = execute(s, np.stack(xs))
                     if err:

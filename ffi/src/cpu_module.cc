@@ -214,6 +214,17 @@ std::string Validate(I64Array schedule) {
   return BuildExecPlan(s[0], &p);
 }
 
+// The execution plan of a schedule array's first schedule; invalid input raises ValueError.
+ExecPlan FirstPlan(I64Array schedule) {
+  std::vector<Schedule> scheds;
+  std::string err = DecodeSchedules(schedule.data(), schedule.shape(0), &scheds);
+  if (!err.empty()) throw std::invalid_argument(err);
+  ExecPlan plan;
+  err = BuildExecPlan(scheds[0], &plan);
+  if (!err.empty()) throw std::invalid_argument(err);
+  return plan;
+}
+
 // Test entry (tests/test_gpu_program.py, scripts/gpu_sim_check.sh): builds the GPU program of the
 // first group's schedule, race-checks it, computes its critical path, and runs the CPU emulator of
 // CUDA streams/events for `seeds` random timings on `inputs`, comparing every rank's captured output
@@ -227,19 +238,14 @@ nb::dict GpuProgramCheck(I64Array schedule, std::string dtype, std::vector<AnyAr
   nb::dict out;
   auto dt = FromName(dtype);
   if (!dt) throw std::invalid_argument("unknown dtype " + dtype);
-  std::vector<Schedule> scheds;
-  std::string err = DecodeSchedules(schedule.data(), schedule.shape(0), &scheds);
-  if (!err.empty()) throw std::invalid_argument(err);
-  ExecPlan plan;
-  err = BuildExecPlan(scheds[0], &plan);
-  if (!err.empty()) throw std::invalid_argument(err);
+  ExecPlan plan = FirstPlan(schedule);
   GpuProgramOptions opt;
   opt.rank_device = rank_device;
   opt.peer_ok = peer_ok;
   opt.max_streams_per_device = max_streams;
   const bool cplx = *dt == Dtype::kC64 || *dt == Dtype::kC128;
   GpuProgram prog;
-  err = BuildGpuProgram(plan, static_cast<int64_t>(DtypeSize(*dt)), cplx ? 2 : 1, opt, &prog);
+  std::string err = BuildGpuProgram(plan, static_cast<int64_t>(DtypeSize(*dt)), cplx ? 2 : 1, opt, &prog);
   if (!err.empty()) throw std::invalid_argument(err);
   if (!mutate.first.empty()) {
     GpuOpKind k = mutate.first == "wait" ? GpuOpKind::kWait : GpuOpKind::kRecord;
@@ -257,7 +263,7 @@ nb::dict GpuProgramCheck(I64Array schedule, std::string dtype, std::vector<AnyAr
   GpuProgramStats st = Stats(prog);
   int64_t races, crit, mismatched_seeds = 0;
   std::string emu_error;
-  const int64_t nelems = scheds[0].nelems;
+  const int64_t nelems = plan.schedule.nelems;
   {
     nb::gil_scoped_release release;
     races = CheckRaces(prog, &race_info);
@@ -293,15 +299,10 @@ nb::dict GpuProgramCheck(I64Array schedule, std::string dtype, std::vector<AnyAr
 // The GPU program's listing (debugging): same arguments as gpu_program_check's first ones.
 std::string GpuProgramDescribe(I64Array schedule, int64_t elem_size, std::vector<int32_t> rank_device,
                                std::vector<uint8_t> peer_ok, int max_streams) {
-  std::vector<Schedule> scheds;
-  std::string err = DecodeSchedules(schedule.data(), schedule.shape(0), &scheds);
-  if (!err.empty()) throw std::invalid_argument(err);
-  ExecPlan plan;
-  err = BuildExecPlan(scheds[0], &plan);
-  if (!err.empty()) throw std::invalid_argument(err);
+  ExecPlan plan = FirstPlan(schedule);
   GpuProgramOptions opt{rank_device, peer_ok, max_streams};
   GpuProgram prog;
-  err = BuildGpuProgram(plan, elem_size, 1, opt, &prog);
+  std::string err = BuildGpuProgram(plan, elem_size, 1, opt, &prog);
   if (!err.empty()) throw std::invalid_argument(err);
   return Describe(prog);
 }

@@ -36,7 +36,9 @@ LAYOUTS = ("peer", "one-gpu", "no-peer")
 TOPOLOGY_DIR = pathlib.Path(__file__).resolve().parents[2] / "tests" / "data" / "topologies"
 
 
-def _rand(rng, n, dtype):
+def random_operand(rng, n, dtype):
+    """``n`` random elements of ``dtype`` (a numpy dtype name, "bfloat16" included): integers over
+    their whole range, floats and complex numbers standard normal. Shared with ``jax-blink selftest``."""
     import ml_dtypes  # noqa: F401  (bfloat16 as a numpy dtype)
     dt = np.dtype(dtype) if dtype != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
     if np.issubdtype(dt, np.integer):
@@ -47,7 +49,8 @@ def _rand(rng, n, dtype):
     return rng.standard_normal(n).astype(dt)
 
 
-def _raw(a):
+def raw_bits(a):
+    """``a`` as something the native modules take: bfloat16 viewed as uint16 (same bits)."""
     return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
 
 
@@ -66,7 +69,7 @@ def check_schedule(schedule, dtype: str, *, layout: str = "peer", seeds: int = 8
         raise RuntimeError(_native.cpu_error)
     n, ne = schedule.nranks, schedule.nelems
     rng = np.random.default_rng(ne * 31 + n)
-    xs = np.stack([_rand(rng, ne, dtype) for _ in range(n)])
+    xs = np.stack([random_operand(rng, ne, dtype) for _ in range(n)])
     want = execute(schedule, xs)
     if layout == "peer":
         devices, peer, cap = list(range(n)), [], 0
@@ -79,7 +82,7 @@ def check_schedule(schedule, dtype: str, *, layout: str = "peer", seeds: int = 8
     if max_streams is not None:
         cap = max_streams
     r = _native.cpu.gpu_program_check(np.asarray(schedule.to_array(), np.int64), dtype,
-                                      [_raw(x) for x in xs], [_raw(np.ascontiguousarray(w)) for w in want],
+                                      [raw_bits(x) for x in xs], [raw_bits(np.ascontiguousarray(w)) for w in want],
                                       devices, peer, cap, seeds, tuple(mutate))
     ideal = r["segment_chunks"] + r["chunk_depth"] - 1
     r["ratio"] = r["critical_path"] / ideal if ideal > 0 else 1.0
