@@ -24,6 +24,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_blink
 import jax_blink.api  # noqa: F401  (registers the lowerings)
 from jax_blink import _native
+from jax_blink.lowering.gpu_program_check import random_operand
 from jax_blink.errors import BlinkError
 from jax_blink.lowering import ffi as ffi_lowering
 from jax_blink.packing import plan
@@ -61,23 +62,13 @@ def run_native(sched, xs, *, devices=None, dtypes=None, timeout_ms=5000, call_si
     return err, np.stack(outs) if not err else None
 
 
-def rand(rng, shape, dtype):
-    dtype = np.dtype(dtype)
-    if np.issubdtype(dtype, np.integer):
-        info = np.iinfo(dtype)
-        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
-    if np.issubdtype(dtype, np.complexfloating):
-        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
-    return rng.standard_normal(shape).astype(dtype)
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32",
                                    "int64", "uint8", "uint16", "uint32", "uint64", "complex64", "complex128"])
 def test_executor_bitwise_equals_reference(dtype):
     """Every dtype, the 8-device all-reduce with many chunks, against the row-by-row NumPy spec."""
     dt = jnp.dtype(dtype)
     sched = schedule_for(8, nelems=70_001, chunk_elems=4096)
-    xs = [rand(np.random.default_rng(r), (70_001,), dt) for r in range(8)]
+    xs = [random_operand(np.random.default_rng(r), (70_001,), dt) for r in range(8)]
     err, got = run_native(sched, xs, dtypes=[dt.name] * 8)
     assert err == ""
     want = execute(sched, np.stack(xs))
@@ -91,7 +82,7 @@ def test_executor_collectives_odd_sizes(collective, root, n):
     root = None if root is None else root % n
     topo = jax_blink.PRESETS["dgx1v"]().subset(list(range(n)))
     sched = schedule_for(n, collective, nelems=12_345, root=root, chunk_elems=1000, topo=topo)
-    xs = [rand(np.random.default_rng(r), (12_345,), "float32") for r in range(n)]
+    xs = [random_operand(np.random.default_rng(r), (12_345,), "float32") for r in range(n)]
     err, got = run_native(sched, xs)
     assert err == ""
     assert got.tobytes() == execute(sched, np.stack(xs)).tobytes()
