@@ -23,7 +23,7 @@ import networkx as nx
 from .errors import TopologyError
 from .ncclxml import normalise_busid, parse_nccl_xml
 from .nvsmi import build_topology, parse_topo
-from .presets import NVLINK1_GBPS, NVLINK5_GBPS, NVLINK_GBPS, is_preset, preset
+from .presets import is_preset, nvlink_gbps as _nvlink_rate, preset
 from .topology import Topology
 
 SUPPORTED_FORMATS = ("a preset name (e.g. 'dgx1v', 'dgx-a100', 'host8')",
@@ -35,21 +35,21 @@ HOW_TO_PASS = ("pass a topology explicitly instead: " + ", ".join(SUPPORTED_FORM
                "`jax-blink topology topo.txt`")
 _TOPO_M_GPU = re.compile(r"GPU\d+\b")  # a topo -m header or row names GPU0, GPU1, ...
 
-# NVLink version -> GB/s per link per direction (P100 NVLink1 20; NVLink2-4 25; NVLink5 50).
-NVLINK_VERSION_GBPS = {1: NVLINK1_GBPS, 2: NVLINK_GBPS, 3: NVLINK_GBPS, 4: NVLINK_GBPS, 5: NVLINK5_GBPS}
-# GPU model substring -> GB/s per link per direction, when NVML does not report the version.
-NVLINK_MODEL_GBPS = (("P100", NVLINK1_GBPS), ("V100", NVLINK_GBPS), ("A100", NVLINK_GBPS), ("A800", NVLINK_GBPS),
-                     ("H100", NVLINK_GBPS), ("H200", NVLINK_GBPS), ("H800", NVLINK_GBPS), ("GH200", NVLINK_GBPS),
-                     ("B100", NVLINK5_GBPS), ("B200", NVLINK5_GBPS), ("GB200", NVLINK5_GBPS), ("B300", NVLINK5_GBPS))
+# NVLink version -> achieved GB/s per link per direction (presets.nvlink_gbps: line rate x efficiency).
+NVLINK_VERSION_GBPS = {v: _nvlink_rate(v) for v in range(1, 6)}
+# GPU model substring -> achieved GB/s per link per direction, when NVML does not report the version.
+NVLINK_MODEL_GBPS = tuple((m, _nvlink_rate(v)) for m, v in (
+    ("P100", 1), ("V100", 2), ("A100", 3), ("A800", 3), ("H100", 4), ("H200", 4), ("H800", 4), ("GH200", 4),
+    ("B100", 5), ("B200", 5), ("GB200", 5), ("B300", 5)))
 _NVML_LEVEL = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 
 
-def detect(*, nvlink_gbps: float | None = None, pcie_gbps: float = 12.0, inter_socket_gbps: float = 20.0,
+def detect(*, nvlink_gbps: float | None = None, pcie_gbps: float | None = None, inter_socket_gbps: float = 20.0,
            use_nvml: bool = True, use_nvidia_smi: bool = True) -> Topology:
     """This machine's GPU topology.
 
     Tries NVML (nvidia-ml-py), then ``nvidia-smi topo -m`` (+ ``topo -p2p r``). ``nvlink_gbps``
-    overrides the per-link rate (default: from the NVLink version / GPU model; 25 for nvidia-smi).
+    overrides the achieved per-link rate (default: from the NVLink version / GPU model).
     Raises TopologyError when neither works, saying why each failed and how to pass a topology.
     """
     reasons = []
@@ -113,7 +113,7 @@ def _bus_key(bus) -> str:
     return normalise_busid(bus, "PCI bus id")
 
 
-def from_nvml(nvml, *, nvlink_gbps: float | None = None, pcie_gbps: float = 12.0,
+def from_nvml(nvml, *, nvlink_gbps: float | None = None, pcie_gbps: float | None = None,
               inter_socket_gbps: float = 20.0) -> Topology:
     """Build the topology from an initialised NVML module (``pynvml``; any object with its API).
 
@@ -171,17 +171,17 @@ def from_nvml(nvml, *, nvlink_gbps: float | None = None, pcie_gbps: float = 12.0
         nvlink_gbps = _link_gbps(versions, names)
     return build_topology(n, [], pcie, nvlinks, no_p2p=no_p2p, affinity=affinity, nvlink_gbps=nvlink_gbps,
                           pcie_gbps=pcie_gbps, inter_socket_gbps=inter_socket_gbps,
-                          nvswitch_links=to_switch, nvswitch=False, name="detected")
+                          nvswitch_links=to_switch, nvswitch=False, gpu=names[0], name="detected")
 
 
 def _link_gbps(versions: set[int], names: list[str]) -> float:
-    """Per-link GB/s per direction from NVLink versions, else the GPU model name, else 25."""
+    """Achieved per-link GB/s per direction from NVLink versions, else the GPU model name, else V100's."""
     if versions:
-        return min(NVLINK_VERSION_GBPS.get(v, 25.0) for v in versions)
+        return min(NVLINK_VERSION_GBPS.get(v, _nvlink_rate(2)) for v in versions)
     for sub, gbps in NVLINK_MODEL_GBPS:
         if any(sub in nm for nm in names):
             return gbps
-    return 25.0
+    return _nvlink_rate(2)
 
 
 def _apply_visible_devices(t: Topology) -> Topology:

@@ -42,7 +42,8 @@ The model built (node and link kinds as in :mod:`jax_blink.topology`):
   (an excerpt). Per-link rate: :func:`nvlink_gbps_for_sm` of the GPU's ``sm``.
 - NICs: a ``<nic>`` (in a ``<pci class="0x02xxxx">`` or right under ``<cpu>``) -> node ``nic<k>``
   (kind ``nic``, attribute ``device`` = its ``<net name>`` list). ``<net speed>`` is Mb/s (NCCL);
-  the NIC's link to its parent carries min(PCIe link, sum of its ports' speeds / 8000) GB/s.
+  the NIC's link to its parent carries min(PCIe link, sum of its ports' speeds / 8000 x
+  ``presets.NET_EFFICIENCY``) GB/s (every rate achieved, see :mod:`jax_blink.presets`).
 - Other PCI devices (NVMe drives, NVSwitch management functions, ...) are skipped.
 
 Every problem raises :class:`TopologyError` naming the element (by bus id where it has one) and
@@ -57,7 +58,9 @@ import re
 import xml.etree.ElementTree as ET
 
 from .errors import TopologyError
-from .presets import INTER_SOCKET_GBPS, NVLINK1_GBPS, NVLINK5_GBPS, NVLINK_GBPS, PCIE_GEN3_GBPS
+from .presets import (INTER_SOCKET_GBPS, NET_EFFICIENCY, NVLINK_EFFICIENCY, PCIE_EFFICIENCY, PCIE_GEN3_GBPS,  # noqa: F401
+                      pcie_link_gbps)
+from .presets import nvlink_gbps as _nvlink_rate
 from .topology import Topology
 
 # ----------------------------------------------------------------------------- rates
@@ -67,25 +70,16 @@ _BRIDGE_PREFIX = "0x0604"     # PCI-to-PCI bridge (a PCIe switch port / root por
 _GPU_PREFIX = "0x03"          # display controller: VGA 0x0300xx, 3D 0x0302xx
 _NIC_PREFIX = "0x02"          # network controller: Ethernet 0x0200xx, InfiniBand 0x0207xx
 
-# GPU architecture (first ``sm`` of the family, sm = 10 x CUDA compute capability) -> GB/s per NVLink
-# per direction, line rate. Sources: NVIDIA Tesla P100 whitepaper (NVLink1, 4 links, 160 GB/s
-# bidirectional -> 20); V100 whitepaper (NVLink2, 6 links, 300 GB/s -> 25; Turing's NVLink2 bridge,
-# sm 75, has the same per-link rate); A100 architecture whitepaper (NVLink3, 12 links, 600 GB/s -> 25);
-# A40 / RTX 3090 datasheets (GA102, sm 86: 4 NVLink3 x4 links, 112.5 GB/s bidirectional -> 14.0625);
-# H100 architecture whitepaper (NVLink4, 18 links, 900 GB/s -> 25); Blackwell B200 (NVLink5, 18 links,
-# 1.8 TB/s -> 50). The same per-link rates as the presets and NVML discovery use.
-NVLINK_GBPS_BY_SM = ((60, NVLINK1_GBPS), (70, NVLINK_GBPS), (80, NVLINK_GBPS), (86, 112.5 / 8),
-                     (90, NVLINK_GBPS), (100, NVLINK5_GBPS))
-
-# PCIe: GT/s per lane -> payload bits per transferred bit. PCI Express Base Specification: gen1
-# (2.5 GT/s) and gen2 (5 GT/s) use 8b/10b encoding, gen3 (8 GT/s) and later 128b/130b (gen6's FLIT
-# mode, 64 GT/s, is counted the same; NCCL's table scales it the same way).
-_GEN12_MAX_GTS = 5.0
-# Achievable fraction of the encoded line rate (TLP/DLLP headers, flow control): gen3 x16 moves about
-# 12 GB/s per direction of its 15.75 GB/s (presets.PCIE_GEN3_GBPS; nccl-tests; Blink section 2).
-# NCCL's own table gives the same numbers within 2% (src/graph/topo.cc: kvDictPciGen, width * speed /
-# 80 GB/s: 8 GT/s -> 6.0 Gb/s per lane, 2.5 GT/s -> 1.5).
-PCIE_EFFICIENCY = PCIE_GEN3_GBPS / (8.0 * 16 * 128 / 130 / 8)
+# GPU architecture (first ``sm`` of the family, sm = 10 x CUDA compute capability) -> achieved GB/s per
+# NVLink per direction (line rate x presets.NVLINK_EFFICIENCY of its generation). Line rates: NVIDIA
+# Tesla P100 whitepaper (NVLink1, 4 links, 160 GB/s bidirectional -> 20); V100 whitepaper (NVLink2, 6
+# links, 300 GB/s -> 25; Turing's NVLink2 bridge, sm 75, has the same per-link rate); A100 architecture
+# whitepaper (NVLink3, 12 links, 600 GB/s -> 25); A40 / RTX 3090 datasheets (GA102, sm 86: 4 NVLink3 x4
+# links, 112.5 GB/s bidirectional -> 14.0625); H100 architecture whitepaper (NVLink4, 18 links, 900
+# GB/s -> 25); Blackwell B200 (NVLink5, 18 links, 1.8 TB/s -> 50). The same rates as the presets and
+# NVML discovery use.
+NVLINK_GBPS_BY_SM = ((60, _nvlink_rate(1)), (70, _nvlink_rate(2)), (80, _nvlink_rate(3)),
+                     (86, 112.5 / 8 * NVLINK_EFFICIENCY[3]), (90, _nvlink_rate(4)), (100, _nvlink_rate(5)))
 
 _SPEED_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*GT/s(?:\s+PCIe)?\s*", re.IGNORECASE)
 _INT_RE = re.compile(r"0[xX]([0-9a-fA-F]+)|([0-9]+)")
@@ -94,24 +88,13 @@ _MAX_NVLINK_COUNT = 64    # links in one <nvlink> element; real GPUs have at mos
 
 
 def nvlink_gbps_for_sm(sm: int) -> float | None:
-    """GB/s per NVLink per direction for a GPU of compute capability ``sm`` (70 = 7.0), or None when
+    """Achieved GB/s per NVLink per direction for a GPU of compute capability ``sm`` (70 = 7.0), or None when
     ``sm`` is below the first NVLink GPU (P100, sm 60). See :data:`NVLINK_GBPS_BY_SM` for sources."""
     rate = None
     for first_sm, gbps in NVLINK_GBPS_BY_SM:
         if sm >= first_sm:
             rate = gbps
     return rate
-
-
-def pcie_link_gbps(gts: float, width: int, efficiency: float = PCIE_EFFICIENCY) -> float:
-    """Usable GB/s per direction of a PCIe link: ``gts`` GT/s per lane x ``width`` lanes.
-
-    ``GT/s x lanes x encoding / 8 x efficiency``, encoding 8/10 up to 5 GT/s (gen1/gen2) and 128/130
-    from 8 GT/s (gen3+), efficiency :data:`PCIE_EFFICIENCY` (0.762): gen3 x16 -> 12.0, gen4 x16 -> 24.0,
-    gen5 x16 -> 48.0, gen2 x8 -> 3.05 GB/s. ``efficiency=1`` gives the line rate (gen3 x16 15.75).
-    """
-    encoding = 8 / 10 if gts <= _GEN12_MAX_GTS else 128 / 130
-    return gts * width * encoding / 8 * efficiency
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -133,8 +116,8 @@ def parse_nccl_xml(text, *, nvlink_gbps: float | None = None, pcie_gbps: float |
 
     Args:
       text: the file's text (str or UTF-8 bytes).
-      nvlink_gbps: GB/s per NVLink per direction for every GPU; None: from each GPU's ``sm``.
-      pcie_gbps: GB/s per direction for every PCIe link; None: from ``link_speed`` and
+      nvlink_gbps: achieved GB/s per NVLink per direction for every GPU; None: from each GPU's ``sm``.
+      pcie_gbps: achieved GB/s per direction for every PCIe link; None: from ``link_speed`` and
         ``link_width`` (:func:`pcie_link_gbps`).
       inter_socket_gbps: GB/s per direction between two CPU sockets.
       name: the Topology's name.
@@ -386,7 +369,7 @@ def _emit(t: Topology, d: _Dev, counters: dict, override: float | None) -> None:
         gbps = c.up_gbps
         net_mbps = sum(sp for _, sp in c.nets if sp) if c.kind == "nic" else 0
         if net_mbps:
-            net_gbps = net_mbps / 8000.0  # Mb/s -> GB/s
+            net_gbps = net_mbps / 8000.0 * NET_EFFICIENCY  # Mb/s -> GB/s line rate -> achieved
             gbps = net_gbps if gbps is None else min(gbps, net_gbps)
         if gbps is None:  # a NIC without PCIe link and without port speeds
             gbps = override if override is not None else PCIE_GEN3_GBPS
@@ -407,7 +390,7 @@ def _add_nvlinks(t: Topology, gpus: list[_Dev], sockets: list[_Dev], nvlink_gbps
         r = nvlink_gbps_for_sm(g.gpu["sm"]) if g.gpu["sm"] is not None else None
         if r is None:
             unknown_sm.append(g.node)
-            return NVLINK_GBPS
+            return _nvlink_rate(2)
         return r
 
     for g in gpus:
@@ -450,5 +433,5 @@ def _add_nvlinks(t: Topology, gpus: list[_Dev], sockets: list[_Dev], nvlink_gbps
             t.graph.edges[e]["kind"] = "nvlink"
     if unknown_sm:
         notes.append(f"GPU {', '.join(map(str, sorted(set(unknown_sm))))}: no NVLink GPU architecture "
-                     f"known for its sm attribute; assumed {NVLINK_GBPS:g} GB/s per NVLink "
+                     f"known for its sm attribute; assumed {_nvlink_rate(2):g} GB/s per NVLink (V100's) "
                      f"(pass nvlink_gbps= / --nvlink-gbps to set it)")

@@ -11,6 +11,12 @@ peer-to-peer).
 
 The model built (:func:`build_topology`, shared with NVML discovery):
 
+- Rates are achieved GB/s per direction (:mod:`jax_blink.presets`): by default from the GPU model
+  (``gpu=``, :func:`jax_blink.presets.gpu_model`: NVLink generation, PCIe generation and width);
+  without it the NVLink generation is read from the links per GPU (at most 6: NVLink2 as on V100, 12:
+  NVLink3 as on A100, more: NVLink4 as on H100; ``topo -m`` names no GPU model), and PCIe is that
+  GPU generation's (gen3 x16 with NVLink2, gen4 x16 with NVLink3, gen5 x16 with NVLink4; gen3 x16
+  without NVLink). ``Topology.notes`` says what was inferred.
 - NVLink: ``NV<n>`` gives a ``nvlink`` edge of n links x ``nvlink_gbps``. When a GPU's NVLink counts
   summed over its peers exceed ``max_nvlinks_per_gpu`` (18: no GPU has more links), the links cannot
   be direct: the GPUs sit behind an NVSwitch (nvidia-smi prints ``NV<links per GPU>`` for every pair
@@ -24,7 +30,9 @@ The model built (:func:`build_topology`, shared with NVML discovery):
   other cells (e.g. a NIC's PIX) say so. NICs not on any GPU's NUMA node are left out.
 - No peer-to-peer (``topo -p2p r|w|p`` not OK, or no mode given): the pair's NVLink edge is dropped
   and any PCIe switch/bridge holding both GPUs is dissolved into its parent, so their traffic must
-  pass through the ``cpu`` node (host memory), as the CUDA driver stages it. Matrices for modes
+  pass through the ``cpu`` node (host memory), as the CUDA driver stages it; each such GPU node gets
+  the attribute ``no_p2p`` (the sorted peers it cannot reach directly), so the simulator charges
+  those transfers two copies through host memory. Matrices for modes
   ``n`` (NVLink) and ``a`` (atomics) are checked but do not change the model.
 
 Errors are :class:`TopologyError` naming the line and cell and what was expected.
@@ -39,6 +47,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from .errors import TopologyError
+from .presets import gpu_model, nvlink_gbps as _nvlink_rate, pcie_gen_gbps
 from .topology import Topology
 
 PCIE_LEVELS = ("PIX", "PXB", "PHB", "NODE", "SYS")
@@ -68,16 +77,19 @@ class _Matrix:
     kind: str = ""  # "topo" | "p2p"
 
 
-def parse_topo(text: str, *, nvlink_gbps: float = 25.0, pcie_gbps: float = 12.0,
+def parse_topo(text: str, *, nvlink_gbps: float | None = None, pcie_gbps: float | None = None,
                inter_socket_gbps: float = 20.0, max_nvlinks_per_gpu: int = 18,
-               nvswitch: bool | None = None, name: str = "nvidia-smi") -> Topology:
+               nvswitch: bool | None = None, gpu: str | None = None, name: str = "nvidia-smi") -> Topology:
     """Parse ``nvidia-smi topo -m`` text (optionally followed by ``topo -p2p`` output).
 
     Args:
       text: the pasted output (str or UTF-8 bytes); ANSI escape codes (the underlined header
         nvidia-smi prints on a terminal) are ignored.
-      nvlink_gbps: GB/s per direction of one NVLink (25 for V100/A100/H100, 20 for P100).
-      pcie_gbps: GB/s per direction of every PCIe hop (12 for gen3 x16, 24 for gen4).
+      nvlink_gbps: achieved GB/s per direction of one NVLink (None: from ``gpu`` or the link counts,
+        module docstring; 22.9 for V100, 17.3 for A100, 20.6 for H100).
+      pcie_gbps: achieved GB/s per direction of every PCIe hop (None: from ``gpu`` or the NVLink
+        generation; 12 for gen3 x16, 24 for gen4).
+      gpu: the GPU model name (e.g. "A100 80GB PCIe", "RTX 2080 Ti"; :data:`jax_blink.presets.GPU_MODELS`).
       inter_socket_gbps: GB/s per direction between two CPU sockets (QPI/UPI/xGMI).
       max_nvlinks_per_gpu: links per GPU above which ``NV<n>`` rows mean an NVSwitch fabric.
       nvswitch: force (True) or forbid (False) the NVSwitch reading; None infers it.
@@ -180,7 +192,7 @@ def parse_topo(text: str, *, nvlink_gbps: float = 25.0, pcie_gbps: float = 12.0,
     return build_topology(n, list(nic_id.values()), pcie, nvlinks, no_p2p=no_p2p, affinity=affinity,
                           nic_attrs=nic_attrs, nvlink_gbps=nvlink_gbps, pcie_gbps=pcie_gbps,
                           inter_socket_gbps=inter_socket_gbps, max_nvlinks_per_gpu=max_nvlinks_per_gpu,
-                          nvswitch=nvswitch, name=name)
+                          nvswitch=nvswitch, gpu=gpu, name=name)
 
 
 # ----------------------------------------------------------------------------- scanning
@@ -294,6 +306,42 @@ def _gpu_columns(m: _Matrix) -> list[int]:
     return sorted(ids)
 
 
+# ----------------------------------------------------------------------------- rates
+# NVLinks per GPU -> NVLink generation, when no GPU model is given: V100 has 6 links, A100 12, H100 18.
+NVLINK_GENERATION_BY_LINKS = ((6, 2), (12, 3), (18, 4))
+# NVLink generation -> PCIe generation of the GPUs that have it (V100 gen3, A100 gen4, H100/B200 gen5).
+PCIE_GEN_BY_NVLINK = {1: 3, 2: 3, 3: 4, 4: 5, 5: 5}
+
+
+def _default_rates(gpu, nvlink_gbps, pcie_gbps, nv, nvswitch_links, notes):
+    """Achieved (NVLink, PCIe) GB/s per link: the given ones, else from ``gpu``'s model, else inferred
+    from the NVLinks per GPU (module docstring). Appends what it inferred to ``notes``."""
+    spec = gpu_model(gpu)
+    if gpu and spec is None:
+        notes.append(f"GPU model {gpu!r} is not in presets.GPU_MODELS: rates inferred from the links")
+    gen = spec[0] if spec else None
+    links = max([sum(c for k, c in nv.items() if g in k) for g in {x for k in nv for x in k}]
+                + list((nvswitch_links or {}).values()) + [0])
+    if links > NVLINK_GENERATION_BY_LINKS[-1][0]:  # NV<n> on every pair: an NVSwitch, n links per GPU
+        links = max(nv.values())
+    if gen is None and links and not spec:
+        gen = next((g for most, g in NVLINK_GENERATION_BY_LINKS if links <= most), 4)
+        if nvlink_gbps is None:
+            notes.append(f"NVLink generation {gen} inferred from {links} NVLinks per GPU (no GPU model "
+                         f"given): {_nvlink_rate(gen):.3g} GB/s achieved per link; pass gpu= to set it")
+    if nvlink_gbps is None:
+        nvlink_gbps = _nvlink_rate(gen if gen else 2)
+    if pcie_gbps is None:
+        if spec:
+            pcie_gbps = pcie_gen_gbps(spec[1], spec[2])
+        else:
+            pcie_gbps = pcie_gen_gbps(PCIE_GEN_BY_NVLINK[gen] if gen else 3)
+            notes.append(f"PCIe taken as gen{PCIE_GEN_BY_NVLINK[gen] if gen else 3} x16 "
+                         f"({pcie_gbps:.3g} GB/s achieved){' for NVLink' + str(gen) + ' GPUs' if gen else ''}; "
+                         f"pass gpu= or pcie_gbps= to set it")
+    return float(nvlink_gbps), float(pcie_gbps)
+
+
 # ----------------------------------------------------------------------------- model building
 @dataclass
 class _Group:
@@ -303,9 +351,10 @@ class _Group:
 
 def build_topology(n_gpus: int, nics: list[str], pcie: dict, nvlinks: dict, *, no_p2p=(),
                    affinity: dict | None = None, nic_attrs: dict | None = None,
-                   nvlink_gbps: float = 25.0, pcie_gbps: float = 12.0, inter_socket_gbps: float = 20.0,
-                   max_nvlinks_per_gpu: int = 18, nvswitch: bool | None = None,
-                   nvswitch_links: dict | None = None, name: str = "nvidia-smi") -> Topology:
+                   nvlink_gbps: float | None = None, pcie_gbps: float | None = None,
+                   inter_socket_gbps: float = 20.0, max_nvlinks_per_gpu: int = 18,
+                   nvswitch: bool | None = None, nvswitch_links: dict | None = None, gpu: str | None = None,
+                   name: str = "nvidia-smi") -> Topology:
     """Build the model described in the module docstring from pairwise relations.
 
     Args:
@@ -318,26 +367,30 @@ def build_topology(n_gpus: int, nics: list[str], pcie: dict, nvlinks: dict, *, n
       nic_attrs: NIC id -> extra node attributes.
       nvswitch_links: GPU -> NVLinks it has into an NVSwitch, when known (NVML reports links to the
         switch itself); these GPUs join one ``"nvswitch"`` node and ``nvlinks`` keeps direct links.
-      nvlink_gbps, pcie_gbps, inter_socket_gbps, max_nvlinks_per_gpu, nvswitch, name: as in
+      nvlink_gbps, pcie_gbps, inter_socket_gbps, max_nvlinks_per_gpu, nvswitch, gpu, name: as in
         :func:`parse_topo`.
 
     Raises TopologyError on non-positive bandwidths.
     """
     for label, v in (("nvlink_gbps", nvlink_gbps), ("pcie_gbps", pcie_gbps),
                      ("inter_socket_gbps", inter_socket_gbps)):
+        if v is None and label != "inter_socket_gbps":
+            continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise TopologyError(f"{label} must be a number > 0 (GB/s per direction), got {v!r}")
     affinity = affinity or {}
     no_p2p = set(no_p2p)
     t = Topology(name)
     for g in range(n_gpus):
-        t.add_gpu(g)
+        peers = sorted(x for k in no_p2p if g in k for x in k if x != g)
+        t.add_gpu(g, **({"no_p2p": tuple(peers)} if peers else {}))
     for nic in nics:
         t.add_switch(nic, "nic", **(nic_attrs or {}).get(nic, {}))
 
     # NVLink: direct links, or one NVSwitch when the counts exceed what a GPU has.
     nv = {k: c for k, c in nvlinks.items() if k not in no_p2p}
     per_gpu = {g: sum(c for k, c in nv.items() if g in k) for g in range(n_gpus)}
+    nvlink_gbps, pcie_gbps = _default_rates(gpu, nvlink_gbps, pcie_gbps, nv, nvswitch_links, t.notes)
     if nvswitch is None:
         nvswitch = any(v > max_nvlinks_per_gpu for v in per_gpu.values())
     if nvswitch_links:

@@ -1,19 +1,30 @@
 """Machine presets: real interconnects, each with its source, and a multi-node constructor.
 
-Bandwidths are GB/s (1e9 B/s) per direction. Sources used throughout:
+Bandwidths are GB/s (1e9 B/s) per direction. **Every link's ``bandwidth_gbps`` is its achieved rate**:
+the line rate times the fraction of it that NCCL's long transfers reach on that kind of link (the
+"achieved fraction" or link efficiency; tables below, each with its measurement). The planner's LPs
+use these rates as capacities and the simulator as service rates, so plan rates, bounds and
+simulated busbw are all in achieved GB/s. Keywords that take a rate from the user
+(``nvlink_gbps=``, ``pcie_gbps=``, ``nic_gbps=``, ...) mean an achieved rate too.
+
+Sources used throughout:
 
 - NVIDIA DGX-1 system architecture whitepapers (WP-08437-001 P100, WP-08437-002 V100): hybrid
   cube-mesh NVLink, 4 PCIe switches with two GPUs each, two per CPU socket, QPI between sockets.
 - NVIDIA DGX-2 / DGX A100 / DGX H100 user guides and architecture whitepapers (NVSwitch fabrics).
 - The real ``nvidia-smi topo -m`` matrices in ``tests/data/topologies`` (copied from
   ``shared/topologies``; see its README for where each was posted).
-- Per-link rates: NVLink1 (P100) 20 GB/s, NVLink2/3/4 (V100/A100/H100) 25 GB/s per link per direction;
-  PCIe gen3 x16 about 12 GB/s achievable per direction (nccl-tests / Blink, MLSys 2020, section 2).
+- Line rates per link per direction: NVLink1 (P100) 20 GB/s, NVLink2/3/4 (V100/A100/H100) 25 GB/s,
+  NVLink5 (B200) 50 GB/s; PCIe 8/16/32 GT/s per lane for gen3/4/5 with 128b/130b encoding (gen3 x16
+  15.75 GB/s).
+- Achieved fractions: :data:`NVLINK_EFFICIENCY`, :data:`PCIE_EFFICIENCY`, :data:`NET_EFFICIENCY`
+  (measurements named there); ``benchmarks/fidelity.py`` compares the simulator with them.
 
 Modelling choices (documented once here):
 
 - An NVSwitch fabric is one node ``"nvswitch"`` (kind ``nvswitch``); each GPU joins it with its
   NVLink count, so every GPU's injection bandwidth is its link budget (the switch is non-blocking).
+  Its links reach the same fraction as direct NVLinks of their generation.
 - The PCIe tree is GPU -- ``pcie-switch-i`` -- ``cpu<s>``, both hops ``PCIE_GEN3_GBPS``; sockets are
   joined by one ``host``-kind link of ``INTER_SOCKET_GBPS``.
 - ``INTER_SOCKET_GBPS = 20``: a QPI link at 9.6 GT/s moves 19.2 GB/s per direction (Intel Xeon E5 v4
@@ -29,12 +40,93 @@ from typing import Callable
 from .errors import TopologyError
 from .topology import Topology
 
-NVLINK1_GBPS = 20.0   # P100, per link per direction
-NVLINK_GBPS = 25.0    # V100 (NVLink2), A100 (NVLink3), H100 (NVLink4), per link per direction
+NVLINK1_GBPS = 20.0   # P100, per link per direction, line rate
+NVLINK_GBPS = 25.0    # V100 (NVLink2), A100 (NVLink3), H100 (NVLink4), per link per direction, line rate
 NVLINK5_GBPS = 50.0   # B200 / GB200 (NVLink5: 18 links, 1.8 TB/s bidirectional), per link per direction
-PCIE_GEN3_GBPS = 12.0  # achievable per direction on a gen3 x16 link
+NVLINK_LINE_GBPS = {1: NVLINK1_GBPS, 2: NVLINK_GBPS, 3: NVLINK_GBPS, 4: NVLINK_GBPS, 5: NVLINK5_GBPS}
+
+# Achieved fraction of the NVLink line rate per generation (NCCL, large messages; direct links and
+# NVSwitch ports alike):
+# - 2 (V100): 22.90 of 25 GB/s: NCCL 2.7.8 broadcast of 1 GiB from GPU 0 to GPU 1 over one NVLink of a
+#   DGX-1V (UCBerkeley-Spring2022-CS267-project/blinkplus, test_bandwidth/logs; 45.77 over a double link).
+# - 3 (A100): 208 of 300 GB/s: all_reduce_perf busbw of 2 A100 PCIe joined by 12 NVLinks (NVIDIA/nccl-tests
+#   issue 178); an 8x A100 SXM4 NVSwitch box reaches about 200 (NVIDIA/nccl-tests issue 149).
+# - 4 (H100): 370 of 450 GB/s: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get
+#   an effective NVLink bandwidth of 370GB/s" (NCCL maintainer, NVIDIA/nccl-tests issue 212).
+# - 1 (P100) and 5 (B200): no measurement at hand; assumed equal to the next known generation.
+NVLINK_EFFICIENCY = {1: 22.90 / 25.0, 2: 22.90 / 25.0, 3: 208.0 / 300.0, 4: 370.0 / 450.0, 5: 370.0 / 450.0}
+
+# PCIe: payload bits per transferred bit by GT/s per lane (PCI Express Base Specification: 8b/10b up to
+# 5 GT/s (gen1/gen2), 128b/130b from 8 GT/s (gen3+)), and the achieved fraction of the encoded line
+# rate (TLP/DLLP headers, flow control): gen3 x16 moves about 12 GB/s per direction of its 15.75
+# (nccl-tests PCIe boxes; Blink, MLSys 2020, section 2). NCCL's own table gives the same numbers
+# within 2% (src/graph/topo.cc: kvDictPciGen, width * speed / 80 GB/s).
+PCIE_GTS = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}
+_GEN12_MAX_GTS = 5.0
+PCIE_EFFICIENCY = 12.0 / (8.0 * 16 * 128 / 130 / 8)
+
+# Network: achieved fraction of a NIC's line rate: 3 nodes of 8 A100 with 4 HDR (200 Gb/s) NICs each,
+# all_reduce_perf peak busbw about 96 GB/s of the 100 GB/s per node (NVIDIA/nccl-tests issue 119).
+NET_EFFICIENCY = 96.0 / 100.0
+
+
+def nvlink_gbps(generation: int) -> float:
+    """Achieved GB/s per NVLink per direction of NVLink ``generation`` (1..5): line rate x
+    :data:`NVLINK_EFFICIENCY`. Raises TopologyError for an unknown generation."""
+    if generation not in NVLINK_LINE_GBPS:
+        raise TopologyError(f"unknown NVLink generation {generation!r}; expected one of "
+                            f"{sorted(NVLINK_LINE_GBPS)}")
+    return NVLINK_LINE_GBPS[generation] * NVLINK_EFFICIENCY[generation]
+
+
+def pcie_link_gbps(gts: float, width: int, efficiency: float | None = None) -> float:
+    """Achieved GB/s per direction of a PCIe link: ``gts`` GT/s per lane x ``width`` lanes.
+
+    ``GT/s x lanes x encoding / 8 x efficiency``, encoding 8/10 up to 5 GT/s (gen1/gen2) and 128/130
+    from 8 GT/s (gen3+), efficiency :data:`PCIE_EFFICIENCY` (0.762) unless given: gen3 x16 -> 12.0,
+    gen4 x16 -> 24.0, gen5 x16 -> 48.0, gen2 x8 -> 3.05 GB/s. ``efficiency=1`` gives the line rate
+    (gen3 x16 15.75).
+    """
+    encoding = 8 / 10 if gts <= _GEN12_MAX_GTS else 128 / 130
+    return gts * width * encoding / 8 * (PCIE_EFFICIENCY if efficiency is None else efficiency)
+
+
+def pcie_gen_gbps(generation: int, width: int = 16) -> float:
+    """Achieved GB/s per direction of a PCIe gen ``generation`` x ``width`` link (:func:`pcie_link_gbps`).
+    Raises TopologyError for an unknown generation."""
+    if generation not in PCIE_GTS:
+        raise TopologyError(f"unknown PCIe generation {generation!r}; expected one of {sorted(PCIE_GTS)}")
+    return pcie_link_gbps(PCIE_GTS[generation], width)
+
+
+PCIE_GEN3_GBPS = pcie_gen_gbps(3)  # 12.0: achieved per direction on a gen3 x16 link
 INTER_SOCKET_GBPS = 20.0  # see the module docstring
-EDR_IB_GBPS = 12.5    # 100 Gb/s EDR InfiniBand, the DGX-1's NICs
+EDR_IB_GBPS = 12.5 * NET_EFFICIENCY  # 100 Gb/s EDR InfiniBand (the DGX-1's NICs), achieved: 12.0
+
+# GPU model (a substring of the name NVML / nvidia-smi print) -> (NVLink generation or None, PCIe
+# generation, PCIe lanes). Sources: the vendor datasheets (P100/V100 PCIe gen3 x16; A100, A40,
+# RTX 30xx/40xx gen4 x16; H100/H200/B200 gen5 x16; Turing's NVLink bridge is NVLink2, GA102's NVLink3).
+# Longer names first: "A100" must not match "A10".
+GPU_MODELS = (
+    ("GH200", (4, 5, 16)), ("GB200", (5, 5, 16)), ("B200", (5, 5, 16)), ("B100", (5, 5, 16)),
+    ("H100", (4, 5, 16)), ("H200", (4, 5, 16)), ("H800", (4, 5, 16)), ("H20", (4, 5, 16)),
+    ("A100", (3, 4, 16)), ("A800", (3, 4, 16)), ("A40", (3, 4, 16)), ("RTX 3090", (3, 4, 16)),
+    ("RTX 4090", (None, 4, 16)), ("L40", (None, 4, 16)), ("A10", (None, 4, 16)),
+    ("V100", (2, 3, 16)), ("RTX 2080", (2, 3, 16)), ("T4", (None, 3, 16)), ("P100", (1, 3, 16)),
+)
+
+
+def gpu_model(name: str | None):
+    """(NVLink generation or None, PCIe generation, PCIe lanes) of the GPU model ``name`` (e.g.
+    "NVIDIA A100 80GB PCIe", "RTX 2080 Ti"), or None when ``name`` is None or not in :data:`GPU_MODELS`."""
+    if not name:
+        return None
+    up = str(name).upper()
+    for sub, spec in GPU_MODELS:
+        if sub.upper() in up:
+            return spec
+    return None
+
 
 # DGX-1 hybrid cube-mesh (DGX-1 V100 whitepaper WP-08437-002, fig. 2; matches
 # tests/data/topologies/dgx1v_v100.txt). P100 uses the same 16 GPU pairs with one link each.
@@ -90,26 +182,29 @@ def _dgx1(name: str, per_link: float, double: bool, pcie: bool, nics: bool) -> T
 
 
 def dgx1p(*, pcie: bool = True, nics: bool = False) -> Topology:
-    """DGX-1P (8x P100-SXM2): cube-mesh of 16 single NVLink1 links, 20 GB/s each, 4 per GPU.
+    """DGX-1P (8x P100-SXM2): cube-mesh of 16 single NVLink1 links, 20 GB/s line rate each, 4 per GPU
+    (``nvlink_gbps(1)`` achieved).
 
     Source: NVIDIA DGX-1 system architecture whitepaper (WP-08437-001), fig. 2; Blink (MLSys 2020),
     fig. 1. ``pcie=True`` adds the DGX-1 PCIe tree (see :func:`dgx1v`); ``nics=True`` adds its 4 NICs.
     """
-    return _dgx1("dgx1p", NVLINK1_GBPS, False, pcie, nics)
+    return _dgx1("dgx1p", nvlink_gbps(1), False, pcie, nics)
 
 
 def dgx1v(*, pcie: bool = True, nics: bool = False) -> Topology:
-    """DGX-1V (8x V100-SXM2): hybrid cube-mesh, 25 GB/s per link per direction, 6 links per GPU.
+    """DGX-1V (8x V100-SXM2): hybrid cube-mesh, 6 links per GPU of 25 GB/s line rate per direction
+    (``nvlink_gbps(2)`` = 22.9 GB/s achieved).
 
     NVLink: double links 0-3, 0-4, 1-2, 1-5, 2-3, 4-7, 5-6, 6-7; single links 0-1, 0-2, 1-3, 2-6,
     3-7, 4-5, 4-6, 5-7. PCIe (``pcie=True``): GPUs {0,1}, {2,3} under ``pcie-switch-0/1`` on ``cpu0``,
     {4,5}, {6,7} under ``pcie-switch-2/3`` on ``cpu1``, gen3 x16 (12 GB/s), QPI between sockets
-    (20 GB/s, see module docstring). ``nics=True`` adds one 100 Gb/s EDR NIC (12.5 GB/s) per switch.
+    (20 GB/s, see module docstring). ``nics=True`` adds one 100 Gb/s EDR NIC (12.5 GB/s line rate,
+    ``EDR_IB_GBPS`` = 12.0 achieved) per switch.
 
     Source: NVIDIA DGX-1 V100 whitepaper (WP-08437-002), figs. 2 and 4; the real matrix
     ``tests/data/topologies/dgx1v_v100.txt``; Blink (MLSys 2020), fig. 1.
     """
-    return _dgx1("dgx1v", NVLINK_GBPS, True, pcie, nics)
+    return _dgx1("dgx1v", nvlink_gbps(2), True, pcie, nics)
 
 
 def _nvswitch_box(name: str, n: int, links: int, per_link: float) -> Topology:
@@ -122,31 +217,34 @@ def _nvswitch_box(name: str, n: int, links: int, per_link: float) -> Topology:
 
 
 def dgx2() -> Topology:
-    """DGX-2 (16x V100-SXM3) through NVSwitch: 6 links x 25 GB/s = 150 GB/s per GPU per direction.
+    """DGX-2 (16x V100-SXM3) through NVSwitch: 6 links x 25 GB/s = 150 GB/s line rate per GPU per
+    direction (6 x ``nvlink_gbps(2)`` = 137.4 achieved).
 
     The two baseboards' 12 NVSwitch chips form one non-blocking fabric, modelled as one node
     ``"nvswitch"``. Source: NVIDIA DGX-2 system architecture whitepaper (WP-09060-001).
     """
-    return _nvswitch_box("dgx2", 16, 6, NVLINK_GBPS)
+    return _nvswitch_box("dgx2", 16, 6, nvlink_gbps(2))
 
 
 def dgx_a100() -> Topology:
-    """DGX A100 (8x A100-SXM4) through NVSwitch: 12 links x 25 GB/s = 300 GB/s per GPU per direction.
+    """DGX A100 (8x A100-SXM4) through NVSwitch: 12 links x 25 GB/s = 300 GB/s line rate per GPU per
+    direction (12 x ``nvlink_gbps(3)`` = 208 achieved).
 
     Source: NVIDIA DGX A100 system architecture whitepaper (WP-10083-001); A100 NVLink3 is
     12 links at 25 GB/s per direction each.
     """
-    return _nvswitch_box("dgx-a100", 8, 12, NVLINK_GBPS)
+    return _nvswitch_box("dgx-a100", 8, 12, nvlink_gbps(3))
 
 
 def dgx_h100() -> Topology:
-    """DGX H100 (8x H100-SXM5) through NVSwitch: 18 links x 25 GB/s = 450 GB/s per GPU per direction.
+    """DGX H100 (8x H100-SXM5) through NVSwitch: 18 links x 25 GB/s = 450 GB/s line rate per GPU per
+    direction (18 x ``nvlink_gbps(4)`` = 370 achieved).
 
     Source: NVIDIA DGX H100 user guide / H100 Tensor Core GPU architecture whitepaper (NVLink4,
     18 links, 900 GB/s bidirectional); the real matrix ``tests/data/topologies/h100_sxm_nvswitch.txt``
     shows NV18 on every pair.
     """
-    return _nvswitch_box("dgx-h100", 8, 18, NVLINK_GBPS)
+    return _nvswitch_box("dgx-h100", 8, 18, nvlink_gbps(4))
 
 
 def pcie_2socket(*, pcie_gbps: float = PCIE_GEN3_GBPS,
@@ -170,7 +268,8 @@ def multi_node(node: str | Topology, n_nodes: int, nic_gbps: float, nics_per_nod
     Args:
       node: a preset name or a Topology whose GPUs are the node's devices.
       n_nodes: number of nodes (>= 1).
-      nic_gbps: GB/s per direction of each NIC (e.g. 12.5 for 100 Gb/s InfiniBand).
+      nic_gbps: achieved GB/s per direction of each NIC (e.g. ``EDR_IB_GBPS`` = 12.0 for 100 Gb/s
+        InfiniBand: 12.5 line rate x ``NET_EFFICIENCY``).
       nics_per_node: NICs per node (>= 1).
 
     Returns a Topology where node k's i-th GPU (in sorted order) is GPU ``k*G + i`` (G = GPUs per
@@ -229,7 +328,8 @@ def multi_node(node: str | Topology, n_nodes: int, nic_gbps: float, nics_per_nod
 
 
 def dgx1v_4node() -> Topology:
-    """4 DGX-1V nodes, one 100 Gb/s EDR InfiniBand NIC (12.5 GB/s) each, through one network.
+    """4 DGX-1V nodes, one 100 Gb/s EDR InfiniBand NIC (``EDR_IB_GBPS``, 12.0 GB/s achieved) each,
+    through one network.
 
     Source: Blink (MLSys 2020), section 5/6 multi-server setting (DGX-1 class servers over
     InfiniBand); NIC rate from the DGX-1 whitepaper (EDR IB).

@@ -3,13 +3,24 @@
 The model (an alpha-beta model per link, evaluated as a discrete event simulation):
 
 * Every directed physical edge of the :class:`~jax_blink.topology.Topology` is a FIFO queue that
-  serves one message at a time at its ``bandwidth_gbps`` (GB/s = 1e9 B/s). Switch, PCIe, CPU and
-  host nodes are ordinary nodes, so transfers routed through them share their edges' capacity.
+  serves one message at a time at its ``bandwidth_gbps`` (GB/s = 1e9 B/s; the link's achieved rate:
+  line rate x the achieved fraction of its kind, set by the topology sources, see
+  :mod:`jax_blink.presets`). Switch, PCIe, CPU and host nodes are ordinary nodes, so transfers routed
+  through them share their edges' capacity.
 * The data of a plan is split across its trees in proportion to the tree weights (Blink, MLSys 2020,
   section 4.1) and each tree's segment is cut into chunks.
 * A chunk crossing a GPU-level tree edge is one *message*. It crosses each physical edge of its
   route store-and-forward (a hop starts when the whole chunk has arrived and the edge is free) and,
-  after its last hop, pays ``latency_us`` once (the alpha term of a GPU-to-GPU send).
+  after its last hop, pays ``latency_us`` once (the alpha term of a GPU-to-GPU send) plus the
+  per-chunk protocol latency of its route's slowest link kind (:data:`PROTOCOL_LATENCY_US`). That
+  term delays the chunk but does not hold the links: the sender's next chunks are already queued
+  (NCCL keeps NCCL_STEPS = 8 chunk slots in flight per connection for the same reason).
+* Host staging: a send between GPUs without peer access (GPU node attribute ``no_p2p``, set by
+  :mod:`jax_blink.nvsmi` and NVML discovery from ``topo -p2p``) is two copies through host memory:
+  GPU -> host memory over the sender's PCIe path to its CPU, then host memory -> GPU down the
+  receiver's path. Each copy is its own send (it pays the latencies) and both pass the socket's
+  host-memory staging queue (:data:`HOST_STAGING_GBPS`, shared by every staged copy of that socket,
+  in both directions), as the CUDA driver's and NCCL's shared-memory transport stage them.
 * Reduce: a GPU forwards chunk j to its parent when chunk j arrived from all its reduce children.
   Broadcast: a GPU forwards chunk j to its children when it holds chunk j. All-reduce: a tree's
   broadcast of chunk j starts at the root as soon as the root finished reducing chunk j, so chunks
@@ -39,6 +50,20 @@ from .schedule import COPY, REDUCE, Schedule, choose_chunks
 from .topology import _key
 
 DEFAULT_LATENCY_US = 2.0
+
+#: Per-chunk protocol latency in microseconds by link kind, paid once per GPU-to-GPU send for the
+#: slowest kind on its route (net > pcie/host > nvlink/nvswitch). Source: NCCL src/graph/tuning.cc,
+#: ``hwLat`` for the ring algorithm and the LL protocol (NVLink 0.6, PCI 1.0, network 2.7 us per step).
+PROTOCOL_LATENCY_US = {"nvlink": 0.6, "nvswitch": 0.6, "pcie": 1.0, "host": 1.0, "net": 2.7}
+
+#: GB/s of one CPU socket's host-memory staging path, shared by every copy staged through it (both
+#: the GPU -> host and the host -> GPU copy of each send). Calibrated: 2x RTX 2080 Ti on one PCIe
+#: switch without peer access reach an all-reduce busbw of 4.0 GB/s (Anthony-Hoo.github.io,
+#: posts/AutoDL_Multi-GPU_Interconnection_Test.md); that all-reduce stages 2S bytes of sends, each
+#: written to and read from host memory, so 4S bytes cross the path in S / 4.0 GB/s seconds.
+HOST_STAGING_GBPS = 16.0
+_HOST_MEMORY = "host-memory"  # first element of the virtual staging queue's key (_HOST_MEMORY, cpu)
+_KIND_ORDER = ("nvswitch", "nvlink", "host", "pcie", "net")
 DEFAULT_MAX_CHUNKS = 64
 CHUNK_BUDGET = 2048  # default chunking keeps about this many chunks per plan (simulation cost)
 COLLECTIVES = ("allreduce", "broadcast", "reduce")
@@ -82,7 +107,7 @@ def busbw_factor(collective: str, n: int) -> float:
 
 def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAULT_LATENCY_US,
              chunk_bytes: float | None = None, topology=None, devices=None,
-             max_chunks: int = DEFAULT_MAX_CHUNKS) -> SimResult:
+             max_chunks: int = DEFAULT_MAX_CHUNKS, protocol_latency_us: float | None = None) -> SimResult:
     """Simulate one collective of ``nbytes`` bytes per rank on a topology's links.
 
     Args:
@@ -101,6 +126,8 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
       devices: for a Schedule, the topology GPU of each rank (default: ``plan``-less schedules use
         the topology's GPUs in sorted order; must have ``nranks`` entries).
       max_chunks: upper bound on chunks per tree for a Plan when ``chunk_bytes`` is None.
+      protocol_latency_us: per-chunk protocol latency of every send in microseconds (>= 0); None:
+        :data:`PROTOCOL_LATENCY_US` of the slowest link kind on the send's route.
 
     Returns: a :class:`SimResult`.
 
@@ -110,12 +137,16 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
       ScheduleError: a schedule whose rank count does not match ``devices``.
 
     Method: discrete event simulation of per-link FIFO queues (module docstring); Blink (Wang et
-    al., MLSys 2020) sections 4.1-4.2 for splitting and pipelining.
+    al., MLSys 2020) sections 4.1-4.2 for splitting and pipelining; host staging and the protocol
+    latency as in the module docstring.
     """
     if not (isinstance(nbytes, (int, float)) and math.isfinite(nbytes) and nbytes > 0):
         raise BlinkError(f"nbytes must be a positive number of bytes, got {nbytes!r}")
     if not (isinstance(latency_us, (int, float)) and math.isfinite(latency_us) and latency_us >= 0):
         raise BlinkError(f"latency_us must be >= 0, got {latency_us!r}")
+    if protocol_latency_us is not None and not (isinstance(protocol_latency_us, (int, float))
+                                                and math.isfinite(protocol_latency_us) and protocol_latency_us >= 0):
+        raise BlinkError(f"protocol_latency_us must be >= 0 or None, got {protocol_latency_us!r}")
     if chunk_bytes is not None and not (math.isfinite(chunk_bytes) and chunk_bytes > 0):
         raise BlinkError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes!r}")
     if topology is None:
@@ -135,7 +166,10 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
         topology.check_devices(plan.devices)
         msgs = _plan_messages(plan, float(nbytes), topology, latency_s, chunk_bytes, max_chunks)
         collective, algorithm, n = plan.collective, getattr(plan, "algorithm", "trees"), len(plan.devices)
+    msgs = _stage_through_host(msgs, topology)
+    _set_protocol_latency(msgs, topology, protocol_latency_us)
     time_s, busy, carried = _run(msgs, topology, latency_s)
+    carried = {e: b for e, b in carried.items() if e[0] != _HOST_MEMORY}
     if n <= 1 or time_s == 0.0:
         algbw = math.inf
         busbw = math.inf if busbw_factor(collective, max(n, 1)) > 0 else 0.0
@@ -226,6 +260,7 @@ class _Msg:
     hops: tuple
     deps: list
     prio: tuple  # served first when smaller: (fraction of its segment done, creation order)
+    extra_s: float = 0.0  # per-chunk protocol latency, paid with the alpha term after the last hop
 
 
 def _plan_messages(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks) -> list[_Msg]:
@@ -317,6 +352,55 @@ def _schedule_messages(sched, nbytes, topology, devs) -> list[_Msg]:
     return msgs
 
 
+# --------------------------------------------------------------------------- timing
+def _stage_through_host(msgs: list[_Msg], topology) -> list[_Msg]:
+    """Split every send between GPUs without peer access into two copies through host memory.
+
+    The first copy takes the route up to its first CPU node and then the socket's staging queue
+    ``(_HOST_MEMORY, cpu)``; the second depends on it and takes the queue, then the rest of the route.
+    Dependents of the send wait for the second copy. Raises PlanError when such a route passes no CPU.
+    """
+    g = topology.graph
+    cut = {}
+    for i, m in enumerate(msgs):
+        if m.hops and m.hops[-1][1] in g.nodes[m.hops[0][0]].get("no_p2p", ()):
+            k = next((k for k, (_, b) in enumerate(m.hops) if g.nodes[b].get("kind") == "cpu"), None)
+            if k is None:
+                raise PlanError(f"GPUs {m.hops[0][0]} and {m.hops[-1][1]} have no peer access but their "
+                                f"route {m.hops} passes no CPU node to stage through; give the topology "
+                                f"its PCIe tree up to the CPU")
+            cut[i] = k
+    if not cut:
+        return msgs
+    last, n = [], 0  # index of each send's final copy in the new list
+    for i in range(len(msgs)):
+        n += 2 if i in cut else 1
+        last.append(n - 1)
+    out = []
+    for i, m in enumerate(msgs):
+        deps = [last[d] for d in m.deps]
+        if i not in cut:
+            out.append(_Msg(m.nbytes, m.hops, deps, m.prio, m.extra_s))
+            continue
+        k = cut[i]
+        q = (_HOST_MEMORY, m.hops[k][1])
+        out.append(_Msg(m.nbytes, m.hops[:k + 1] + (q,), deps, m.prio, m.extra_s))
+        out.append(_Msg(m.nbytes, (q,) + m.hops[k + 1:], [len(out) - 1], m.prio, m.extra_s))
+    return out
+
+
+def _set_protocol_latency(msgs: list[_Msg], topology, protocol_latency_us) -> None:
+    """Set each send's protocol latency: the given value, or that of its slowest link kind."""
+    g = topology.graph
+    for m in msgs:
+        if protocol_latency_us is not None:
+            m.extra_s = protocol_latency_us * 1e-6
+            continue
+        kinds = [g.edges[e]["kind"] for e in m.hops if e[0] != _HOST_MEMORY and g.has_edge(*e)]
+        slowest = max(kinds, key=lambda k: _KIND_ORDER.index(k) if k in _KIND_ORDER else -1, default=None)
+        m.extra_s = PROTOCOL_LATENCY_US.get(slowest, 0.0) * 1e-6
+
+
 # --------------------------------------------------------------------------- engine
 _ARRIVE, _SERVE = 0, 1
 
@@ -332,7 +416,9 @@ def _run(msgs: list[_Msg], topology, latency_s: float):
     bw = {}
     for m in msgs:
         for e in m.hops:
-            if e not in bw:
+            if e not in bw and e[0] == _HOST_MEMORY:
+                bw[e] = HOST_STAGING_GBPS * 1e9
+            elif e not in bw:
                 d = g.get_edge_data(*e)
                 if d is None:
                     raise PlanError(f"message routed over {e}, which is not a link of {topology.name!r}")
@@ -368,7 +454,7 @@ def _run(msgs: list[_Msg], topology, latency_s: float):
                     heapq.heappush(events, (t, _SERVE, seq, e))
                     seq += 1
                 continue
-            finish = t + latency_s  # alpha: once per GPU-to-GPU send, does not hold the links
+            finish = t + latency_s + m.extra_s  # alpha + protocol: once per send, not holding links
             done += 1
             end = max(end, finish)
             for d in dependents[i]:
