@@ -14,7 +14,9 @@ from jax_blink import Topology, TopologyError, load_topology
 from jax_blink.cli import main
 from jax_blink.ncclxml import NVLINK_GBPS_BY_SM, nvlink_gbps_for_sm, parse_nccl_xml, pcie_link_gbps
 from jax_blink.nvsmi import parse_topo
-from jax_blink.presets import preset
+from jax_blink.presets import NVLINK_EFFICIENCY, nvlink_gbps, preset
+
+V2 = nvlink_gbps(2)  # achieved GB/s per NVLink2 (V100, sm 70)
 
 XML = "dgx1v_nccl_topo.xml"
 
@@ -45,16 +47,17 @@ def test_dgx1v_dump_link_table(dgx1v_xml):
     assert nvlink_table(t) == want
     # the same cube-mesh as the preset and as the DGX-1V's nvidia-smi topo -m matrix
     assert want == nvlink_table(preset("dgx1v"))
-    assert t.bandwidth(0, 3) == 50.0 and t.bandwidth(0, 1) == 25.0  # sm 70: 25 GB/s per link
+    assert t.bandwidth(0, 3) == 2 * V2 and t.bandwidth(0, 1) == V2  # sm 70: 25 GB/s line rate per link
     # PCIe: 4 PLX switches (8 GT/s x16 = 12 GB/s), 2 per socket; on cpu0 one 1 GbE NIC (5 GT/s x8 PCIe,
-    # 1000 Mb/s = 0.125 GB/s) and one virtual NIC (lxcbr0 + br-..., 2 x 10000 Mb/s = 2.5 GB/s)
+    # 1000 Mb/s = 0.125 GB/s line rate, 0.12 achieved) and one virtual NIC (lxcbr0 + br-..., 2 x 10000
+    # Mb/s = 2.5 GB/s line rate, 2.4 achieved)
     assert undirected(t) == {
         ("0", "pcie-switch-0"): 12.0, ("1", "pcie-switch-0"): 12.0, ("2", "pcie-switch-1"): 12.0,
         ("3", "pcie-switch-1"): 12.0, ("4", "pcie-switch-2"): 12.0, ("5", "pcie-switch-2"): 12.0,
         ("6", "pcie-switch-3"): 12.0, ("7", "pcie-switch-3"): 12.0,
         ("cpu0", "pcie-switch-0"): 12.0, ("cpu0", "pcie-switch-1"): 12.0,
         ("cpu1", "pcie-switch-2"): 12.0, ("cpu1", "pcie-switch-3"): 12.0,
-        ("cpu0", "nic0"): 0.125, ("cpu0", "nic1"): 2.5, ("cpu0", "cpu1"): 20.0}
+        ("cpu0", "nic0"): 0.12, ("cpu0", "nic1"): 2.4, ("cpu0", "cpu1"): 20.0}
     assert t.graph.nodes["nic0"]["device"] == "enp1s0f0"
     assert t.graph.nodes["nic1"]["device"] == "lxcbr0,br-d774142ed332"
     assert t.graph.nodes["pcie-switch-1"]["bus"] == "0000:08:00.0"
@@ -72,8 +75,8 @@ def test_dgx1v_dump_agrees_with_topo_m_matrix(dgx1v_xml, topology_dir):
 def test_dgx1v_dump_plans_like_the_preset(dgx1v_xml):
     t = parse_nccl_xml(dgx1v_xml)
     p = jax_blink.plan(t, "broadcast", root=0)
-    # 6 NVLinks x 25 + the PCIe hop 12 leave GPU 0: the max-flow bound, reached
-    assert p.rate_gbps == pytest.approx(162.0) and p.bound_gbps == pytest.approx(162.0)
+    # 6 NVLinks x 22.9 + the PCIe hop 12 leave GPU 0: the max-flow bound, reached
+    assert p.rate_gbps == pytest.approx(6 * V2 + 12) and p.bound_gbps == pytest.approx(6 * V2 + 12)
     a = jax_blink.plan(t, "allreduce")
     assert a.rate_gbps == pytest.approx(jax_blink.plan(preset("dgx1v"), "allreduce").rate_gbps)
 
@@ -82,7 +85,7 @@ def test_option_overrides(dgx1v_xml):
     t = parse_nccl_xml(dgx1v_xml, nvlink_gbps=20.0, pcie_gbps=24.0, inter_socket_gbps=30.0)
     assert t.bandwidth(0, 3) == 40.0 and t.bandwidth(0, "pcie-switch-0") == 24.0
     assert t.bandwidth("cpu0", "cpu1") == 30.0
-    assert t.bandwidth("nic0", "cpu0") == 0.125  # a NIC is still capped by its port speed
+    assert t.bandwidth("nic0", "cpu0") == 0.12  # a NIC is still capped by its port speed (achieved)
     with pytest.raises(TopologyError, match=r"nvlink_gbps must be a finite number > 0.*got 0"):
         parse_nccl_xml(dgx1v_xml, nvlink_gbps=0)
 
@@ -105,7 +108,8 @@ def test_pcie_rates():
 
 def test_nvlink_rate_by_sm():
     assert [nvlink_gbps_for_sm(sm) for sm in (60, 61, 70, 75, 80, 86, 90, 100, 103)] == \
-        [20.0, 20.0, 25.0, 25.0, 25.0, 14.0625, 25.0, 50.0, 50.0]
+        [nvlink_gbps(g) for g in (1, 1, 2, 2, 3)] + [14.0625 * NVLINK_EFFICIENCY[3]] + \
+        [nvlink_gbps(g) for g in (4, 5, 5)]  # line rates 20, 25, 25, 14.0625 (GA102), 25, 50
     assert nvlink_gbps_for_sm(52) is None
     assert [sm for sm, _ in NVLINK_GBPS_BY_SM] == sorted(sm for sm, _ in NVLINK_GBPS_BY_SM)
 
@@ -132,7 +136,7 @@ def test_nvswitch_targets_make_one_nvswitch_node():
     assert nvlink_table(t) == {}
     for g in (0, 1):
         d = t.graph.edges[g, "nvswitch"]
-        assert (d["kind"], d["links"], d["bandwidth_gbps"]) == ("nvswitch", 12, 300.0)
+        assert (d["kind"], d["links"], d["bandwidth_gbps"]) == ("nvswitch", 12, pytest.approx(12 * nvlink_gbps(3)))
     assert t.bandwidth(0, "pcie-switch-0") == pytest.approx(24.0)  # gen4 x16
     assert t.kind("nvswitch") == "nvswitch"
 
@@ -168,7 +172,7 @@ def test_cpu_root_excerpt():
            + '</cpu>')
     t = parse_nccl_xml(xml)
     assert set(t.switches) == {"cpu0"} and nvlink_table(t) == {(0, 1): 4}
-    assert t.bandwidth(0, 1) == 100.0
+    assert t.bandwidth(0, 1) == 4 * nvlink_gbps(4)  # sm 90: NVLink4
     assert any("root is <cpu>" in n for n in t.notes)
 
 
@@ -195,9 +199,9 @@ def test_nvlink_to_cpu_and_unknown_sm_and_missing_target():
            '</cpu></system>')
     t = parse_nccl_xml(xml)
     # POWER9 style: 3 NVLinks to the CPU, on top of the GPU's own gen3 x16 PCIe link to it
-    assert t.graph.edges[0, "cpu0"]["kind"] == "nvlink" and t.bandwidth(0, "cpu0") == pytest.approx(75.0 + 24.0)
+    assert t.graph.edges[0, "cpu0"]["kind"] == "nvlink" and t.bandwidth(0, "cpu0") == pytest.approx(3 * V2 + 24.0)
     assert t.graph.edges["cpu0", 0]["links"] == 4
-    assert nvlink_table(t) == {(0, 1): 1} and t.bandwidth(0, 1) == 25.0
+    assert nvlink_table(t) == {(0, 1): 1} and t.bandwidth(0, 1) == V2
     assert any("no GPU of the file (GPU 0 -> 0000:99:00.0)" in n for n in t.notes)
     assert any(n.startswith("GPU 1: no NVLink GPU architecture") for n in t.notes)
     assert len(t.switches) == 1  # the NVMe drive (class 0x010802) is skipped
@@ -337,7 +341,7 @@ def test_cli_topology_plan_bench_show_accept_xml(capsys, topology_dir, tmp_path)
     assert main(["topology", f, "--json", "--nvlink-gbps", "20"]) == 0
     assert Topology.from_json(capsys.readouterr().out).bandwidth(0, 3) == 40.0
     assert main(["plan", "--topology", f, "--collective", "broadcast", "--root", "0", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["rate_gbps"] == pytest.approx(162.0)
+    assert json.loads(capsys.readouterr().out)["rate_gbps"] == pytest.approx(6 * V2 + 12)
     assert main(["bench", "--topology", f, "--sizes", "64M"]) == 0
     assert "blink" in capsys.readouterr().out
     png = tmp_path / "x.png"

@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 
 from jax_blink import Topology, TopologyError
 from jax_blink.nvsmi import parse_topo
-from jax_blink.presets import DGX1_DOUBLE, DGX1_SINGLE, preset
+from jax_blink.presets import DGX1_DOUBLE, DGX1_SINGLE, nvlink_gbps, preset
+
+V2, V3, V4 = nvlink_gbps(2), nvlink_gbps(3), nvlink_gbps(4)  # achieved GB/s per NVLink (V100/A100/H100)
 
 
 def nvlink_table(t):
@@ -38,7 +40,7 @@ def test_dgx1v_file(topology_dir):
     t = Topology.from_nvidia_smi(read(topology_dir, "dgx1v_v100.txt"))
     want = {tuple(sorted(p)): 2 for p in DGX1_DOUBLE} | {tuple(sorted(p)): 1 for p in DGX1_SINGLE}
     assert nvlink_table(t) == want
-    assert t.bandwidth(0, 3) == 50.0 and t.bandwidth(0, 1) == 25.0
+    assert t.bandwidth(0, 3) == 2 * V2 and t.bandwidth(0, 1) == V2  # 6 links per GPU: NVLink2 (V100)
     # mlx5_0 is PIX with GPU2 and GPU3: they share one switch; NV hides 0-1's and 4..7's PCIe relation,
     # so those attach to their socket's CPU (CPU affinity 0-11,24-35 vs 12-23,36-47).
     assert set(t.switches) == {"cpu0", "cpu1", "pcie-switch-0", "mlx5_0"}
@@ -61,7 +63,7 @@ def test_h100_file_is_nvswitch(topology_dir):
     assert t.kind("nvswitch") == "nvswitch"
     for g in range(8):
         d = t.graph.edges[g, "nvswitch"]
-        assert (d["links"], d["bandwidth_gbps"], d["kind"]) == (18, 450.0, "nvswitch")
+        assert (d["links"], d["bandwidth_gbps"], d["kind"]) == (18, pytest.approx(18 * V4), "nvswitch")
     # each GPU shares a PCIe switch with the NIC marked PIX; NIC0 is SYS to every GPU: left out
     pix = {0: "nic8", 1: "nic7", 2: "nic6", 3: "nic5", 4: "nic4", 5: "nic3", 6: "nic2", 7: "nic1"}
     assert "nic0" not in t.graph
@@ -75,7 +77,7 @@ def test_h100_file_is_nvswitch(topology_dir):
 def test_a100_pairs_file(topology_dir):
     t = parse_topo(read(topology_dir, "a100_pcie_nvlink_pairs.txt"))
     assert nvlink_table(t) == {(0, 1): 12, (2, 3): 12, (4, 5): 12, (6, 7): 12}
-    assert t.bandwidth(0, 1) == 300.0
+    assert t.bandwidth(0, 1) == 12 * V3 and t.bandwidth(0, "cpu0") == 24.0  # NV12: A100, PCIe gen4 x16
     assert set(t.switches) == {"cpu0", "cpu1"}  # NODE/SYS only: every GPU on its socket's root complex
     assert pcie_pairs(t) == {(str(g), f"cpu{g // 4}") for g in range(8)} | {("cpu0", "cpu1")}
 
@@ -155,7 +157,7 @@ def test_direct_full_mesh_is_not_nvswitch():
     t = parse_topo("\n".join(rows))
     assert nvlink_table(t) == {(a, b): 4 for a in range(4) for b in range(a + 1, 4)}
     forced = parse_topo("\n".join(rows), nvswitch=True)
-    assert nvlink_table(forced) == {} and forced.bandwidth(0, "nvswitch") == 100.0
+    assert nvlink_table(forced) == {} and forced.bandwidth(0, "nvswitch") == 4 * V3  # 12 links per GPU: A100
 
 
 def test_nic_legend_names_kept():

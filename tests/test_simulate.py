@@ -8,10 +8,11 @@ from jax_blink.errors import BlinkError, PlanError, ScheduleError
 from jax_blink.packing import Plan, Tree, plan
 from jax_blink.presets import preset
 from jax_blink.schedule import build_schedule
-from jax_blink.simulate import simulate
+from jax_blink.simulate import PROTOCOL_LATENCY_US, simulate
 from jax_blink.topology import Topology
 
 B = 25.0  # GB/s per link
+P = PROTOCOL_LATENCY_US["nvlink"] * 1e-6  # per-chunk protocol latency of a send over NVLink
 
 
 def _line(n, closed=False):
@@ -37,7 +38,7 @@ def test_single_link_is_size_over_bandwidth_plus_latency():
     p = Plan("broadcast", 0, (0, 1), (Tree(0, B, ((0, 1),)),), B, B, "trees")
     S = 10 * 2**20
     r = simulate(p, S, topology=t, latency_us=7.0, chunk_bytes=S)
-    assert r.time_s == pytest.approx(S / 25e9 + 7e-6, rel=1e-12)
+    assert r.time_s == pytest.approx(S / 25e9 + 7e-6 + P, rel=1e-12)
     assert r.algbw_gbps == pytest.approx(S / r.time_s / 1e9) and r.busbw_gbps == r.algbw_gbps
     assert r.link_bytes == {(0, 1): S} and r.link_util[(1, 0)] == 0.0
 
@@ -48,14 +49,14 @@ def test_pipelined_chain_broadcast(n, k):
     p = Plan("broadcast", 0, tuple(range(n)), (Tree(0, B, tuple((i, i + 1) for i in range(n - 1))),), B, B, "trees")
     S = 64 * 2**20
     r = simulate(p, S, topology=t, latency_us=3.0, chunk_bytes=S / k)
-    assert r.time_s == pytest.approx((k + n - 2) * S / k / 25e9 + (n - 1) * 3e-6, rel=1e-9)
+    assert r.time_s == pytest.approx((k + n - 2) * S / k / 25e9 + (n - 1) * (3e-6 + P), rel=1e-9)
 
 
 @pytest.mark.parametrize("n", [3, 4, 8])
 def test_ring_allreduce_one_chunk_exact(n):
     S = 8 * 2**20
     r = simulate(_ring_allreduce(n), S, topology=_line(n, closed=True), latency_us=2.0, chunk_bytes=S / n)
-    assert r.time_s == pytest.approx(2 * (n - 1) * (S / n / 25e9 + 2e-6), rel=1e-9)
+    assert r.time_s == pytest.approx(2 * (n - 1) * (S / n / 25e9 + 2e-6 + P), rel=1e-9)
     assert r.busbw_gbps == pytest.approx(r.algbw_gbps * 2 * (n - 1) / n)
 
 
@@ -93,7 +94,7 @@ def test_schedule_input_matches_plan_input():
     rs = simulate(s, 4 * nelems, topology=t, latency_us=1.0, devices=[0, 1, 2, 3])
     rp = simulate(p, 4 * nelems, topology=t, latency_us=1.0, chunk_bytes=4 * chunk)
     assert rs.time_s == pytest.approx(rp.time_s, rel=1e-9)
-    assert rs.time_s == pytest.approx((16 + 2) * 4 * chunk / 25e9 + 3e-6, rel=1e-9)
+    assert rs.time_s == pytest.approx((16 + 2) * 4 * chunk / 25e9 + 3 * (1e-6 + P), rel=1e-9)
     with pytest.raises(ScheduleError, match="4 ranks but 3 devices"):
         simulate(s, 4 * nelems, topology=t, devices=[0, 1, 2])
 
@@ -148,6 +149,6 @@ def test_dgx1v_three_paths_about_three_times_direct():
     S = 2**30
     rd = simulate(direct, S, topology=t)
     r3 = simulate(three, S, topology=t)
-    assert rd.algbw_gbps == pytest.approx(25.0, rel=0.01)
+    assert rd.algbw_gbps == pytest.approx(22.90, rel=0.01)  # the measured rate (NVLink2 efficiency)
     assert r3.algbw_gbps / rd.algbw_gbps == pytest.approx(3.0, rel=0.03)
     assert r3.link_bytes[(0, 2)] == pytest.approx(S / 3) and r3.link_bytes[(3, 1)] == pytest.approx(S / 3)
