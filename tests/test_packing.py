@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 from jax_blink import bounds
 from jax_blink.errors import PlanError
 from jax_blink.packing import Plan, plan
-from jax_blink.presets import PRESETS
+from jax_blink.presets import EDR_IB_GBPS, PRESETS, nvlink_gbps
 from jax_blink.topology import Topology
 
 TOL = 1e-6
+V2, V4 = nvlink_gbps(2), nvlink_gbps(4)  # achieved GB/s per NVLink (V100, H100)
 
 
 def maxflow_bound(topology, devices, root, reverse=False):
@@ -74,8 +75,8 @@ def test_dgx1v_every_allocation_and_root_broadcast_reduce_reach_maxflow():
 def test_dgx1v_nvlink_allreduce_equals_nash_williams():
     t = PRESETS["dgx1v-nvlink"]()
     full = plan(t, "allreduce")
-    assert full.rate_gbps == pytest.approx(600 / 7, rel=1e-6)
-    assert bounds.nash_williams_value(t, range(8)) == pytest.approx(600 / 7)
+    assert full.rate_gbps == pytest.approx(24 * V2 / 7, rel=1e-6)  # 600/7 at the 25 GB/s line rate
+    assert bounds.nash_williams_value(t, range(8)) == pytest.approx(24 * V2 / 7)
     for k in (2, 3, 4, 5, 6):
         for devs in itertools.combinations(range(8), k):
             if not nx.is_connected(t.subset(devs).graph.to_undirected()):
@@ -105,11 +106,11 @@ def test_presets_full_box_optimal_and_valid(name):
 
 
 def test_known_values():
-    assert plan(PRESETS["dgx1v-nvlink"](), "broadcast").rate_gbps == pytest.approx(150.0)
+    assert plan(PRESETS["dgx1v-nvlink"](), "broadcast").rate_gbps == pytest.approx(6 * V2)
     # H100: 450 GB/s per GPU into the NVSwitch; all-reduce trees: n*c/(2(n-1)) = 8*450/14
-    assert plan(PRESETS["dgx-h100"](), "allreduce").rate_gbps == pytest.approx(8 * 450 / 14, rel=1e-6)
+    assert plan(PRESETS["dgx-h100"](), "allreduce").rate_gbps == pytest.approx(8 * 18 * V4 / 14, rel=1e-6)
     # ring all-reduce rate equals the tree rate on a uniform switch: n*B/(2(n-1)), B = 450
-    assert bounds.ring_rate(PRESETS["dgx-h100"](), range(8)) == pytest.approx(450.0, rel=1e-6)
+    assert bounds.ring_rate(PRESETS["dgx-h100"](), range(8)) == pytest.approx(18 * V4, rel=1e-6)
 
 
 def test_allreduce_roots_spread_and_ring_plan_valid():
@@ -120,11 +121,11 @@ def test_allreduce_roots_spread_and_ring_plan_valid():
     # path through the private helper to check ring trees execute as a valid packing.
     from jax_blink.packing import _ring_trees
     b, rings = bounds.ring_packing(t, range(8))
-    assert b == pytest.approx(150.0, rel=1e-6)
+    assert b == pytest.approx(6 * V2, rel=1e-6)
     rt = tuple(_ring_trees(rings, 8))
     rp = Plan("allreduce", None, tuple(range(8)), rt, sum(x.weight_gbps for x in rt), 0.0, "ring")
     check_plan(t, rp)
-    assert sum(tr.weight_gbps for tr in rp.trees) == pytest.approx(8 * 150 / 14, rel=1e-6)
+    assert sum(tr.weight_gbps for tr in rp.trees) == pytest.approx(8 * 6 * V2 / 14, rel=1e-6)
 
 
 def _pcie_switch_pair():
@@ -148,7 +149,7 @@ def test_switch_routes_share_capacity():
 def test_max_trees_reports_loss():
     t = PRESETS["dgx1v-nvlink"]()
     p = plan(t, "broadcast", max_trees=1)
-    assert len(p.trees) == 1 and p.rate_gbps == pytest.approx(50.0)  # the double-link Hamiltonian path
+    assert len(p.trees) == 1 and p.rate_gbps == pytest.approx(2 * V2)  # the double-link Hamiltonian path
     assert any("max_trees=1" in n for n in p.notes)
     check_plan(t, p)
 
@@ -167,14 +168,14 @@ def test_multi_node_flat_optimum_and_three_phase_plan_valid():
         assert hp.algorithm == "hierarchical"
         check_plan(t, hp)
         check_three_phase(hp, 8)
-        assert hp.bound_gbps == pytest.approx(12.5)  # one NIC of 12.5 GB/s per node is the cut
+        assert hp.bound_gbps == pytest.approx(EDR_IB_GBPS)  # one NIC (12.0 GB/s achieved) per node is the cut
         if coll != "allreduce":
-            assert hp.rate_gbps == pytest.approx(12.5, rel=1e-6)
+            assert hp.rate_gbps == pytest.approx(EDR_IB_GBPS, rel=1e-6)
         else:
             # a spanning tree over 4 nodes crosses the network on >= 3 GPU edges, each using two NIC
-            # egress directions (reduce + broadcast): rate <= 4 * 12.5 / (2 * 3) for any tree packing
-            assert hp.rate_gbps == pytest.approx(4 * 12.5 / 6, rel=1e-6)
-            assert "dual bound 8.333" in hp.notes[0]
+            # egress directions (reduce + broadcast): rate <= 4 * 12.0 / (2 * 3) for any tree packing
+            assert hp.rate_gbps == pytest.approx(4 * EDR_IB_GBPS / 6, rel=1e-6)
+            assert "dual bound 8.000" in hp.notes[0]
 
 
 def check_three_phase(p, G):
@@ -339,10 +340,10 @@ def test_cli_plan_json_table_and_error(capsys):
     assert main(["plan", "--topology", "dgx1v-nvlink", "--devices", "0,1,2,3", "--collective", "broadcast",
                  "--root", "3", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["root"] == 3 and d["rate_gbps"] == pytest.approx(100.0) and d["bound_gbps"] == pytest.approx(100.0)
+    assert d["root"] == 3 and d["rate_gbps"] == pytest.approx(4 * V2) and d["bound_gbps"] == pytest.approx(4 * V2)
     assert main(["plan", "--topology", "dgx1v-nvlink"]) == 0
     out = capsys.readouterr().out
-    assert "85.714" in out and "ring" in out
+    assert "78.514" in out and "ring" in out  # 24 x 22.9 / 7
     assert main(["plan", "--topology", "dgx1v", "--devices", "0,9"]) == 2
     assert "[9]" in capsys.readouterr().err
 
@@ -355,7 +356,7 @@ def test_forced_algorithms():
     ring = plan(t, "allreduce", algorithm="ring")
     assert ring.algorithm == "ring" and len(ring.trees) % 8 == 0
     # n rings' worth of reduce/broadcast paths: the all-reduce rate n*B/(2(n-1)) with B = 150 GB/s of rings
-    assert ring.rate_gbps == pytest.approx(8 * 150 / 14, rel=1e-6)
+    assert ring.rate_gbps == pytest.approx(8 * 6 * V2 / 14, rel=1e-6)
     s = build_schedule(ring, 1001)
     x = np.arange(8 * 1001).reshape(8, 1001)
     np.testing.assert_array_equal(execute(s, x), np.broadcast_to(x.sum(0), x.shape))
@@ -384,8 +385,8 @@ def test_relays_reach_maxflow_over_relay_graph_and_schedule_refuses():
     p = plan(t, "broadcast", devices=[0, 1], root=0, relays=[2, 3])
     g = t.subset([0, 1, 2, 3]).graph
     ref = nx.maximum_flow_value(g, 0, 1, capacity="bandwidth_gbps")
-    assert direct.rate_gbps == pytest.approx(25.0)
-    assert ref == pytest.approx(100.0)  # 0->1, 0->2->1, 0=3 (double link) ->1 and ->2->1
+    assert direct.rate_gbps == pytest.approx(V2)
+    assert ref == pytest.approx(4 * V2)  # 0->1, 0->2->1, 0=3 (double link) ->1 and ->2->1
     assert p.rate_gbps == pytest.approx(ref, rel=1e-6) and p.bound_gbps == pytest.approx(ref, rel=1e-6)
     assert p.relays == (2, 3) and any(x in (2, 3) for tr in p.trees for r in tr.routes() for x in r[1:-1])
     for tr in p.trees:  # relay GPUs are route hops, never tree nodes
