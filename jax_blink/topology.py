@@ -5,6 +5,10 @@ complex, a NIC, host memory) are string nodes, so flows through one switch share
 (Blink, MLSys 2020, section 3: "hybrid" PCIe + NVLink transfers and shared PCIe switches).
 Every directed edge carries ``bandwidth_gbps`` (GB/s = 1e9 B/s, per direction, all links of the
 edge together), ``kind`` (one of :data:`LINK_KINDS`) and ``links`` (how many physical links).
+``bandwidth_gbps`` is the link's *achieved* rate (line rate x the achieved fraction of its kind,
+:mod:`jax_blink.presets`), used alike as the planner's capacity and the simulator's service rate.
+A GPU node may carry ``no_p2p``: the GPUs it has no peer access to (their transfers are staged
+through host memory, :mod:`jax_blink.simulate`).
 """
 
 from __future__ import annotations
@@ -146,8 +150,12 @@ class Topology:
     # ----------------------------------------------------------------- serialisation
     def to_dict(self) -> dict:
         """JSON-ready dict: {"name", "nodes": [{"id", "kind"}], "links": [{"src", "dst",
-        "bandwidth_gbps", "kind", "links"}]} in a stable order, plus "notes" when there are any."""
+        "bandwidth_gbps", "kind", "links"}]} in a stable order, plus "notes" when there are any and
+        a GPU node's "no_p2p" (peers without peer access) when it has one."""
         nodes = [{"id": n, "kind": self.graph.nodes[n]["kind"]} for n in sorted(self.graph, key=_key)]
+        for d in nodes:
+            if self.graph.nodes[d["id"]].get("no_p2p"):
+                d["no_p2p"] = sorted(self.graph.nodes[d["id"]]["no_p2p"])
         links = [{"src": u, "dst": v, "bandwidth_gbps": bw, "kind": k, "links": c}
                  for u, v, bw, k, c in self.links()]
         d = {"name": self.name, "nodes": nodes, "links": links}
@@ -177,7 +185,7 @@ class Topology:
             if nid in t.graph:
                 raise TopologyError(f"nodes[{i}]: duplicate node id {nid!r}")
             if kind == "gpu":
-                t.add_gpu(nid)
+                t.add_gpu(nid, **({"no_p2p": tuple(n["no_p2p"])} if n.get("no_p2p") else {}))
             else:
                 t.add_switch(nid, kind)
         for i, e in enumerate(data["links"]):
