@@ -58,8 +58,7 @@ import re
 import xml.etree.ElementTree as ET
 
 from .errors import TopologyError
-from .presets import (INTER_SOCKET_GBPS, NET_EFFICIENCY, NVLINK_EFFICIENCY, PCIE_EFFICIENCY, PCIE_GEN3_GBPS,  # noqa: F401
-                      pcie_link_gbps)
+from .presets import INTER_SOCKET_GBPS, NET_EFFICIENCY, NVLINK_EFFICIENCY, PCIE_GEN3_GBPS, pcie_link_gbps
 from .presets import nvlink_gbps as _nvlink_rate
 from .topology import Topology
 

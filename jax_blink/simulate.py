@@ -28,9 +28,12 @@ The model (an alpha-beta model per link, evaluated as a discrete event simulatio
 * Messages are served in order of readiness; ties go to the earlier chunk, then creation order, so
   the simulation is deterministic.
 
-Closed forms it reproduces exactly (tests/test_simulate.py): one link ``S/B + alpha``; a pipelined
-chain broadcast of k chunks over n GPUs ``(k + n - 2) c/B + (n - 1) alpha``; an unpipelined ring
-all-reduce ``2(n-1) (S/(n B) + alpha)`` (Patarasuk & Yuan 2009; NCCL's ring).
+Closed forms it reproduces exactly (tests/test_simulate.py; ``alpha`` = ``latency_us`` + the protocol
+latency): one link ``S/B + alpha``; a pipelined chain broadcast of k chunks over n GPUs
+``(k + n - 2) c/B + (n - 1) alpha``; an unpipelined ring all-reduce ``2(n-1) (S/(n B) + alpha)``
+(Patarasuk & Yuan 2009; NCCL's ring); a send without peer access ``2 S/B + 2 S/H + 2 alpha`` over
+PCIe links of B and the staging path H (tests/test_fidelity.py). Agreement with measured machines:
+``benchmarks/fidelity.py``.
 
 Bandwidth figures follow nccl-tests (doc/PERFORMANCE.md): ``algbw = S / t``; all-reduce
 ``busbw = algbw * 2(n-1)/n``; broadcast and reduce ``busbw = algbw``.
