@@ -162,13 +162,13 @@ def test_plan_made_for_another_topology_names_the_missing_nodes(capsys, tmp_path
     assert main(["bench", "--topology", "dgx2", "--plan", str(f), "--sizes", "1M"]) == 2
     err = capsys.readouterr().err
     assert "was made for another topology" in err and "not in topology 'dgx2'" in err
-    assert "nodes pcie-switch-0, pcie-switch-1, pcie-switch-2, pcie-switch-3" in err
+    assert "nodes cpu0, cpu1, pcie-switch-0, pcie-switch-1, pcie-switch-2, pcie-switch-3" in err
     assert "links 0->1, 0->2" in err and "no route" not in err
     # same nodes minus the PCIe tree: only the switch nodes are missing
     assert main(["show", "--topology", "dgx1v-nvlink", "--plan", str(f), "--png",
                  str(tmp_path / "t.png")]) == 2
     err = capsys.readouterr().err
-    assert "nodes pcie-switch-0" in err and "links" not in err.split("not in topology")[0]
+    assert "nodes cpu0, cpu1, pcie-switch-0" in err and "links" not in err.split("not in topology")[0]
     # a plan using a link the topology lacks, between nodes it has
     d = json.loads(f.read_text())
     t0 = d["trees"][0]
@@ -233,7 +233,7 @@ def test_bench_json_one_object_per_size(capsys):
 def test_plan_ring_reports_the_collective_bound_and_rings(capsys):
     assert main(["plan", "--topology", "dgx1v", "--algorithm", "ring"]) == 0
     out = capsys.readouterr().out
-    assert "ring, 32 rings" in out and "rate 92.571 GB/s, bound 92.571 GB/s (1.000 of bound)" in out
+    assert "ring, 36 rings" in out and "rate 85.371 GB/s, bound 85.371 GB/s (1.000 of bound)" in out
     assert main(["plan", "--topology", "dgx1v", "--size", "1M"]) == 0
     out = capsys.readouterr().out
     assert "chosen for 1048576 B per GPU" in out and "ring, " in out.splitlines()[0]

@@ -32,14 +32,15 @@ def test_predicted_time_by_hand():
 def test_small_operand_gets_fewer_rounds_than_optimal_plan():
     plans = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)
     opt = plans[0]
-    assert len(opt.trees) == 17 and [len(p.trees) for p in plans[1:4]] == [4, 2, 1]
+    assert len(opt.trees) == 24 and [len(p.trees) for p in plans[1:4]] == [4, 2, 1]
     # then the LP ring packing (NVLink + PCIe), NCCL's double binary tree and NCCL's NVLink rings
     assert [p.algorithm for p in plans[4:]] == ["ring", "double-binary-tree", "ring"]
     lat = costmodel.step_latency("ppermute")
     chosen, sched, t = costmodel.choose_schedule(plans, 1024, step_latency_s=lat)
     base = build_schedule(opt, 1024, step_latency_s=lat)
-    # 17 one-chunk trees need 47 rounds on 8 ranks (one send / receive per rank and round)
-    assert base.num_rounds == 47 and sched.num_rounds == 9 and len(chosen.trees) == 1
+    # 24 one-chunk trees need 54 rounds on 8 ranks (one send / receive per rank and round); NCCL's
+    # double binary tree needs 10 (the one-tree packing, a Hamiltonian path of double links, 11)
+    assert base.num_rounds == 54 and sched.num_rounds == 10 and chosen.algorithm == "double-binary-tree"
     assert t < costmodel.predicted_time(base, opt, 4, lat)
     x = np.random.default_rng(0).integers(-99, 99, (8, 1024))
     np.testing.assert_array_equal(execute(sched, x), np.broadcast_to(x.sum(0), x.shape))
@@ -56,8 +57,8 @@ def test_large_operand_keeps_optimal_rate():
     # dgx1v: ppermute's latency keeps one tree; a negligible latency buys rate with more trees (not
     # all 17: the lightest trees' segments are too short to pipeline, the (k + d - 1) / k term)
     dplans = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)[:4]
-    slow, _, _ = costmodel.choose_schedule(dplans, 2**24, step_latency_s=1e-4)
-    fast, _, _ = costmodel.choose_schedule(dplans, 2**24, step_latency_s=1e-9)
+    slow, _, _ = costmodel.choose_schedule(dplans, 2**22, step_latency_s=1e-4)
+    fast, _, _ = costmodel.choose_schedule(dplans, 2**22, step_latency_s=1e-9)
     assert len(slow.trees) == 1 and len(fast.trees) > 1 and fast.rate_gbps > slow.rate_gbps
 
 
@@ -92,7 +93,7 @@ def test_psum_max_trees_matches_lax(max_trees):
     from jax_blink.primitives import build_request
     key = mapping.make_plan_key("dgx1v", None, None, None, max_trees)
     req = build_request("allreduce", mesh, ("i",), None, None, key, 300, 4, "cpu", "ppermute")
-    want = {None: 1, 1: 1, 3: 3}[max_trees]  # cost model: one tree for 1.2 KB on ppermute
+    want = {None: 2, 1: 1, 3: 3}[max_trees]  # cost model: NCCL's double binary tree for 1.2 KB on ppermute
     assert len(req.schedules[0].seg_root) == want
     with pytest.raises(ValueError, match="max_trees"):
         f(lambda v: jax_blink.psum(v, "i", max_trees=0))(x)
