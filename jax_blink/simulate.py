@@ -136,7 +136,8 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
 
     Raises:
       BlinkError: bad sizes or latency, a missing topology, devices not in the topology.
-      PlanError: a tree that does not span the plan's devices, or an edge with no route.
+      PlanError: a tree that does not span the plan's devices, an edge with no route, or a send
+        between GPUs without peer access whose route passes no CPU node (nowhere to stage it).
       ScheduleError: a schedule whose rank count does not match ``devices``.
 
     Method: discrete event simulation of per-link FIFO queues (module docstring); Blink (Wang et
