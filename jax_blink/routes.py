@@ -30,6 +30,7 @@ MAX_SWITCH_NODES = 16       # most switch nodes inside one route
 PRICE_TOL = 1e-9            # a column enters while its dual price < 1 - PRICE_TOL
 MAX_ITERATIONS = 2000
 EXTRA_COLUMNS = 4           # further columns per pricing round (solve_packing)
+WARM_STEP = 0.5             # multiplicative-weights step of solve_rooted_packing's warm start
 
 
 @dataclasses.dataclass(eq=False)
@@ -223,11 +224,11 @@ def min_arborescence(w: np.ndarray, root: int):
     rest = np.flatnonzero(~incyc)
     m = len(rest)
     w2 = np.full((m + 1, m + 1), np.inf)
-    w2[:m, :m] = w[np.ix_(rest, rest)]
-    cin = w[np.ix_(rest, cyc)] - w[par[cyc], cyc][None, :]
+    w2[:m, :m] = w[rest][:, rest]
+    cin = w[rest][:, cyc] - w[par[cyc], cyc][None, :]
     best_in = np.argmin(cin, axis=1)
     w2[:m, m] = cin[np.arange(m), best_in]
-    cout = w[np.ix_(cyc, rest)]
+    cout = w[cyc][:, rest]
     best_out = np.argmin(cout, axis=0)
     w2[m, :m] = cout[best_out, np.arange(m)]
     p2 = min_arborescence(w2, int(np.flatnonzero(rest == root)[0]))
@@ -247,9 +248,18 @@ def _price(table: RouteTable, y: np.ndarray, mode: str, root) -> Column | None:
     return _tree_from_costs(table, _pair_costs(table, y, mode), mode, root)
 
 
-def _tree_from_costs(table: RouteTable, costs: dict, mode: str, root) -> Column | None:
+def _cost_matrix(table: RouteTable, costs: dict) -> np.ndarray:
+    """Dense [n, n] matrix of GPU-level edge costs (rows parents, in ``table.devices`` order; inf: no route)."""
+    pos = {d: i for i, d in enumerate(table.devices)}
+    w = np.full((len(pos), len(pos)), np.inf)
+    for (p, c), (cost, _, _) in costs.items():
+        w[pos[p], pos[c]] = cost
+    return w
+
+
+def _tree_from_costs(table: RouteTable, costs: dict, mode: str, root, matrix=None) -> Column | None:
     """The minimum-price tree rooted at ``root`` over GPU-level edge costs from :func:`_pair_costs`
-    (one cost table serves every root of a multi-root pricing round)."""
+    (one cost table, and its :func:`_cost_matrix` ``matrix``, serve every root of a pricing round)."""
     if mode == "spanning":
         h = nx.Graph()
         h.add_nodes_from(table.devices)
@@ -265,19 +275,20 @@ def _tree_from_costs(table: RouteTable, costs: dict, mode: str, root) -> Column 
             cost, r, use = costs[key]
             edges.append((p, c, r if key == (p, c) else r[::-1], use))
     else:
-        pos = {d: i for i, d in enumerate(table.devices)}
-        n = len(pos)
-        w = np.full((n, n), np.inf)
-        for (p, c), (cost, _, _) in costs.items():
-            w[pos[p], pos[c]] = cost
-        par = min_arborescence(w, pos[root])
+        devs = table.devices
+        par = min_arborescence(_cost_matrix(table, costs) if matrix is None else matrix, devs.index(root))
         if par is None:
             return None
-        t = nx.DiGraph([(table.devices[par[i]], d) for i, d in enumerate(table.devices) if par[i] >= 0])
-        edges = []
-        for p, c in nx.bfs_edges(t, root, sort_neighbors=lambda ns: sorted(ns, key=_key)):
-            cost, r, use = costs[p, c]
-            edges.append((p, c, r, use))
+        kids: dict = {}
+        for i, d in enumerate(devs):
+            if par[i] >= 0:
+                kids.setdefault(devs[par[i]], []).append(d)
+        edges, queue = [], [root]
+        while queue:  # breadth-first, children in node order (deterministic hop order)
+            p = queue.pop(0)
+            for c in sorted(kids.get(p, ()), key=_key):
+                queue.append(c)
+                edges.append((p, c) + costs[p, c][1:])
     usage = np.zeros(len(table.links), dtype=np.int64)
     for e in edges:
         usage += e[3]
@@ -357,7 +368,7 @@ def solve_packing(table: RouteTable, mode: str, root, warm_start: int | None = N
 
 
 def solve_rooted_packing(table: RouteTable, mode: str, target: float | None = None,
-                         warm_rounds: int = 2) -> PackingResult:
+                         warm_rounds: int | None = None) -> PackingResult:
     """Maximum equal-per-root packing of arborescences rooted at every GPU (all-gather / reduce-scatter).
 
     LP (ForestColl, Zhao et al. 2024, sections 4-5, as one LP): maximise x subject to, for every
@@ -388,22 +399,24 @@ def solve_rooted_packing(table: RouteTable, mode: str, target: float | None = No
 
     def price(y):
         costs = _pair_costs(table, y, mode)
+        matrix = _cost_matrix(table, costs)
         out = []
         for r in roots:
-            col = _tree_from_costs(table, costs, mode, r)
+            col = _tree_from_costs(table, costs, mode, r, matrix)
             if col is None:
                 raise PlanError(f"no spanning tree over devices {list(table.devices)} rooted at {r}: "
                                 f"some GPUs cannot reach each other over the job's links")
             out.append((r, col))
         return out
 
-    # warm start: multiplicative-weights rounds over all roots at once (Garg-Koenemann)
+    # warm start: multiplicative-weights rounds over all roots (Garg-Koenemann), n rounds by default:
+    # on dgx1v they cut the LP rounds from 16 to 3
     y = 1.0 / table.cap
-    for _ in range(max(1, warm_rounds)):
+    for _ in range(max(1, n if warm_rounds is None else warm_rounds)):
         for r, col in price(y):
             add(r, col)
             used = col.usage > 0
-            y = y * (1.0 + 0.5 * float(np.min(table.cap[used] / col.usage[used])) * col.usage / table.cap / n)
+            y = y * (1.0 + WARM_STEP * float(np.min(table.cap[used] / col.usage[used])) * col.usage / table.cap)
     it, dual = 0, float("inf")
     while True:
         it += 1
