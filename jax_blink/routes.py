@@ -409,10 +409,10 @@ def solve_rooted_packing(table: RouteTable, mode: str, target: float | None = No
             out.append((r, col))
         return out
 
-    # warm start: multiplicative-weights rounds over all roots (Garg-Koenemann), n rounds by default:
+    # warm start: multiplicative-weights rounds over all roots (Garg-Koenemann), min(n, 8) by default:
     # on dgx1v they cut the LP rounds from 16 to 3
     y = 1.0 / table.cap
-    for _ in range(max(1, n if warm_rounds is None else warm_rounds)):
+    for _ in range(max(1, min(n, 8) if warm_rounds is None else warm_rounds)):
         for r, col in price(y):
             add(r, col)
             used = col.usage > 0
