@@ -859,7 +859,8 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
     if algorithm not in ALGORITHMS:
         raise PlanError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     if algorithm == "ring" and collective not in ("allreduce", "allgather", "reducescatter"):
-        raise PlanError(f"algorithm 'ring' is for all-reduce, all-gather and reduce-scatter, not {collective!r}")
+        raise PlanError(f"algorithm 'ring' is an all-reduce algorithm (and an all-gather / reduce-scatter one), "
+                        f"not for {collective!r}")
     if algorithm == "hierarchical" and row.sharded:
         raise PlanError(f"algorithm 'hierarchical' (Blink's three phases) is not planned for {collective!r}; "
                         f"use 'auto', 'trees' or 'ring'")
