@@ -574,6 +574,47 @@ def _sharded_ring_plan(topology, collective, devices, max_trees, bound) -> Plan:
     return Plan(collective, None, devices, tuple(trees), rate, _round(bound), "ring", note)
 
 
+def _rsag_plan(topology, devices, max_trees) -> Plan:
+    """All-reduce as reduce-scatter then all-gather on the optimal forests (ForestColl, Zhao et al.
+    2024, section 3), as one executable all-reduce plan.
+
+    Per root r, the reduce-scatter in-trees of r (weights a_i, sum x_rs) and the all-gather trees of
+    r (weights b_j, sum x_ag) are paired over the common refinement of their weight fractions: each
+    pair is one Tree rooted at r whose ``reduce_edges`` is the in-tree and ``edges`` the out-tree
+    (the format of ring all-reduce trees), so the schedule reduces r's part of the buffer to r and
+    broadcasts it back. Weights: fraction * x with 1/x = 1/x_rs + 1/x_ag, so both forests run at
+    once within every link's capacity (loads x (U_rs / x_rs + U_ag / x_ag) <= cap); the rate n x
+    gives the time S / (n x_rs) + S / (n x_ag): reduce-scatter time plus all-gather time. Certificate:
+    1 / (1 / B_rs + 1 / B_ag) with B the two cut bounds (no RS + AG pair of packings is faster)."""
+    n = len(devices)
+    rs = plan(topology, "reducescatter", devices=devices, algorithm="trees")
+    ag = plan(topology, "allgather", devices=devices, algorithm="trees")
+    x = 1.0 / (n / rs.rate_gbps + n / ag.rate_gbps)
+    trees = []
+    for d in devices:
+        a = [t for t in rs.trees if t.root == d]
+        b = [t for t in ag.trees if t.root == d]
+        ca = np.cumsum([t.weight_gbps for t in a]) / sum(t.weight_gbps for t in a)
+        cb = np.cumsum([t.weight_gbps for t in b]) / sum(t.weight_gbps for t in b)
+        prev = 0.0
+        for c in sorted(set(np.round(np.concatenate([ca, cb]), 12).tolist())):
+            if c - prev > 1e-12:
+                mid = (prev + c) / 2
+                i = min(int(np.searchsorted(ca, mid)), len(a) - 1)
+                j = min(int(np.searchsorted(cb, mid)), len(b) - 1)
+                trees.append(Tree(d, _round((c - prev) * x), b[j].edges, a[i].edges))
+            prev = c
+    if max_trees is not None and len(trees) > max_trees:
+        raise PlanError(f"the reduce-scatter + all-gather plan over devices {list(devices)} has {len(trees)} "
+                        f"trees > max_trees={max_trees}")
+    rate = _round(sum(t.weight_gbps for t in trees))
+    bound = 1.0 / (1.0 / rs.bound_gbps + 1.0 / ag.bound_gbps)
+    note = (f"rsag: reduce-scatter forest {rs.rate_gbps:.3f} GB/s ({len(rs.trees)} trees) then all-gather forest "
+            f"{ag.rate_gbps:.3f} GB/s ({len(ag.trees)} trees), paired per root and run pipelined: all-reduce "
+            f"rate 1/(1/{rs.rate_gbps:.3f} + 1/{ag.rate_gbps:.3f}) = {rate:.3f} GB/s",)
+    return Plan("allreduce", None, devices, tuple(trees), rate, _round(bound), "rsag", note)
+
+
 def _node_groups(topology: Topology, devices) -> list:
     """GPUs of ``devices`` grouped by node: components of the job graph without "network" nodes."""
     g = topology.subset(devices).graph
@@ -762,7 +803,7 @@ def _rooted_hops(edges, mode: str, root) -> tuple:
 
 
 # ------------------------------------------------------------------------------ public API
-ALGORITHMS = ("auto", "trees", "ring", "hierarchical")
+ALGORITHMS = ("auto", "trees", "ring", "hierarchical", "rsag")
 
 
 def _quiet_milp(*args, **kw):
@@ -861,6 +902,9 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
     if algorithm == "ring" and collective not in ("allreduce", "allgather", "reducescatter"):
         raise PlanError(f"algorithm 'ring' is an all-reduce algorithm (and an all-gather / reduce-scatter one), "
                         f"not for {collective!r}")
+    if algorithm == "rsag" and collective != "allreduce":
+        raise PlanError(f"algorithm 'rsag' (reduce-scatter then all-gather) is an all-reduce algorithm, "
+                        f"not for {collective!r}")
     if algorithm == "hierarchical" and row.sharded:
         raise PlanError(f"algorithm 'hierarchical' (Blink's three phases) is not planned for {collective!r}; "
                         f"use 'auto', 'trees' or 'ring'")
@@ -868,7 +912,7 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
             or not 0.0 <= rate_tolerance < 1.0:
         raise PlanError(f"rate_tolerance must be a number in [0, 1), got {rate_tolerance!r}")
     relays = _check_relays(topology, devices, relays)
-    if relays and algorithm in ("ring", "hierarchical"):
+    if relays and algorithm in ("ring", "hierarchical", "rsag"):
         raise PlanError(f"relays={list(relays)} work with tree packings only; use algorithm='auto' or "
                         f"'trees' (got {algorithm!r})")
     if nbytes is not None:
@@ -940,6 +984,8 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm="au
                     ("one device: nothing to send (rate is infinite)",))
     if _collectives.get(collective).sharded:  # no three-phase variant: the flat packing is exact
         return _flat_plan(topology, collective, devices, root, max_trees, algorithm, rate_tolerance)
+    if algorithm == "rsag":
+        return _rsag_plan(topology, devices, max_trees)
     groups = _node_groups(topology, list(devices))
     if algorithm == "hierarchical" and len(groups) == 1:
         raise PlanError(f"algorithm 'hierarchical' needs devices on two or more nodes; {list(devices)} "
