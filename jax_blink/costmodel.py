@@ -189,10 +189,11 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
         if collective == "allreduce":
             makers.append(lambda: packing.plan(topology, collective, devices=devices, algorithm="ring"))
             makers.append(lambda: baselines.nccl_tree_plan(topology, devices=devices))
-            makers.append(lambda: packing.plan(topology, collective, devices=devices, algorithm="rsag"))
         else:
             makers.append(lambda: baselines.ring_plan(topology, collective, devices=devices, root=root))
         makers.append(lambda: baselines.nccl_ring_plan(topology, collective, devices=devices, root=root))
+        if collective == "allreduce":
+            makers.append(lambda: packing.plan(topology, collective, devices=devices, algorithm="rsag"))
         if len(packing._node_groups(topology, list(devices))) > 1:
             makers.append(lambda: packing.plan(topology, collective, devices=devices, root=root,
                                                algorithm="hierarchical"))

@@ -183,8 +183,10 @@ class Plan:
         if self.algorithm != "ring" or not self.trees:
             return []
         n = len(self.devices)
-        if _collectives.get(self.collective).sharded:  # n chains per ring, each of weight b / (n-1)
-            return [(tuple(dict.fromkeys(h for t in self.trees[i:i + n] for h in t.edges)),
+        row = _collectives.get(self.collective)
+        if row.sharded:  # n chains per ring, each of weight b / (n-1); reduce-scatter sends on reversed hops
+            flip = (lambda h: (h[1], h[0])) if row.reduces else (lambda h: h)
+            return [(tuple(dict.fromkeys(flip(h) for t in self.trees[i:i + n] for h in t.edges)),
                      sum(t.weight_gbps for t in self.trees[i:i + n]) * (n - 1) / n)
                     for i in range(0, len(self.trees), n)]
         if self.collective != "allreduce":
