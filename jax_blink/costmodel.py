@@ -180,8 +180,10 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
     makers = []
     if algorithm in ("auto", "trees"):
         opt = packing.plan(topology, collective, devices=devices, root=root, algorithm="trees")
-        counts = (len(devices), 2 * len(devices)) if sharded else CANDIDATE_MAX_TREES
-        ks = [k for k in counts if k is not None and k < len(opt.trees)]
+        if sharded:  # one tree per rank (the max-rate choice of n trees may differ from an n-tree optimum)
+            ks = [k for k in (len(devices), 2 * len(devices)) if k <= len(opt.trees)]
+        else:
+            ks = [k for k in CANDIDATE_MAX_TREES if k is not None and k < len(opt.trees)]
         makers.append(lambda: opt)
         makers += [lambda k=k: packing.plan(topology, collective, devices=devices, root=root,
                                             algorithm="trees", max_trees=k) for k in ks]
