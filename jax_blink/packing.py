@@ -1,4 +1,5 @@
-"""TreeGen: optimal spanning-tree packings for broadcast, reduce and all-reduce (Blink, MLSys 2020, s. 4).
+"""TreeGen: optimal spanning-tree packings for broadcast, reduce and all-reduce (Blink, MLSys 2020, s. 4),
+all-gather and reduce-scatter (ForestColl, Zhao et al. 2024).
 
 :func:`plan` returns a :class:`Plan`: weighted trees over the job's GPUs whose edges may relay
 through switch nodes, the rate they reach, and a certificate (:mod:`jax_blink.bounds`).
@@ -11,6 +12,12 @@ Method (exact, where Blink used a (1-eps) multiplicative-weights approximation):
   where each tree uses both directions of its links; on direct-link topologies the optimum is the
   Nash-Williams value. Tree roots are spread over GPUs. A ring packing (NCCL) is planned too and
   chosen when its predicted time 2(n-1)/n * S / B_ring beats S / R_trees.
+- all-gather: one LP over out-arborescences rooted at every GPU, max x with every root's trees
+  weighing x in total (rate n x), column generation with one minimum arborescence per root as
+  pricing (:func:`jax_blink.routes.solve_rooted_packing`); certificate = the exact cut bound
+  (:func:`jax_blink.bounds.allgather_bound`), which the packing reaches on the presets. Reduce-scatter:
+  the same with in-arborescences (reversed links). ``algorithm="ring"``: NCCL's ring (each shard
+  travels n-1 hops). ``algorithm="rsag"``: all-reduce as reduce-scatter then all-gather forests.
 - fewer trees (Blink's TreeGen ILP): ``scipy.optimize.milp`` over the generated trees minimises the
   tree count at the LP rate, or with ``max_trees=k`` maximises the rate with at most k trees.
 - multi-node (GPUs in several nodes joined by a "network" node): Blink's three phases (s. 5) as
@@ -18,7 +25,8 @@ Method (exact, where Blink used a (1-eps) multiplicative-weights approximation):
   intra-node tree per node joined at GPU i by a cross-node tree among the GPU i's over the NICs;
   weights by the same column-generation LP (algorithm "hierarchical").
 
-Plans are deterministic and cached by (topology fingerprint, devices, collective, root, max_trees).
+Plans are deterministic and cached by (topology fingerprint, devices, collective, root, max_trees,
+algorithm, relays, rate_tolerance).
 """
 
 from __future__ import annotations
@@ -141,17 +149,21 @@ class Plan:
     """A tree packing for one collective over ``devices`` (rank r of the axis <-> ``devices[r]``).
 
     Attributes:
-      collective: "broadcast" | "reduce" | "allreduce".
-      root: GPU id for broadcast/reduce, None for all-reduce.
+      collective: "broadcast" | "reduce" | "allreduce" | "allgather" | "reducescatter".
+      root: GPU id for broadcast/reduce, None otherwise. All-gather / reduce-scatter trees are rooted
+        at every rank's GPU (the owner of its shard); all-gather trees broadcast down ``edges``,
+        reduce-scatter trees reduce up ``edges`` (child -> parent, like reduce).
       devices: topology GPU ids.
       trees: the weighted trees.
       rate_gbps: sum of tree weights, GB/s: the predicted time for S bytes is S / rate (all-reduce:
-        reduce and broadcast pipelined on opposite link directions). inf for one device.
+        reduce and broadcast pipelined on opposite link directions; all-gather / reduce-scatter: S
+        is the full buffer, each root's trees carry rate / n, i.e. its shard S / n). inf for one device.
       bound_gbps: certificate: an upper bound on the rate of the chosen algorithm family (Edmonds
         max-flow bound for broadcast/reduce; LP dual bound for all-reduce trees and rings; max-flow
-        orientation bound for hierarchical all-reduce).
-      algorithm: "trees" | "ring" | "hierarchical" | "double-binary-tree" (NCCL's, from
-        ``plan(nbytes=...)`` or ``baselines``) | "trivial".
+        orientation bound for hierarchical all-reduce; the cut bound for all-gather / reduce-scatter
+        (trees and rings); 1 / (1/B_rs + 1/B_ag) of the two cut bounds for "rsag").
+      algorithm: "trees" | "ring" | "hierarchical" | "rsag" (all-reduce as reduce-scatter + all-gather
+        forests) | "double-binary-tree" (NCCL's, from ``plan(nbytes=...)`` or ``baselines``) | "trivial".
       notes: why this algorithm, alternatives' rates, losses from ``max_trees``.
       relays: GPUs outside ``devices`` that forward data inside routes (``plan(relays=...)``). A
         relayed plan needs those GPUs to run the forwarding: the simulator models it, the JAX
@@ -178,8 +190,9 @@ class Plan:
 
     def rings(self) -> list:
         """For ring plans, [(hops, GB/s)] per ring: its physical hops in order and its bandwidth
-        (all-reduce: n consecutive trees per ring, bandwidth 2(n-1) x tree weight; broadcast / reduce:
-        one chain per ring). [] for other plans."""
+        (all-reduce: n consecutive trees per ring, bandwidth 2(n-1) x tree weight; all-gather /
+        reduce-scatter: n consecutive chains per ring, bandwidth (n-1) x chain weight, hops in data
+        direction; broadcast / reduce: one chain per ring). [] for other plans."""
         if self.algorithm != "ring" or not self.trees:
             return []
         n = len(self.devices)
@@ -845,16 +858,24 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
 
     Args:
       topology: the machine (``jax_blink.Topology``).
-      collective: "broadcast" | "reduce" | "allreduce".
-      devices: GPU ids of the job (rank r <-> devices[r]); default all GPUs of the topology.
-      root: GPU id (broadcast/reduce; default ``devices[0]``); must be None or ignored for all-reduce.
-      max_trees: at most this many trees (rate may drop; the loss is in ``notes``).
+      collective: "broadcast" | "reduce" | "allreduce" | "allgather" | "reducescatter".
+      devices: GPU ids of the job (rank r <-> devices[r]; all-gather / reduce-scatter: rank r owns
+        shard r); default all GPUs of the topology.
+      root: GPU id (broadcast/reduce; default ``devices[0]``); must be None or ignored for all-reduce;
+        must be None for all-gather / reduce-scatter (every rank roots the trees of its shard).
+      max_trees: at most this many trees (rate may drop; the loss is in ``notes``); all-gather /
+        reduce-scatter need at least one per rank (``len(devices)``).
       algorithm: "auto" (the fastest: with ``nbytes``, the least simulated time at that size over
         trees, fewer trees, rings, NCCL's rings and double binary tree, three phases, by
         :func:`jax_blink.costmodel.choose_plan`; without, the highest rate, i.e. the large-operand
         limit, trees or the ring packing; the reason in ``notes``), or force one:
-        "trees" (exact packing over all devices), "ring" (all-reduce only), "hierarchical" (Blink's
-        three phases, section 5; needs devices on two or more nodes).
+        "trees" (exact packing over all devices), "ring" (all-reduce, all-gather, reduce-scatter),
+        "hierarchical" (Blink's three phases, section 5; needs devices on two or more nodes; not for
+        all-gather / reduce-scatter), "rsag" (all-reduce only: the reduce-scatter forest then the
+        all-gather forest, paired per root into one executable all-reduce plan, time S / B_rs + S /
+        B_ag; chosen by ``auto`` only with ``nbytes``, through the cost model). Without ``nbytes``,
+        "auto" for all-gather / reduce-scatter is the tree packing (it reaches the cut bound, which
+        no ring beats).
       relays: GPUs outside ``devices`` that may forward data inside routes (Blink issue "relays";
         NCCL-style forwarding through a GPU that is not a rank): None or "none" (default), "gpus"
         (every other GPU of the topology), or an iterable of GPU ids. Relay GPUs act like switch
@@ -873,8 +894,9 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
     a trivial plan with no trees and ``rate_gbps = bound_gbps = inf``.
 
     Raises PlanError: unknown collective, devices not GPUs of the topology, duplicate devices, root not
-    among the devices, GPUs that cannot reach each other, bad ``max_trees``, ``relays`` or
-    ``rate_tolerance``.
+    among the devices (or any root for all-gather / reduce-scatter), GPUs that cannot reach each other,
+    bad ``max_trees`` (fewer than one tree per rank for all-gather / reduce-scatter), ``relays`` or
+    ``rate_tolerance``, an algorithm that does not apply to the collective.
     """
     if collective not in COLLECTIVES:
         raise PlanError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")

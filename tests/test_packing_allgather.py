@@ -272,3 +272,16 @@ def test_bad_input_and_trivial_and_json():
     p = plan(t, "reducescatter", devices=[0, 1, 2])
     assert Plan.from_json(p.to_json()) == p
     assert p.predicted_time_s(1e9) == pytest.approx(1.0 / p.rate_gbps)
+
+
+def test_relay_gpus_forward_allgather_and_reducescatter_up_to_the_relay_cut_bound():
+    t = PRESETS["dgx1v-nvlink"]()
+    for coll in SHARDED:
+        direct = plan(t, coll, devices=[0, 1, 2])
+        relayed = plan(t, coll, devices=[0, 1, 2], relays="gpus")
+        # every GPU takes in 150 GB/s over its 6 NVLinks; two shards enter each: x = 75, rate 225
+        assert relayed.rate_gbps == pytest.approx(225.0, rel=TOL) == relayed.bound_gbps
+        assert relayed.bound_gbps == pytest.approx(
+            (bounds.allgather_bound if coll == "allgather" else bounds.reducescatter_bound)(
+                t, [0, 1, 2], relays=[3, 4, 5, 6, 7]), rel=1e-9)
+        assert direct.rate_gbps == pytest.approx(75.0, rel=TOL) and relayed.relays
