@@ -1,7 +1,8 @@
 """Blink's motivation on a DGX-1V: tree packings vs NCCL on fragmented allocations (simulated).
 
 For every allocation of 3..8 GPUs of the ``dgx1v`` preset (NVLink cube-mesh + PCIe tree): the
-simulated broadcast (root = first GPU) and all-reduce time at 256 MiB of jax_blink's choice
+simulated broadcast (root = first GPU), all-reduce and all-gather (256 MiB gathered) time at 256 MiB of
+jax_blink's choice
 (``jax_blink.plan(nbytes=size)``: the fastest candidate by the simulator) and of NCCL's baselines as
 NCCL builds them (``jax_blink.baselines``): rings over NVLink, or over PCIe / inter-socket links when
 the allocation has no NVLink ring, and (all-reduce) the double binary tree over the same links; all on
@@ -32,6 +33,8 @@ from jax_blink.packing import Plan, Tree, plan
 from jax_blink.presets import preset
 from jax_blink.simulate import simulate
 
+COLLS = ("broadcast", "allreduce", "allgather")
+
 
 def sweep(topo, size, progress=True):
     """Rows {"devices", coll: {"blink"|"ring"|"tree": (seconds, plan)}}; "tree" only for all-reduce."""
@@ -43,7 +46,7 @@ def sweep(topo, size, progress=True):
         it = tqdm(allocs, desc="allocations", file=sys.stderr, leave=False)
     for devs in it:
         row = {"devices": devs}
-        for coll in ("broadcast", "allreduce"):
+        for coll in COLLS:
             plans = {"blink": plan(topo, coll, devices=devs, nbytes=size),
                      "ring": nccl_ring_plan(topo, coll, devices=devs, root=devs[0] if coll == "broadcast" else None)}
             if coll == "allreduce":
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
     out = print
     out(f"dgx1v, every allocation of 3..8 GPUs ({len(rows)}), {human_bytes(size)} per GPU, simulated "
         f"speedup of jax_blink (auto) over NCCL's rings and double binary tree ({time.time() - t0:.0f} s)")
-    cols = [("broadcast", "ring"), ("allreduce", "ring"), ("allreduce", "tree")]
+    cols = [("broadcast", "ring"), ("allreduce", "ring"), ("allreduce", "tree"), ("allgather", "ring")]
     out(f"{'GPUs':>4} {'allocs':>6} | " + " | ".join(f"{c + ' vs ' + b + ', min / median / max':<40}"
                                                    for c, b in cols))
     for k in list(range(3, 9)) + ["all"]:
@@ -131,8 +134,8 @@ def _plot(rows, path, size):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for ax, coll in zip(axes, ("broadcast", "allreduce")):
+    fig, axes = plt.subplots(1, len(COLLS), figsize=(5.5 * len(COLLS), 4.2), sharey=True)
+    for ax, coll in zip(axes, COLLS):
         for k in range(3, 9):
             sp = sorted(speedup(r, coll, "ring") for r in rows if len(r["devices"]) == k)
             xs = [k + (i / max(1, len(sp) - 1) - 0.5) * 0.6 for i in range(len(sp))]

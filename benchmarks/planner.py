@@ -7,7 +7,9 @@ Columns: trees @1% tol = tree count with plan(rate_tolerance=0.01) (its rate ove
 brackets); rate/bound = plan rate over its certificate (Edmonds max-flow bound for broadcast; LP dual
 bound for all-reduce trees); ring = best ring packing (directed Hamiltonian cycles over NVLink and
 PCIe routes, bounds.ring_packing) expressed as the same collective's rate (broadcast: B_ring;
-all-reduce: n*B_ring/(2(n-1))); speedup = plan rate / ring rate (same predicted-time model).
+all-reduce: n*B_ring/(2(n-1)); all-gather / reduce-scatter: n*B_ring/(n-1)); speedup = plan rate /
+ring rate (same predicted-time model). All-gather / reduce-scatter rows: rate against the exact cut
+bound (bounds.allgather_bound / reducescatter_bound, parametric max-flow; ForestColl, Zhao et al. 2024).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import networkx as nx
 from rich.console import Console
 from rich.table import Table
 
-from jax_blink import bounds, packing
+from jax_blink import bounds, collectives, packing
 from jax_blink.presets import PRESETS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -39,7 +41,8 @@ def timed_plan(t, coll, **kw):
 def ring_equiv(t, devs, coll):
     n = len(devs)
     b = bounds.ring_rate(t, devs)
-    return b * n / (2 * (n - 1)) if coll == "allreduce" else b
+    factor = collectives.get(coll).busbw_factor(n)  # rings of bandwidth B reach algbw B / factor
+    return b / factor if factor > 0 else b
 
 
 def stats(xs):
@@ -53,14 +56,14 @@ def ring_stats(speed):
     return (stats(finite) if finite else "-") + (f" ({none} no ring)" if none else "")
 
 
-def allocation_sweep(console, name, quick):
+def allocation_sweep(console, name, quick, colls=("broadcast", "allreduce")):
     t = PRESETS[name]()
     tab = Table(title=f"{name}: every allocation (and every root for broadcast); min / median / max")
     for c in ("GPUs", "collective", "plans", "rate/bound", "trees", "plan ms", "speedup over ring"):
         tab.add_column(c, justify="right")
     for k in range(2, 9):
         allocs = list(itertools.combinations(range(8), k))
-        for coll in ("broadcast", "allreduce"):
+        for coll in colls:
             ratios, trees, ms, speed, skipped = [], [], [], [], 0
             for devs in allocs:
                 if not nx.is_strongly_connected(t.subset(devs).graph):
@@ -81,14 +84,14 @@ def allocation_sweep(console, name, quick):
     console.print(tab)
 
 
-def full_box_rows(console, entries):
-    tab = Table(title="full machine: broadcast from GPU 0, reduce to GPU 0, all-reduce")
+def full_box_rows(console, entries, colls=("broadcast", "reduce", "allreduce")):
+    tab = Table(title=f"full machine: {', '.join(colls)} (broadcast from / reduce to GPU 0)")
     for c in ("topology", "GPUs", "collective", "algorithm", "rate GB/s", "bound GB/s", "rate/bound", "trees",
               "trees @1% tol", "plan ms", "ring GB/s", "speedup over ring"):
         tab.add_column(c, justify="right")
     for label, t in entries:
         devs = t.gpus
-        for coll in ("broadcast", "reduce", "allreduce"):
+        for coll in colls:
             p, dt = timed_plan(t, coll)
             loose = packing.plan(t, coll, rate_tolerance=0.01)
             ring = ring_equiv(t, devs, coll)
@@ -130,9 +133,10 @@ def main() -> None:
         console.print("jax_blink.discovery missing: nvidia-smi files skipped")
     entries.append(("dgx1v-4node", PRESETS["dgx1v-4node"]()))
     full_box_rows(console, entries)
+    full_box_rows(console, entries, ("allgather", "reducescatter"))
     relay_rows(console)
-    allocation_sweep(console, "dgx1v", args.quick)
-    allocation_sweep(console, "dgx1v-nvlink", True)
+    allocation_sweep(console, "dgx1v", args.quick, ("broadcast", "allreduce", "allgather"))
+    allocation_sweep(console, "dgx1v-nvlink", True, ("broadcast", "allreduce", "allgather"))
     console.print(f"total benchmark time {time.perf_counter() - t0:.1f} s")
 
 

@@ -28,6 +28,7 @@ import math
 import networkx as nx
 
 from . import bounds as _bounds
+from . import collectives
 from .errors import PlanError
 from .packing import Plan, Tree, _hops, job_devices, plan, ring_paths
 from .simulate import route
@@ -41,15 +42,21 @@ def ring_plan(topology, collective: str = "allreduce", *, devices=None, root=Non
 
     Returns a Plan with ``algorithm="ring"``. All-reduce: per ring of bandwidth b, n trees of weight
     b / (2(n-1)) (``packing._ring_trees``), so ``rate_gbps`` = n B / (2(n-1)) and the bandwidth-only
-    time is 2(n-1)/n * S / B (B = total ring bandwidth). Broadcast / reduce: per ring, a chain of
-    weight b from / to ``root`` along the ring, ``rate_gbps`` = B.
+    time is 2(n-1)/n * S / B (B = total ring bandwidth). All-gather / reduce-scatter (NCCL's ring:
+    each shard travels n-1 hops): per ring and GPU, a chain of weight b / (n-1) rooted at that GPU,
+    ``rate_gbps`` = n B / (n-1), time (n-1)/n * S / B for the full buffer S. Broadcast / reduce: per
+    ring, a chain of weight b from / to ``root`` along the ring, ``rate_gbps`` = B.
     Raises PlanError: unknown collective, bad devices or root, GPUs with no ring between them.
     """
-    if collective not in ("allreduce", "broadcast", "reduce"):
-        raise PlanError(f"unknown collective {collective!r}; expected allreduce, broadcast or reduce")
+    if collective not in ("allreduce", "broadcast", "reduce", "allgather", "reducescatter"):
+        raise PlanError(f"unknown collective {collective!r}; expected allreduce, broadcast, reduce, "
+                        f"allgather or reducescatter")
+    sharded = collectives.get(collective).sharded
+    if sharded and root is not None:
+        raise PlanError(f"{collective} has no root (every rank owns one shard); got root={root!r}")
     devices = job_devices(topology, devices)
     n = len(devices)
-    if collective != "allreduce":
+    if collective != "allreduce" and not sharded:
         root = devices[0] if root is None else root
         if root not in devices:
             raise PlanError(f"root {root!r} is not among devices {list(devices)}")
@@ -57,8 +64,8 @@ def ring_plan(topology, collective: str = "allreduce", *, devices=None, root=Non
         root = None
     if n == 1:
         return Plan(collective, root, devices, (), math.inf, math.inf, "trivial", ("one device",))
-    if collective == "allreduce":
-        return plan(topology, "allreduce", devices=devices, algorithm="ring")
+    if collective == "allreduce" or sharded:
+        return plan(topology, collective, devices=devices, algorithm="ring")
     b_ring, rings = _bounds.ring_packing(topology, devices)
     if not rings:
         raise PlanError(f"no ring over devices {list(devices)}: some GPUs cannot reach each other")

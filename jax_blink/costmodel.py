@@ -1,9 +1,13 @@
 """The one cost model: which plan (and chunk count) is fastest for an operand size.
 
 ``algorithm="auto"`` means the least predicted time over :func:`candidate_plans`: the
-bandwidth-optimal tree packing, the same with fewer trees (``max_trees`` in CANDIDATE_MAX_TREES),
-the LP-optimal ring packing, NCCL's rings and double binary tree (:mod:`jax_blink.baselines`) and,
-across nodes, Blink's three phases. Every baseline is a Plan, so whichever wins runs as a schedule.
+bandwidth-optimal tree packing, the same with fewer trees (``max_trees`` in CANDIDATE_MAX_TREES;
+all-gather / reduce-scatter: n and 2n trees, one per rank at least), the LP-optimal ring packing,
+NCCL's rings and double binary tree (:mod:`jax_blink.baselines`), for all-reduce the reduce-scatter
++ all-gather forests ("rsag", :func:`jax_blink.packing.plan`; its time is the reduce-scatter time
+plus the all-gather time) and, across nodes, Blink's three phases. Every baseline and "rsag" is a
+Plan the schedule format runs (one tree per segment, reduce and broadcast phases), so whichever wins
+runs as a schedule.
 Users: ``packing.plan(nbytes=...)`` and ``jax-blink plan --size`` (:func:`choose_plan`),
 ``jax-blink bench`` (blink column = :func:`choose_plan` per size), and the lowerings
 (:func:`lowering_schedule`, from ``primitives.build_request``).
@@ -156,16 +160,18 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
                     max_trees: int | None = None) -> list:
     """The plans ``auto`` chooses among, bandwidth-optimal packing first (it wins ties).
 
-    "auto": tree packings with at most k trees (k in CANDIDATE_MAX_TREES, below the optimal count),
-    the LP ring packing, NCCL's rings and (all-reduce) double binary tree, and Blink's three phases
-    when ``devices`` span several nodes. A forced ``algorithm`` keeps its family: "trees" (packings),
+    "auto": tree packings with at most k trees (k in CANDIDATE_MAX_TREES, below the optimal count;
+    all-gather / reduce-scatter: k in (n, 2n)), the LP ring packing, NCCL's rings, for all-reduce
+    NCCL's double binary tree and the reduce-scatter + all-gather forests ("rsag"), and Blink's
+    three phases when ``devices`` span several nodes. A forced ``algorithm`` keeps its family: "trees" (packings),
     "ring" (the LP ring packing), "hierarchical". ``max_trees`` given: ``plan(max_trees=...)`` only
     (an explicit choice, like a forced algorithm). Candidates that cannot be built on these
     devices (PlanError) are left out; duplicates are dropped. Raises PlanError when the
     bandwidth-optimal plan itself fails (bad devices, root, unreachable GPUs).
     """
-    from . import baselines, packing  # packing.plan(nbytes=) imports this module: no cycle at load
+    from . import baselines, collectives, packing  # packing.plan(nbytes=) imports this module
     devices = packing.job_devices(topology, devices)
+    sharded = collectives.get(collective).sharded if collective in collectives.COLLECTIVES else False
     first = packing.plan(topology, collective, devices=devices, root=root, algorithm=algorithm,
                          max_trees=max_trees)  # rate-optimal: wins ties
     out = [first]
@@ -174,7 +180,10 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
     makers = []
     if algorithm in ("auto", "trees"):
         opt = packing.plan(topology, collective, devices=devices, root=root, algorithm="trees")
-        ks = [k for k in CANDIDATE_MAX_TREES if k is not None and k < len(opt.trees)]
+        if sharded:  # one tree per rank (the max-rate choice of n trees may differ from an n-tree optimum)
+            ks = [k for k in (len(devices), 2 * len(devices)) if k <= len(opt.trees)]
+        else:
+            ks = [k for k in CANDIDATE_MAX_TREES if k is not None and k < len(opt.trees)]
         makers.append(lambda: opt)
         makers += [lambda k=k: packing.plan(topology, collective, devices=devices, root=root,
                                             algorithm="trees", max_trees=k) for k in ks]
@@ -185,6 +194,8 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
         else:
             makers.append(lambda: baselines.ring_plan(topology, collective, devices=devices, root=root))
         makers.append(lambda: baselines.nccl_ring_plan(topology, collective, devices=devices, root=root))
+        if collective == "allreduce":
+            makers.append(lambda: packing.plan(topology, collective, devices=devices, algorithm="rsag"))
         if len(packing._node_groups(topology, list(devices))) > 1:
             makers.append(lambda: packing.plan(topology, collective, devices=devices, root=root,
                                                algorithm="hierarchical"))

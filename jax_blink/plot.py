@@ -10,6 +10,8 @@ import textwrap
 
 import networkx as nx
 
+from . import collectives
+
 MAX_TREE_PANELS = 11
 PANEL_INCHES = 4.2
 DPI = 110
@@ -112,8 +114,8 @@ def plan_figure(topology, plan, *, link_util: dict | None = None, title: str | N
     if not items:
         for i, t in enumerate(sorted(plan.trees, key=lambda t: -t.weight_gbps)):
             hops = t.edges
-            if t.reduce_edges is not None and plan.collective == "reduce":
-                hops = tuple((b, a) for a, b in t.reduce_edges)
+            if not collectives.get(plan.collective).broadcasts:  # reduce, reduce-scatter: data flows up
+                hops = tuple((b, a) for a, b in (t.edges if t.reduce_edges is None else t.reduce_edges))
             items.append((f"tree {i}: root {t.root}, {t.weight_gbps:.2f} GB/s", hops, t.weight_gbps, t.root))
     unit = "rings" if plan.rings() else "trees"
     shown, hidden = items[:max_tree_panels], items[max_tree_panels:]

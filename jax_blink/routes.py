@@ -30,6 +30,7 @@ MAX_SWITCH_NODES = 16       # most switch nodes inside one route
 PRICE_TOL = 1e-9            # a column enters while its dual price < 1 - PRICE_TOL
 MAX_ITERATIONS = 2000
 EXTRA_COLUMNS = 4           # further columns per pricing round (solve_packing)
+WARM_STEP = 0.5             # multiplicative-weights step of solve_rooted_packing's warm start
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,10 +74,17 @@ class RouteTable:
         starts = sorted({s for d in devices for s in g.successors(d) if s in sw}, key=_key)
         ends = sorted({s for d in devices for s in g.predecessors(d) if s in sw}, key=_key)
         sw_paths: dict = {}
+        # a switch forest (PCIe trees, NVSwitch planes) has at most one simple path per pair: one BFS
+        # per start finds them all (Yen's algorithm per pair below cost ~40% of a dgx1v plan)
+        forest = nx.is_forest(sw.to_undirected(as_view=True)) if len(sw) else True
         for a in starts:
+            reach = nx.single_source_shortest_path(sw, a) if forest else None
             for b in ends:
                 if a == b:
                     sw_paths[a, b] = [(a,)]
+                elif forest:
+                    p = reach.get(b)
+                    sw_paths[a, b] = [tuple(p)] if p is not None and len(p) <= MAX_SWITCH_NODES else []
                 else:
                     # Yen's k shortest simple paths: ordered and bounded even on meshy switch graphs
                     try:
@@ -147,6 +155,7 @@ class PackingResult:
     rate: float
     dual_bound: float
     iterations: int
+    roots: list | None = None  # root of each column (solve_rooted_packing); None: one root for all
 
 
 def _pair_costs(table: RouteTable, y: np.ndarray, mode: str):
@@ -222,11 +231,11 @@ def min_arborescence(w: np.ndarray, root: int):
     rest = np.flatnonzero(~incyc)
     m = len(rest)
     w2 = np.full((m + 1, m + 1), np.inf)
-    w2[:m, :m] = w[np.ix_(rest, rest)]
-    cin = w[np.ix_(rest, cyc)] - w[par[cyc], cyc][None, :]
+    w2[:m, :m] = w[rest][:, rest]
+    cin = w[rest][:, cyc] - w[par[cyc], cyc][None, :]
     best_in = np.argmin(cin, axis=1)
     w2[:m, m] = cin[np.arange(m), best_in]
-    cout = w[np.ix_(cyc, rest)]
+    cout = w[cyc][:, rest]
     best_out = np.argmin(cout, axis=0)
     w2[m, :m] = cout[best_out, np.arange(m)]
     p2 = min_arborescence(w2, int(np.flatnonzero(rest == root)[0]))
@@ -243,7 +252,21 @@ def min_arborescence(w: np.ndarray, root: int):
 
 def _price(table: RouteTable, y: np.ndarray, mode: str, root) -> Column | None:
     """The minimum-price tree under link prices ``y`` (None if no spanning tree exists)."""
-    costs = _pair_costs(table, y, mode)
+    return _tree_from_costs(table, _pair_costs(table, y, mode), mode, root)
+
+
+def _cost_matrix(table: RouteTable, costs: dict) -> np.ndarray:
+    """Dense [n, n] matrix of GPU-level edge costs (rows parents, in ``table.devices`` order; inf: no route)."""
+    pos = {d: i for i, d in enumerate(table.devices)}
+    w = np.full((len(pos), len(pos)), np.inf)
+    for (p, c), (cost, _, _) in costs.items():
+        w[pos[p], pos[c]] = cost
+    return w
+
+
+def _tree_from_costs(table: RouteTable, costs: dict, mode: str, root, matrix=None) -> Column | None:
+    """The minimum-price tree rooted at ``root`` over GPU-level edge costs from :func:`_pair_costs`
+    (one cost table, and its :func:`_cost_matrix` ``matrix``, serve every root of a pricing round)."""
     if mode == "spanning":
         h = nx.Graph()
         h.add_nodes_from(table.devices)
@@ -259,19 +282,20 @@ def _price(table: RouteTable, y: np.ndarray, mode: str, root) -> Column | None:
             cost, r, use = costs[key]
             edges.append((p, c, r if key == (p, c) else r[::-1], use))
     else:
-        pos = {d: i for i, d in enumerate(table.devices)}
-        n = len(pos)
-        w = np.full((n, n), np.inf)
-        for (p, c), (cost, _, _) in costs.items():
-            w[pos[p], pos[c]] = cost
-        par = min_arborescence(w, pos[root])
+        devs = table.devices
+        par = min_arborescence(_cost_matrix(table, costs) if matrix is None else matrix, devs.index(root))
         if par is None:
             return None
-        t = nx.DiGraph([(table.devices[par[i]], d) for i, d in enumerate(table.devices) if par[i] >= 0])
-        edges = []
-        for p, c in nx.bfs_edges(t, root, sort_neighbors=lambda ns: sorted(ns, key=_key)):
-            cost, r, use = costs[p, c]
-            edges.append((p, c, r, use))
+        kids: dict = {}
+        for i, d in enumerate(devs):
+            if par[i] >= 0:
+                kids.setdefault(devs[par[i]], []).append(d)
+        edges, queue = [], [root]
+        while queue:  # breadth-first, children in node order (deterministic hop order)
+            p = queue.pop(0)
+            for c in sorted(kids.get(p, ()), key=_key):
+                queue.append(c)
+                edges.append((p, c) + costs[p, c][1:])
     usage = np.zeros(len(table.links), dtype=np.int64)
     for e in edges:
         usage += e[3]
@@ -348,3 +372,90 @@ def solve_packing(table: RouteTable, mode: str, root, warm_start: int | None = N
             if c.edges not in seen:
                 cols.append(c)
                 seen.add(c.edges)
+
+
+def solve_rooted_packing(table: RouteTable, mode: str, target: float | None = None,
+                         warm_rounds: int | None = None) -> PackingResult:
+    """Maximum equal-per-root packing of arborescences rooted at every GPU (all-gather / reduce-scatter).
+
+    LP (ForestColl, Zhao et al. 2024, sections 4-5, as one LP): maximise x subject to, for every
+    root r in ``table.devices``, sum of the weights of r's trees >= x, and for every directed link
+    e, sum_t usage_t(e) w_t <= cap(e); w, x >= 0. Columns are spanning arborescences out of their
+    root (``mode="arborescence"``, all-gather) or into it (``"in-arborescence"``, reduce-scatter),
+    each GPU-level edge with a chosen route. Column generation with HiGHS: with link duals y and
+    root duals z, a tree rooted at r enters while its price usage . y < z_r - PRICE_TOL; pricing is
+    one minimum arborescence per root over one shared table of route costs. Weak duality gives
+    the certificate n * cap . y / sum_r (cheapest tree price of r) at every round. Stops at
+    optimality or once n * x reaches ``target`` (the exact cut bound, :func:`jax_blink.bounds.allgather_bound`).
+
+    Returns a PackingResult whose ``rate`` is n * x (the sum of all tree weights), ``weights`` the
+    LP weights trimmed so every root carries exactly x, and ``roots`` the root of each column.
+    Raises PlanError when some GPU cannot reach (or be reached from) another.
+    """
+    roots = list(table.devices)
+    n, nl = len(roots), len(table.links)
+    cols, col_root, seen = [], [], set()
+
+    def add(r, col):
+        if (r, col.edges) not in seen:
+            seen.add((r, col.edges))
+            cols.append(col)
+            col_root.append(r)
+            return True
+        return False
+
+    def price(y):
+        costs = _pair_costs(table, y, mode)
+        matrix = _cost_matrix(table, costs)
+        out = []
+        for r in roots:
+            col = _tree_from_costs(table, costs, mode, r, matrix)
+            if col is None:
+                raise PlanError(f"no spanning tree over devices {list(table.devices)} rooted at {r}: "
+                                f"some GPUs cannot reach each other over the job's links")
+            out.append((r, col))
+        return out
+
+    # warm start: multiplicative-weights rounds over all roots (Garg-Koenemann), min(n, 8) by default:
+    # on dgx1v they cut the LP rounds from 16 to 3
+    y = 1.0 / table.cap
+    for _ in range(max(1, min(n, 8) if warm_rounds is None else warm_rounds)):
+        for r, col in price(y):
+            add(r, col)
+            used = col.usage > 0
+            y = y * (1.0 + WARM_STEP * float(np.min(table.cap[used] / col.usage[used])) * col.usage / table.cap)
+    it, dual = 0, float("inf")
+    while True:
+        it += 1
+        t = len(cols)
+        a = np.stack([c.usage for c in cols], axis=1).astype(np.float64)
+        g = np.zeros((n, t))
+        g[[roots.index(r) for r in col_root], np.arange(t)] = 1.0
+        a_ub = np.block([[a, np.zeros((nl, 1))], [-g, np.ones((n, 1))]])
+        b_ub = np.concatenate([table.cap, np.zeros(n)])
+        res = linprog(np.concatenate([np.zeros(t), [-1.0]]), A_ub=a_ub, b_ub=b_ub, bounds=(0, None),
+                      method="highs")
+        if res.status != 0:
+            raise PlanError(f"all-gather packing LP failed for devices {list(table.devices)}: {res.message}")
+        x = float(res.x[-1])
+        w = np.asarray(res.x[:t], dtype=np.float64)
+        if target is not None and n * x >= target * (1 - 1e-9):
+            dual = max(target, n * x)
+            break
+        marg = -np.asarray(res.ineqlin.marginals)
+        y, z = np.maximum(marg[:nl], 0.0), np.maximum(marg[nl:], 0.0)
+        priced = price(y)
+        prices = np.array([float(c.usage @ y) for _, c in priced])
+        if prices.sum() > 0:
+            dual = min(dual, n * float(table.cap @ y) / prices.sum())
+        new = [add(r, c) for (r, c), p, zr in zip(priced, prices, z) if p < zr - PRICE_TOL]
+        if not any(new) or it >= MAX_ITERATIONS:
+            dual = max(dual, n * x)
+            break
+    # trim every root's weights to exactly x (scaling down keeps every link within capacity)
+    for i, r in enumerate(roots):
+        mine = np.array([j for j in range(len(w)) if col_root[j] == r])
+        s = float(w[mine].sum())
+        if s > 0:
+            w[mine] *= x / s
+    return PackingResult(cols, w, n * x, dual, it, col_root)

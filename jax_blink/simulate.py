@@ -36,7 +36,9 @@ PCIe links of B and the staging path H (tests/test_fidelity.py). Agreement with 
 ``benchmarks/fidelity.py``.
 
 Bandwidth figures follow nccl-tests (doc/PERFORMANCE.md): ``algbw = S / t``; all-reduce
-``busbw = algbw * 2(n-1)/n``; broadcast and reduce ``busbw = algbw``.
+``busbw = algbw * 2(n-1)/n``; all-gather and reduce-scatter ``busbw = algbw * (n-1)/n`` (S the full
+buffer); broadcast and reduce ``busbw = algbw``. All-gather broadcasts each shard down its owner's
+trees; reduce-scatter reduces each shard up its owner's in-trees (phases from ``collectives.get``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import Any
 
 import networkx as nx
 
+from . import collectives as _collectives
 from .errors import BlinkError, PlanError, ScheduleError
 from .schedule import COPY, REDUCE, Schedule, choose_chunks
 from .topology import _key
@@ -69,7 +72,7 @@ _HOST_MEMORY = "host-memory"  # first element of the virtual staging queue's key
 _KIND_ORDER = ("nvswitch", "nvlink", "host", "pcie", "net")
 DEFAULT_MAX_CHUNKS = 64
 CHUNK_BUDGET = 2048  # default chunking keeps about this many chunks per plan (simulation cost)
-COLLECTIVES = ("allreduce", "broadcast", "reduce")
+COLLECTIVES = tuple(_collectives.COLLECTIVES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +80,13 @@ class SimResult:
     """Outcome of one simulated collective.
 
     Attributes:
-      collective: "allreduce" | "broadcast" | "reduce".
+      collective: "allreduce" | "broadcast" | "reduce" | "allgather" | "reducescatter".
       algorithm: the plan's algorithm ("trees", "ring", "double-binary-tree", "schedule", ...).
       nranks: number of GPUs taking part.
-      nbytes: bytes per rank (the operand size S).
+      nbytes: bytes per rank (the operand size S; all-gather / reduce-scatter: the full buffer, n shards).
       time_s: completion time of the last message, seconds (0.0 for one GPU).
       algbw_gbps: S / time_s in GB/s (inf for one GPU).
-      busbw_gbps: nccl-tests bus bandwidth in GB/s (algbw * 2(n-1)/n for all-reduce, algbw otherwise).
+      busbw_gbps: nccl-tests bus bandwidth in GB/s (algbw * :func:`busbw_factor`).
       link_bytes: {(u, v): bytes carried} per directed physical edge that carried data.
       link_util: {(u, v): busy time / time_s} per directed physical edge of the topology (0..1).
       messages: number of chunk transfers simulated.
@@ -102,10 +105,9 @@ class SimResult:
 
 
 def busbw_factor(collective: str, n: int) -> float:
-    """nccl-tests bus-bandwidth factor: 2(n-1)/n for all-reduce, 1 for broadcast and reduce."""
-    if collective == "allreduce":
-        return 2.0 * (n - 1) / n
-    return 1.0
+    """nccl-tests bus-bandwidth factor (``collectives.Collective.busbw_factor``): 2(n-1)/n for
+    all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for broadcast and reduce."""
+    return _collectives.get(collective).busbw_factor(n)
 
 
 def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAULT_LATENCY_US,
@@ -119,7 +121,9 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
         topology through switch nodes), or a :class:`~jax_blink.schedule.Schedule` (its chunks and
         transfer rows are simulated as given, rows ordered by data dependencies instead of rounds;
         each rank-to-rank send is routed over the topology).
-      nbytes: operand size per rank in bytes (> 0).
+      nbytes: operand size per rank in bytes (> 0). All-gather / reduce-scatter: the full buffer
+        (gathered output / reduce-scatter input), ``n`` shards of ``nbytes / n``; a root's trees split
+        its own shard in proportion to their weights (ForestColl, Zhao et al. 2024).
       latency_us: per-message startup cost alpha in microseconds (>= 0).
       chunk_bytes: chunk size for a Plan (None: per tree, the pipelining optimum of
         :func:`jax_blink.schedule.choose_chunks` with this latency, at most ``max_chunks`` chunks
@@ -274,9 +278,17 @@ def _plan_messages(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks) -
         return []
     if not trees:
         raise PlanError(f"plan for devices {devices} has no trees with positive weight")
-    do_reduce = plan.collective in ("allreduce", "reduce")
-    do_bcast = plan.collective in ("allreduce", "broadcast")
+    row = _collectives.get(plan.collective)
+    do_reduce, do_bcast = row.reduces, row.broadcasts
     wsum = sum(t.weight_gbps for t in trees)
+    if row.sharded:  # segments never cross shards: root r's trees share shard r (nbytes / n)
+        per_root: dict = {}
+        for t in trees:
+            per_root[t.root] = per_root.get(t.root, 0.0) + t.weight_gbps
+        missing = [d for d in devices if d not in per_root]
+        if missing:
+            raise PlanError(f"{plan.collective} plan has no tree rooted at GPUs {missing}: every rank's shard "
+                            f"needs trees from its owner")
     max_chunks = max(1, min(max_chunks, CHUNK_BUDGET // len(trees)))
     segs = []
     for t in trees:
@@ -286,7 +298,8 @@ def _plan_messages(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks) -
                for p, c, path in tree_gpu_edges(t, devices, reduce=True)] if do_reduce else []
         bc = [(p, c, _hops(topology, path))
               for p, c, path in tree_gpu_edges(t, devices)] if do_bcast else []
-        seg_bytes = nbytes * t.weight_gbps / wsum
+        seg_bytes = (nbytes / len(devices) * t.weight_gbps / per_root[t.root] if row.sharded
+                     else nbytes * t.weight_gbps / wsum)
         if chunk_bytes is not None:
             k = max(1, math.ceil(seg_bytes / chunk_bytes - 1e-9))
         else:

@@ -33,8 +33,9 @@ def test_small_operand_gets_fewer_rounds_than_optimal_plan():
     plans = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)
     opt = plans[0]
     assert len(opt.trees) == 24 and [len(p.trees) for p in plans[1:4]] == [4, 2, 1]
-    # then the LP ring packing (NVLink + PCIe), NCCL's double binary tree and NCCL's NVLink rings
-    assert [p.algorithm for p in plans[4:]] == ["ring", "double-binary-tree", "ring"]
+    # then the LP ring packing (NVLink + PCIe), NCCL's double binary tree, NCCL's NVLink rings and
+    # reduce-scatter + all-gather forests
+    assert [p.algorithm for p in plans[4:]] == ["ring", "double-binary-tree", "ring", "rsag"]
     lat = costmodel.step_latency("ppermute")
     chosen, sched, t = costmodel.choose_schedule(plans, 1024, step_latency_s=lat)
     base = build_schedule(opt, 1024, step_latency_s=lat)

@@ -12,6 +12,7 @@ import math
 import os
 import re
 
+from .. import collectives
 from ..errors import BlinkError, PlanError
 from ..packing import COLLECTIVES
 
@@ -90,13 +91,15 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU ids of the job: 0,1,4 or ranges 0-3 or both, 0-2,5 (default: all)")
     p.add_argument("--collective", choices=COLLECTIVES, default="allreduce")
     p.add_argument("--root", type=int, default=None,
-                   help="root GPU for broadcast/reduce (default: first device); not for allreduce")
+                   help="root GPU for broadcast/reduce (default: first device); not for allreduce, "
+                        "allgather, reducescatter")
 
 
 def check_root(args: argparse.Namespace) -> None:
-    """Refuse ``--root`` with an all-reduce (it has no root) instead of ignoring it."""
-    if args.root is not None and args.collective == "allreduce":
-        raise BlinkError(f"--root {args.root} is for --collective broadcast or reduce; an allreduce "
+    """Refuse ``--root`` with a collective that has no root (all-reduce, all-gather, reduce-scatter)
+    instead of ignoring it."""
+    if args.root is not None and not collectives.get(args.collective).rooted:
+        raise BlinkError(f"--root {args.root} is for --collective broadcast or reduce; an {args.collective} "
                          f"has no root (leave out --root)")
 
 

@@ -1,5 +1,6 @@
 """``jax-blink bench``: simulated time, algbw and busbw of blink vs NCCL's ring and double binary
-tree per size; ``--json`` prints the same as a JSON list, one object per size.
+tree per size (all-gather / reduce-scatter: vs NCCL's ring and the LP ring packing, sizes being the
+full gathered buffer); ``--json`` prints the same as a JSON list, one object per size.
 
 blink is ``algorithm="auto"`` at each size (:func:`jax_blink.costmodel.choose_plan`: the fastest
 candidate by the simulator), or the ``--plan`` file's plan at every size. With ``--measure`` it also
@@ -134,8 +135,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register the bench options."""
     add_common(p)
     p.add_argument("--sizes", default="1K..1G",
-                   help="bytes per GPU: a range in powers of two (1K..1G) and/or a list (4K,1M,64M); "
-                        "K/M/G/T = KiB/MiB/GiB/TiB (default 1K..1G)")
+                   help="bytes per GPU (allgather / reducescatter: the full buffer, n shards): a range in "
+                        "powers of two (1K..1G) and/or a list (4K,1M,64M); K/M/G/T = KiB/MiB/GiB/TiB "
+                        "(default 1K..1G)")
     p.add_argument("--latency-us", type=float, default=None,
                    help="per-send latency of the simulator in microseconds (default: simulate.DEFAULT_LATENCY_US)")
     p.add_argument("--measure", action="store_true",
@@ -145,7 +147,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print a JSON list, one object per size: size (bytes per GPU), blink_plan, and "
                         "<name>_time_s, <name>_algbw_gbps, <name>_busbw_gbps for blink, ring, tree "
-                        "(null where a baseline does not exist); no tables")
+                        "(allgather / reducescatter: also lpring, the LP ring packing) (null where a "
+                        "baseline does not exist); no tables")
 
 
 def simulate_sweep(topo, blink_plan, sizes, *, latency_us=None, progress=True, fixed=False) -> list[dict]:
@@ -154,11 +157,14 @@ def simulate_sweep(topo, blink_plan, sizes, *, latency_us=None, progress=True, f
     blink: ``algorithm="auto"`` for the size on ``blink_plan``'s devices and root
     (:func:`jax_blink.costmodel.choose_plan` at this latency), or ``blink_plan`` itself with
     ``fixed=True`` (a --plan file). ring / tree: :func:`jax_blink.baselines.nccl_ring_plan` /
-    :func:`~jax_blink.baselines.nccl_tree_plan` (NVLink, else PCIe links). Returns rows {"size",
-    "blink_plan", "blink", "ring", "tree"} with SimResult values (None where the baseline does not
-    exist: no ring through the GPUs, or tree for broadcast / reduce).
+    :func:`~jax_blink.baselines.nccl_tree_plan` (NVLink, else PCIe links); lpring (all-gather,
+    reduce-scatter): :func:`~jax_blink.baselines.ring_plan`, the LP ring packing over every link.
+    Returns rows {"size", "blink_plan", "blink", "ring", "tree", "lpring"} with SimResult values (None
+    where the baseline does not exist: no ring through the GPUs, tree for other collectives than
+    all-reduce, lpring for other collectives than all-gather / reduce-scatter).
     """
-    from ..baselines import nccl_ring_plan, nccl_tree_plan
+    from ..baselines import nccl_ring_plan, nccl_tree_plan, ring_plan
+    from ..collectives import get as collective_row
     from ..costmodel import choose_plan
     from ..simulate import DEFAULT_LATENCY_US, simulate
 
@@ -174,12 +180,21 @@ def simulate_sweep(topo, blink_plan, sizes, *, latency_us=None, progress=True, f
 
     ring = baseline(lambda: nccl_ring_plan(topo, coll, devices=devs, root=blink_plan.root))
     tree = baseline(lambda: nccl_tree_plan(topo, devices=devs)) if coll == "allreduce" else None
+    lpring = baseline(lambda: ring_plan(topo, coll, devices=devs)) if collective_row(coll).sharded else None
     rows = []
     for s in _progress(sizes, "simulating", progress):
         bp = blink_plan if fixed else choose_plan(topo, coll, s, devices=devs, root=blink_plan.root, latency_us=lat)
         sim = lambda p: None if p is None else simulate(p, s, topology=topo, latency_us=lat)  # noqa: E731
-        rows.append({"size": s, "blink_plan": bp, "blink": sim(bp), "ring": sim(ring), "tree": sim(tree)})
+        rows.append({"size": s, "blink_plan": bp, "blink": sim(bp), "ring": sim(ring), "tree": sim(tree),
+                     "lpring": sim(lpring)})
     return rows
+
+
+def _columns(collective: str) -> tuple:
+    """The plans a bench row compares: blink, NCCL's ring, then NCCL's double binary tree ("tree")
+    or, for all-gather / reduce-scatter, the LP ring packing ("lpring")."""
+    from ..collectives import get as collective_row
+    return ("blink", "ring", "lpring") if collective_row(collective).sharded else ("blink", "ring", "tree")
 
 
 def json_rows(rows) -> list[dict]:
@@ -188,7 +203,8 @@ def json_rows(rows) -> list[dict]:
     out = []
     for r in rows:
         d = {"size": r["size"], "blink_plan": r["blink_plan"].shape()}
-        for name in ("blink", "ring", "tree"):
+        names = ("blink", "ring", "tree") + (("lpring",) if "lpring" in _columns(r["blink_plan"].collective) else ())
+        for name in names:
             res = r[name]
             d[f"{name}_time_s"] = None if res is None else res.time_s
             d[f"{name}_algbw_gbps"] = None if res is None else res.algbw_gbps
@@ -299,25 +315,32 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title="simulated (link-level event model; busbw as nccl-tests)", title_justify="left")
     table.add_column("size", justify="right")
     table.add_column("blink plan", justify="left")
-    for name in ("blink", "ring", "tree"):
+    names = _columns(bp.collective)
+    label = {"lpring": "lp ring"}
+    for name in names:
         for col in ("time", "algbw", "busbw"):
-            table.add_column(f"{name} {col}", justify="right")
-    table.add_column("ring/blink", justify="right")
-    table.add_column("tree/blink", justify="right")
+            table.add_column(f"{label.get(name, name)} {col}", justify="right")
+    for name in names[1:]:
+        table.add_column(f"{label.get(name, name)}/blink", justify="right")
     for r in rows:
         cells = [human_bytes(r["size"]), r["blink_plan"].shape()]
-        for name in ("blink", "ring", "tree"):
+        for name in names:
             res = r[name]
             if res is None:
                 cells += ["-", "-", "-"]
             else:
                 cells += [human_time(res.time_s), f"{res.algbw_gbps:.2f}", f"{res.busbw_gbps:.2f}"]
-        for name in ("ring", "tree"):
+        for name in names[1:]:
             cells.append("-" if r[name] is None else f"{r[name].time_s / r['blink'].time_s:.2f}x")
         table.add_row(*cells)
     console.print(table)
-    console.print("GB/s = 1e9 B/s; ring/blink, tree/blink: time ratios (> 1: blink faster); ring = NCCL's "
-                  "rings, tree = NCCL's double binary tree (all-reduce), on NVLink, else PCIe links")
+    if "tree" in names:
+        console.print("GB/s = 1e9 B/s; ring/blink, tree/blink: time ratios (> 1: blink faster); ring = NCCL's "
+                      "rings, tree = NCCL's double binary tree (all-reduce), on NVLink, else PCIe links")
+    else:
+        console.print("GB/s = 1e9 B/s; size = the full buffer (n shards); ring/blink, lp ring/blink: time ratios "
+                      "(> 1: blink faster); ring = NCCL's rings (NVLink, else PCIe links), lp ring = the best "
+                      "ring packing over every link; busbw = algbw (n-1)/n")
     if args.measure:
         # The same topology and GPUs, run on the local JAX devices with those ids.
         mrows = measure_sweep(sizes, args.repeats, topology=topo, devices=devices)

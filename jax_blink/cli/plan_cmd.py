@@ -8,6 +8,7 @@ import argparse
 import math
 import sys
 
+from .. import collectives
 from ..bounds import ring_rate
 from ..discovery import load_topology
 from ..errors import BlinkError, PlanError
@@ -62,12 +63,16 @@ def run(args: argparse.Namespace) -> int:
     fmt = lambda x: "inf" if math.isinf(x) else f"{x:.3f}"  # noqa: E731
     b_ring = ring_rate(t, p.devices) if len(p.devices) > 1 else float("inf")
     n = len(p.devices)
-    ring_eff = b_ring * n / (2 * (n - 1)) if p.collective == "allreduce" and n > 1 else b_ring
+    row = collectives.get(p.collective)
+    # rings of total bandwidth B reach algbw B / busbw factor (nccl-tests): all-reduce n B / (2(n-1)),
+    # all-gather / reduce-scatter n B / (n-1), broadcast / reduce B
+    ring_eff = b_ring / row.busbw_factor(n) if n > 1 and row.busbw_factor(n) > 0 else b_ring
     root = "" if p.root is None else f" root {p.root}"
     console.print(f"[bold]{p.collective}[/bold]{root} on {t.name} GPUs {list(p.devices)}: "
                   f"[bold]{p.shape()}[/bold]")
     ratio = "" if math.isinf(p.rate_gbps) or p.bound_gbps == 0 else f" ({p.rate_gbps / p.bound_gbps:.3f} of bound)"
-    console.print(f"rate {fmt(p.rate_gbps)} GB/s, bound {fmt(p.bound_gbps)} GB/s{ratio}; "
+    bound = "cut bound" if row.sharded else "bound"
+    console.print(f"rate {fmt(p.rate_gbps)} GB/s, {bound} {fmt(p.bound_gbps)} GB/s{ratio}; "
                   f"ring {fmt(ring_eff)} GB/s (ring bandwidth {fmt(b_ring)} GB/s)")
     for note in p.notes:
         console.print(f"  note: {note}")
@@ -85,6 +90,6 @@ def run(args: argparse.Namespace) -> int:
             red = "reversed" if tr.reduce_edges is None else " ".join(
                 f"{c}->{a}" for c, a in tr.gpu_parents(reduce=True).items())
             tab.add_row(str(i), str(tr.root), f"{tr.weight_gbps:.3f}", f"{tr.weight_gbps / p.rate_gbps:.3f}",
-                        edges, via or "-", red if p.collective != "broadcast" else "-")
+                        edges, via or "-", red if row.reduces else "-")
         console.print(tab)
     return 0

@@ -41,9 +41,9 @@ def run(args: argparse.Namespace) -> int:
 
     size = parse_size(args.size)
     png = png_path(args.png)
-    if args.algorithm == "ring" and args.collective != "allreduce":
-        raise BlinkError(f"--algorithm ring is an all-reduce algorithm, not for {args.collective!r}; "
-                         f"use --collective allreduce")
+    if args.algorithm == "ring" and args.collective not in ("allreduce", "allgather", "reducescatter"):
+        raise BlinkError(f"--algorithm ring is an all-reduce algorithm (and an all-gather / reduce-scatter one), "
+                         f"not for {args.collective!r}; use --collective allreduce")
     topo, devices, p = load_inputs(args)
     if args.algorithm == "blink" and args.plan is None:  # what auto runs at --size
         from ..packing import plan
