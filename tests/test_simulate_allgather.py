@@ -13,7 +13,7 @@ from jax_blink.schedule import build_schedule, execute
 from jax_blink.simulate import simulate
 from jax_blink.topology import Topology
 
-ALPHA_US = 2.0
+ALPHA_US = 2.0  # the whole per-send latency: closed forms below pass protocol_latency_us=0
 
 
 def one_way_ring(n: int, gbps: float) -> Topology:
@@ -38,7 +38,8 @@ def test_unpipelined_ring_matches_closed_form(collective):
             t.add_link((i + 1) % n, i, b, "nvlink", bidirectional=False)
     p = plan(t, collective, algorithm="ring")
     assert p.rate_gbps == pytest.approx(n * b / (n - 1)) == pytest.approx(p.bound_gbps)
-    r = simulate(p, s, topology=t, latency_us=ALPHA_US, chunk_bytes=s / n)
+    r = simulate(p, s, topology=t, latency_us=ALPHA_US, chunk_bytes=s / n,
+                 protocol_latency_us=0.0)
     assert r.time_s == pytest.approx((n - 1) * (s / n / (b * 1e9) + ALPHA_US * 1e-6), rel=1e-9)
     assert r.busbw_gbps == pytest.approx(r.algbw_gbps * (n - 1) / n)
     assert r.algbw_gbps == pytest.approx(s / r.time_s / 1e9)
@@ -55,7 +56,8 @@ def test_two_gpus_exchange_their_shards():
     for coll in ("allgather", "reducescatter"):
         p = plan(t, coll)
         assert p.rate_gbps == pytest.approx(40.0)  # each shard S/2 over its own direction at 20 GB/s
-        r = simulate(p, s, topology=t, latency_us=ALPHA_US, chunk_bytes=s / 2)
+        r = simulate(p, s, topology=t, latency_us=ALPHA_US, chunk_bytes=s / 2,
+                     protocol_latency_us=0.0)
         assert r.time_s == pytest.approx(s / 2 / 20e9 + ALPHA_US * 1e-6, rel=1e-9)
         assert r.busbw_gbps == pytest.approx(r.algbw_gbps / 2)
         assert r.link_bytes == {(0, 1): pytest.approx(s / 2), (1, 0): pytest.approx(s / 2)}
