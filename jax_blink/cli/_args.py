@@ -16,7 +16,7 @@ from ..errors import BlinkError, PlanError
 from ..packing import COLLECTIVES
 
 TOPOLOGY_HELP = ("preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, NCCL topology XML file, "
-                 "JSON file, or 'detect'")
+                 "JSON file, 'detect', or 'probe' (measure this job's devices)")
 _ITEM = re.compile(r"(\d+)(?:-(\d+))?")
 HOST_FLAG = "--xla_force_host_platform_device_count"
 
