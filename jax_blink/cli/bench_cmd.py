@@ -18,7 +18,7 @@ import sys
 
 from ..errors import BlinkError, PlanError
 from ._args import (HOST_FLAG, add_job_arguments, check_plan_fits_topology, check_root, force_host_devices,
-                    parse_devices, read_text)
+                    number_type, parse_devices, positive_int, read_text)
 
 __all__ = ["add_common", "human_bytes", "human_time", "load_inputs", "parse_devices", "parse_size",
            "parse_sizes", "run"]
@@ -136,12 +136,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1K..1G",
                    help="bytes per GPU: a range in powers of two (1K..1G) and/or a list (4K,1M,64M); "
                         "K/M/G/T = KiB/MiB/GiB/TiB (default 1K..1G)")
-    p.add_argument("--latency-us", type=float, default=None,
+    p.add_argument("--latency-us", type=number_type(float, low=0), default=None,
                    help="per-send latency of the simulator in microseconds (default: simulate.DEFAULT_LATENCY_US)")
     p.add_argument("--measure", action="store_true",
                    help="also time jax_blink.psum vs lax.psum (float32, pmap) on the local JAX devices; "
                         "without GPUs, host CPU devices standing in for the GPU ids (allreduce only)")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per size with --measure (default 5)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed calls per size with --measure (default 5)")
     p.add_argument("--json", action="store_true",
                    help="print a JSON list, one object per size: size (bytes per GPU), blink_plan, and "
                         "<name>_time_s, <name>_algbw_gbps, <name>_busbw_gbps for blink, ring, tree "

@@ -12,17 +12,19 @@ from ..bounds import ring_rate
 from ..discovery import load_topology
 from ..errors import BlinkError, PlanError
 from ..packing import ALGORITHMS, plan
-from ._args import add_job_arguments, check_root, parse_devices
+from ._args import add_job_arguments, check_root, number_type, parse_devices, positive_int
+
+FRACTION = number_type(float, low=0, high=1, high_open=True, what="a fraction")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register --topology, --devices, --collective, --root, --max-trees, --algorithm,
     --rate-tolerance, --relays, --json."""
     add_job_arguments(p)
-    p.add_argument("--max-trees", type=int, default=None, help="use at most K trees (the rate loss is reported)")
+    p.add_argument("--max-trees", type=positive_int, default=None, help="use at most K trees (the rate loss is reported)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default="auto",
                    help="force an algorithm (default: the fastest on predicted time)")
-    p.add_argument("--rate-tolerance", type=float, default=0.0, metavar="F",
+    p.add_argument("--rate-tolerance", type=FRACTION, default=0.0, metavar="F",
                    help="drop the lightest trees while the rate stays within this fraction (e.g. 0.01)")
     p.add_argument("--relays", default=None, metavar="IDS|gpus",
                    help="GPUs outside --devices that may forward data (comma list, or 'gpus' for all); "

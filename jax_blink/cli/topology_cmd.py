@@ -11,7 +11,7 @@ from ..discovery import load_topology
 from ..errors import BlinkError
 from ..presets import is_preset
 from ..topology import Topology
-from ._args import HOST_FLAG, TOPOLOGY_HELP, force_host_devices, positive_gbps
+from ._args import HOST_FLAG, TOPOLOGY_HELP, force_host_devices, positive_gbps, positive_int
 
 PROBE_HOST_DEVICES = 8  # host CPU devices `topology probe` asks XLA for when XLA_FLAGS sets none
 
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-sizes", default=None, metavar="SIZES",
                    help="with SOURCE 'probe': bytes per timed transfer, e.g. 1M,16M (default 1M,16M; "
                         "the largest gives the capacities)")
-    p.add_argument("--repeats", type=int, default=3, help="with SOURCE 'probe': timings per transfer (default 3)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="with SOURCE 'probe': timings per transfer (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
