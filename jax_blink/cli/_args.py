@@ -87,7 +87,7 @@ def number_type(kind=float, *, low=None, high=None, low_open=False, high_open=Fa
     """argparse ``type=``: an int or a finite float in [low, high] (an end excluded when ``*_open``),
     so nan, inf, negative counts and out-of-range fractions stop at parsing with the range named."""
     lo_b, hi_b = "(" if low_open else "[", ")" if high_open else "]"
-    span = f"in {lo_b}{'-inf' if low is None else low:g}, {'inf' if high is None else high:g}{hi_b}"
+    span = f"in {lo_b}{'-inf' if low is None else f'{low:g}'}, {'inf' if high is None else f'{high:g}'}{hi_b}"
 
     def parse(text: str):
         try:

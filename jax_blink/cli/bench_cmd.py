@@ -26,6 +26,7 @@ __all__ = ["add_common", "human_bytes", "human_time", "load_inputs", "parse_devi
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 MAX_SWEEP = 64
+MEASURE_MAX_BYTES = 1 << 30
 
 
 def parse_size(text: str) -> int:
@@ -273,6 +274,10 @@ def run(args: argparse.Namespace) -> int:
         raise BlinkError(f"--repeats must be >= 1, got {args.repeats}")
     if args.latency_us is not None and not (args.latency_us >= 0 and math.isfinite(args.latency_us)):
         raise BlinkError(f"--latency-us must be >= 0, got {args.latency_us}")
+    if args.measure and max(sizes) > MEASURE_MAX_BYTES:  # each device holds a few operands of this size
+        raise BlinkError(f"--measure allocates the operand on every device: sizes up to "
+                         f"{human_bytes(MEASURE_MAX_BYTES)} per GPU, got {human_bytes(max(sizes))} (--sizes "
+                         f"{args.sizes}); the simulated sweep alone (no --measure) takes any size")
     if args.measure and args.collective != "allreduce":
         raise BlinkError("--measure times the all-reduce (jax_blink.psum vs lax.psum); use --collective allreduce")
     topo, devices, bp = load_inputs(args)
