@@ -240,9 +240,9 @@ def load_topology(source, **kw) -> Topology:
         raise TopologyError(f"cannot load a topology from {type(source).__name__}; " + HOW_TO_PASS)
     path = pathlib.Path(source)
     if not path.is_file():
-        raise TopologyError(f"{str(source)!r} is not a preset name, 'detect', 'probe' or an existing file"
-                            f"{_did_you_mean(str(source))}; known presets: {', '.join(PRESETS)}, host<N>; "
-                            + HOW_TO_PASS)
+        raise TopologyError(f"{str(source)!r} is not a preset name or an existing file{_did_you_mean(str(source))}; "
+                            f"known presets: {', '.join(PRESETS)}, host<N>; 'detect' reads this machine's GPUs, "
+                            "'probe' measures the job's devices; " + HOW_TO_PASS)
     try:
         text = path.read_text(errors="replace")
     except OSError as err:

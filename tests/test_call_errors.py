@@ -190,3 +190,11 @@ def test_plan_and_ring_rate_errors():
     with pytest.raises(BlinkError):
         jax_blink.plan(t, devices=[0, 99])
     assert math.isfinite(jax_blink.ring_rate(t, [0, 1, 2, 3]))
+
+
+def test_ring_rate_needs_a_topology_and_selftest_a_rank_count():
+    with pytest.raises(BlinkError, match="ring_rate needs a jax_blink.Topology, got str"):
+        jax_blink.ring_rate("dgx1v", [0, 1])
+    for bad in (0, -2, "2", True, 1.5):
+        with pytest.raises(ValueError, match="nranks must be None .* or an int >= 1"):
+            jax_blink.selftest(nranks=bad, record=False)
