@@ -64,10 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     only = next((a for a in argv if a in COMMANDS), None)
     parser = build_parser(only)
     from ._args import join_negative_values, value_options
-    try:
-        args = parser.parse_args(join_negative_values(argv, value_options(parser)))
-    except SystemExit as exit_:  # argparse printed usage and the error (or --help / --version)
-        return int(exit_.code or 0)
+    args = parser.parse_args(join_negative_values(argv, value_options(parser)))
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
