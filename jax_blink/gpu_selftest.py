@@ -36,11 +36,8 @@ DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32",
 
 def record_path() -> pathlib.Path:
     """Where passes are recorded (see the module docstring)."""
-    base = os.environ.get("JAX_BLINK_CACHE_DIR")
-    if not base:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = os.path.join(xdg, "jax_blink") if xdg else os.path.join(os.path.expanduser("~"), ".cache", "jax_blink")
-    return pathlib.Path(base) / "selftest.json"
+    from .probe import cache_dir  # one cache directory for probes and self-test records
+    return cache_dir() / "selftest.json"
 
 
 def machine_key() -> dict | None:

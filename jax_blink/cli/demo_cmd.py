@@ -118,8 +118,9 @@ def _plan_lines(topo, ndevices: int) -> list[str]:
     ring = ring_rate(topo, gpus)
     n = len(gpus)
     summary = (f"plan: {len(pl.trees)} trees, rate {pl.rate_gbps:.2f} GB/s, bound {pl.bound_gbps:.2f} GB/s "
-               f"({pl.algorithm}); ring rate {ring:.2f} GB/s = all-reduce rate "
-               f"{ring * n / (2 * (n - 1)):.2f} GB/s (ring time 2(n-1)/n * S / B)")
+               f"({pl.algorithm}); best ring packing: rings of {ring:.2f} GB/s in total, so an all-reduce ring rate "
+               f"of at most {ring * n / (2 * (n - 1)):.2f} GB/s (ring time 2(n-1)/n * S / B; NCCL's rings "
+               "reach at most this)")
     lines.append(summary)
     return lines
 

@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
                   f"[bold]{p.shape()}[/bold]")
     ratio = "" if math.isinf(p.rate_gbps) or p.bound_gbps == 0 else f" ({p.rate_gbps / p.bound_gbps:.3f} of bound)"
     console.print(f"rate {fmt(p.rate_gbps)} GB/s, bound {fmt(p.bound_gbps)} GB/s{ratio}; "
-                  f"ring {fmt(ring_eff)} GB/s (ring bandwidth {fmt(b_ring)} GB/s)")
+                  f"rings at most {fmt(ring_eff)} GB/s (the best ring packing, rings of {fmt(b_ring)} GB/s in "
+                  "total: no ring schedule, NCCL's included, exceeds it)")
     for note in p.notes:
         console.print(f"  note: {note}")
     if nbytes is None and args.algorithm == "auto" and n > 1:
