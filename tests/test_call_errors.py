@@ -120,6 +120,8 @@ def test_root_numpy_int_accepted_and_traced_root_refused():
     ({"impl": "nccl"}, ValueError, "impl must be one of"),
     ({"algorithm": "rings"}, ValueError, "algorithm= must be one of"),
     ({"chunk_elems": 0}, ValueError, "chunk_elems must be a positive int"),
+    ({"chunk_elems": "x"}, ValueError, "chunk_elems must be a positive int, got 'x'"),
+    ({"chunk_elems": True}, ValueError, "chunk_elems must be a positive int, got True"),
     ({"max_trees": 0}, ValueError, "max_trees must be a positive int"),
     ({"device_map": 5}, TypeError, "device_map must be a dict or a callable"),
     ({"topology": 8}, TypeError, "topology must be a Topology, a preset name or a file path"),

@@ -6,6 +6,7 @@ measurements), that the planner and psum accept the result, and the JAX_BLINK_TO
 Probe sizes are a few KiB so each probe takes about a second.
 """
 
+import importlib
 import json
 import math
 
@@ -19,10 +20,11 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_blink
-from jax_blink import mapping, probe
+from jax_blink import mapping
 from jax_blink.cli import main
 from jax_blink.topology import LINK_KINDS
 
+probe = importlib.import_module("jax_blink.probe")  # the module; jax_blink.probe is its function
 SMALL = dict(sizes=(4096, 65536), repeats=1, max_pair_tests=6)
 
 
@@ -108,6 +110,12 @@ def test_compare_names_pairs_off_by_more_than_20_percent():
     assert "agrees with the labelled topology 'host4' within 20%" in ok
     (lack,) = probe.compare(m, "host2")
     assert "lacks GPUs [2, 3]" in lack
+
+
+def test_public_probe_is_the_function():
+    assert jax_blink.probe is probe.probe and "probe" in dir(jax_blink)
+    t = jax_blink.probe(jax.devices()[:2], sizes=4096, repeats=1)
+    assert t.gpus == [0, 1] and all(0 < bw < math.inf for _, _, bw, _, _ in t.links())
 
 
 def test_probe_argument_errors():
