@@ -75,8 +75,8 @@ def probe(devices=None, sizes=DEFAULT_SIZES, *, repeats: int = 3, label=None,
     """The measured topology of ``devices`` (Blink section 3).
 
     Args:
-      devices: JAX devices of the job (default ``jax.devices()``), at least 2, all distinct and of
-        one platform.
+      devices: JAX devices of the job (default ``jax.local_devices()``: a process can copy only
+        between its own devices), at least 2, all distinct and of one platform.
       sizes: transfer sizes in bytes (positive ints); capacities come from the largest, the others
         show in the notes (latency-bound copies are slower).
       repeats: timings per transfer (the fastest counts), >= 1.
@@ -110,7 +110,7 @@ def probe(devices=None, sizes=DEFAULT_SIZES, *, repeats: int = 3, label=None,
 
 def _check_args(devices, sizes, repeats, max_pair_tests):
     import jax
-    devices = list(jax.devices() if devices is None else devices)
+    devices = list(jax.local_devices() if devices is None else devices)
     if len(devices) < 2:
         raise TopologyError(f"probe needs at least 2 devices to time transfers between, got {len(devices)}; "
                             "on CPU start JAX with XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -229,16 +229,19 @@ def _pair(s) -> str:
 
 
 def compare(m: Measurement, label) -> list[str]:
-    """Notes where a measured one-way rate and the labelled topology's max-flow between the same
-    GPUs differ by more than :data:`DISAGREE` (at most 8 pairs listed, the rest counted)."""
+    """Notes where a measured one-way rate and the labelled capacity between the same GPUs differ
+    by more than :data:`DISAGREE` (at most 8 pairs listed, the rest counted). The labelled capacity
+    is the max-flow from i to j over links and switches with no other GPU forwarding, since a
+    device-to-device copy goes over the links joining the two (NVLink, else PCIe) only."""
     from .discovery import load_topology
     label = load_topology(label)
     missing = [g for g in m.gpus if g not in set(label.gpus)]
     if missing:
         return [f"the labelled topology {label.name!r} lacks GPUs {missing}: nothing compared"]
-    graph = label.graph
+    switches = [n for n, kind in label.graph.nodes(data="kind") if kind != "gpu"]
     out = []
     for (i, j), bw in sorted(m.one_way.items()):
+        graph = label.graph.subgraph(switches + [i, j])
         want = nx.maximum_flow_value(graph, i, j, capacity="bandwidth_gbps")
         if want > 0 and abs(bw - want) / want > DISAGREE:
             out.append(f"{i}->{j}: measured {bw:.3g} GB/s, labelled {want:.3g} GB/s ({(bw - want) / want:+.0%})")

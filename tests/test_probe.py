@@ -176,3 +176,13 @@ def test_cli_topology_probe_json(tmp_path, monkeypatch, capsys):
     assert len(list(tmp_path.glob("probe-*.json"))) == 1  # refreshed the cache JAX_BLINK_TOPOLOGY=probe reads
     assert main(["topology", "probe", "--probe-sizes", "4K", "--repeats", "1"]) == 0
     assert "probe-cpu8" in capsys.readouterr().out
+
+
+def test_label_capacity_counts_no_forwarding_gpu():
+    """dgx1v-nvlink: 0->1 has one direct NVLink (25 GB/s); the max-flow through other GPUs is larger,
+    but a copy does not pass through them, so a measured 25 GB/s agrees with the label."""
+    m = _measurement(lambda i, j: 25.0, n=2)
+    (ok,) = probe.compare(m, "dgx1v-nvlink")
+    assert "agrees" in ok
+    (off,) = probe.compare(_measurement(lambda i, j: 12.0, n=2), "dgx1v-nvlink")
+    assert "0->1: measured 12 GB/s, labelled 25 GB/s (-52%)" in off
