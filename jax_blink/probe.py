@@ -57,7 +57,7 @@ class Measurement:
       one_way: ``{(i, j): GB/s}`` of ``i -> j`` alone.
       both_ways: ``{(i, j): GB/s}`` of ``i -> j`` while ``j -> i`` runs.
       shared: ``[((i, j), (k, l), slowdown)]`` for pairs of transfers that slow each other down by
-        more than :data:`SLOWDOWN` (slowdown = time together / the slower one's time alone).
+        more than :data:`SLOWDOWN` (slowdown: time together / time alone of the more slowed one).
       ring: ``{i: GB/s}`` of device ``i``'s send while every device sends to the next at once.
       concurrent: ``{((i, j), (k, l)): GB/s}`` sum of both transfers' rates when run together.
     """
@@ -142,16 +142,19 @@ def measure(devices, sizes, *, repeats: int = 3, max_pair_tests: int = MAX_PAIR_
             b.block_until_ready()
 
         def rate(transfers) -> list[float]:
-            """GB/s of each (src index, dst index) transfer when all run at once."""
-            best = math.inf
-            for _ in range(repeats + 1):  # the first run warms the copy path up
+            """GB/s of each (src index, dst index) transfer when all start at once: bytes over the
+            time until it is seen done (waited on in order, so a later one's time is an upper bound);
+            the fastest of ``repeats`` runs after a warm-up run."""
+            best = [math.inf] * len(transfers)
+            for rep in range(repeats + 1):
                 t0 = time.perf_counter()
                 outs = [jax.device_put(bufs[i], devices[j]) for i, j in transfers]
-                for o in outs:
+                for k, o in enumerate(outs):
                     o.block_until_ready()
-                best = min(best, time.perf_counter() - t0)
+                    if rep:  # run 0 warms the copy path up
+                        best[k] = min(best[k], time.perf_counter() - t0)
                 del outs
-            return [nbytes / max(best, 1e-9) / 1e9] * len(transfers)
+            return [nbytes / max(b, 1e-9) / 1e9 for b in best]
 
         one = {(i, j): rate([(i, j)])[0] for i, j in itertools.permutations(range(n), 2)}
         both = {}
@@ -164,9 +167,9 @@ def measure(devices, sizes, *, repeats: int = 3, max_pair_tests: int = MAX_PAIR_
             tests = [tests[k] for k in sorted(pick)]
         shared, concurrent = [], {}
         for a, b in tests:
-            r = rate([a, b])[0]
-            concurrent[a, b] = 2 * r
-            slow = min(one[a], one[b]) / r  # the slower transfer's time alone vs together
+            ra, rb = rate([a, b])
+            concurrent[a, b] = ra + rb
+            slow = max(one[a] / ra, one[b] / rb)  # the more slowed transfer: time together / alone
             if slow > SLOWDOWN:
                 shared.append((a, b, slow))
         ring = dict(zip(range(n), rate([(i, (i + 1) % n) for i in range(n)])))
