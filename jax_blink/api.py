@@ -119,10 +119,11 @@ def _check_topology(key, axes, api) -> None:
         topo = spec if isinstance(spec, Topology) else mapping._load(spec)
     except TopologyError as err:
         raise TopologyError(f"{api}: topology={spec!r}: {err}") from None
-    sizes = {"axes " + ", ".join(map(repr, axes)): math.prod(P.axis_sizes(axes))}
     mesh = _abstract_mesh()
-    if mesh is not None and set(axes) <= set(mesh.axis_names):
-        sizes["the mesh"] = math.prod(mesh.axis_sizes)
+    if mesh is None or not set(axes) <= set(mesh.axis_names):
+        return  # a vmap axis is not devices: nothing to count
+    sizes = {"axes " + ", ".join(map(repr, axes)): math.prod(P.axis_sizes(axes)),
+             "the mesh": math.prod(mesh.axis_sizes)}
     where, n = max(sizes.items(), key=lambda kv: kv[1])
     ngpus = len(topo.gpus)
     if n > ngpus:
@@ -134,7 +135,7 @@ def _check_topology(key, axes, api) -> None:
 
 
 def _abstract_mesh():
-    """The mesh being traced under (shard_map / jit with a mesh), or None (pmap, vmap, old jax)."""
+    """The mesh being traced under (shard_map, pmap), or None (vmap alone, or a jax without it)."""
     try:
         from jax._src.mesh import get_abstract_mesh
         mesh = get_abstract_mesh()
@@ -192,9 +193,12 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
     Returns: same structure/shapes as ``x``; every device holds bitwise-identical sums (all receive
     the tree roots' results). Source: Blink (MLSys 2020) section 4: reduce then broadcast on the same
     packed spanning trees.
-    Raises NameError for an unbound axis, TypeError for an unsupported dtype, ValueError for an unknown
-    ``algorithm``, TopologyError /
-    PlanError / BlinkError (at trace/lower time) when the topology does not cover the mesh devices.
+    Raises, when called (while tracing): NameError for an unbound axis; TypeError for a leaf that is
+    not a valid JAX type (a str, a dtype name) or an unsupported dtype; ValueError for an unknown
+    ``impl`` / ``algorithm`` or a bad ``chunk_elems`` / ``max_trees``; TopologyError for a
+    ``topology`` (or ``$JAX_BLINK_TOPOLOGY``) that does not load or has fewer GPUs than the mesh has
+    devices. At lowering: TopologyError / PlanError / BlinkError when the mesh's devices do not map
+    onto the topology's GPUs.
     """
     _check_operand(x, "jax_blink.psum")
     axes = _parallel._maybe_skip_one_sized_axes(_axes(axis_name))
@@ -274,7 +278,8 @@ def broadcast(x, axis_name, root=0, *, topology=None, impl=None, device_map=None
     Args: ``x`` pytree (dtypes kept, bool included); ``root`` rank over ``axis_name`` (row-major
     over a tuple, as ``lax.axis_index``); other arguments as :func:`psum`. Under ``check_vma=True`` the result is
     invariant over ``axis_name``. ``algorithm``: as :func:`psum` except "ring" (ValueError).
-    Raises ValueError for a root out of range, plus :func:`psum`'s errors.
+    Raises TypeError for a root that is not a static int, ValueError for a root out of range, plus
+    :func:`psum`'s errors.
     """
     return _rooted("broadcast", x, axis_name, root, topology, impl, device_map, chunk_elems, algorithm,
                    max_trees)

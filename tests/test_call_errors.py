@@ -200,3 +200,9 @@ def test_ring_rate_needs_a_topology_and_selftest_a_rank_count():
     for bad in (0, -2, "2", True, 1.5):
         with pytest.raises(ValueError, match="nranks must be None .* or an int >= 1"):
             jax_blink.selftest(nranks=bad, record=False)
+
+
+def test_vmap_axis_is_not_counted_as_devices():
+    """A vmap axis of 16 with topology host4: no devices to count, the sum is lax's."""
+    out = jax.vmap(lambda v: jax_blink.psum(v, "v", topology="host4"), axis_name="v")(jnp.arange(16.0))
+    np.testing.assert_array_equal(np.asarray(out), np.full(16, 120.0))
