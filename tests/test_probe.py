@@ -176,6 +176,11 @@ def test_cli_topology_probe_json(tmp_path, monkeypatch, capsys):
     assert len(list(tmp_path.glob("probe-*.json"))) == 1  # refreshed the cache JAX_BLINK_TOPOLOGY=probe reads
     assert main(["topology", "probe", "--probe-sizes", "4K", "--repeats", "1"]) == 0
     assert "probe-cpu8" in capsys.readouterr().out
+    mapping._load.cache_clear()
+    assert main(["plan", "--topology", "probe", "--json"]) == 0  # plans on the probe just cached
+    p = json.loads(capsys.readouterr().out)
+    assert p["devices"] == list(range(8)) and p["rate_gbps"] > 0
+    assert len(list(tmp_path.glob("probe-*.json"))) == 1
 
 
 def test_label_capacity_counts_no_forwarding_gpu():

@@ -138,9 +138,21 @@ def join_negative_values(argv: list[str], options) -> list[str]:
     return out
 
 
+PROBE_HOST_DEVICES = 8  # host CPU devices the CLI asks XLA for when it probes (XLA_FLAGS unset)
+
+
+def topology_source(text: str) -> str:
+    """argparse ``type=`` for --topology: the text itself; for 'probe' it first asks XLA for
+    :data:`PROBE_HOST_DEVICES` host CPU devices (as `jax-blink topology probe` does), so both
+    read the probe cached for the same device set."""
+    if text.strip().lower() == "probe":
+        force_host_devices(PROBE_HOST_DEVICES)
+    return text
+
+
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
     """Register --topology (required), --devices, --collective and --root."""
-    p.add_argument("--topology", required=True, metavar="SOURCE", help=TOPOLOGY_HELP)
+    p.add_argument("--topology", required=True, type=topology_source, metavar="SOURCE", help=TOPOLOGY_HELP)
     p.add_argument("--devices", type=devices_type, default=None, metavar="IDS",
                    help="GPU ids of the job: 0,1,4 or ranges 0-3 or both, 0-2,5 (default: all)")
     p.add_argument("--collective", choices=COLLECTIVES, default="allreduce")

@@ -11,9 +11,7 @@ from ..discovery import load_topology
 from ..errors import BlinkError
 from ..presets import is_preset
 from ..topology import Topology
-from ._args import HOST_FLAG, TOPOLOGY_HELP, force_host_devices, positive_gbps, positive_int
-
-PROBE_HOST_DEVICES = 8  # host CPU devices `topology probe` asks XLA for when XLA_FLAGS sets none
+from ._args import HOST_FLAG, PROBE_HOST_DEVICES, TOPOLOGY_HELP, force_host_devices, positive_gbps, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
