@@ -80,3 +80,23 @@ def test_negative_values_are_joined_only_for_value_options():
     assert join_negative_values(["demo", "--lr", "-.5"], opts) == ["demo", "--lr=-.5"]
     assert join_negative_values(["plan", "--size", "--json"], opts) == ["plan", "--size", "--json"]
     assert join_negative_values(["x", "--other", "-1"], opts) == ["x", "--other", "-1"]
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("lr", float("nan"), r"--lr must be positive \(and --lr finite\), got 10, 64, nan"),
+    ("lr", float("inf"), r"got 10, 64, inf"),
+    ("min_accuracy", float("nan"), r"--min-accuracy is a fraction in \[0, 1\], got nan"),
+])
+def test_example_refuses_what_its_own_argparse_lets_through(field, value, match):
+    """examples/flax_digits/train.py parses --lr with type=float (nan passes argparse): its
+    config_from_args, shared with the demo, refuses it before training."""
+    import argparse
+
+    from jax_blink.cli.demo_cmd import load_example
+    ex = load_example()
+    p = argparse.ArgumentParser()
+    ex.add_arguments(p)
+    args = p.parse_args(["--epochs", "10"])
+    setattr(args, field, value)
+    with pytest.raises(ValueError, match=match):
+        ex.config_from_args(args)
