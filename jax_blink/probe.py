@@ -60,6 +60,7 @@ class Measurement:
         more than :data:`SLOWDOWN` (slowdown: time together / time alone of the more slowed one).
       ring: ``{i: GB/s}`` of device ``i``'s send while every device sends to the next at once.
       concurrent: ``{((i, j), (k, l)): GB/s}`` sum of both transfers' rates when run together.
+      by_size: ``{bytes: GB/s}`` median one-way rate over all ordered pairs at each probe size.
     """
 
     gpus: list
@@ -68,6 +69,7 @@ class Measurement:
     shared: list
     ring: dict
     concurrent: dict
+    by_size: dict = dataclasses.field(default_factory=dict)
 
 
 def probe(devices=None, sizes=DEFAULT_SIZES, *, repeats: int = 3, label=None,
@@ -77,8 +79,8 @@ def probe(devices=None, sizes=DEFAULT_SIZES, *, repeats: int = 3, label=None,
     Args:
       devices: JAX devices of the job (default ``jax.local_devices()``: a process can copy only
         between its own devices), at least 2, all distinct and of one platform.
-      sizes: transfer sizes in bytes (positive ints); capacities come from the largest, the others
-        show in the notes (latency-bound copies are slower).
+      sizes: transfer sizes in bytes (ints, 4 B .. 4 GiB); capacities come from the largest; the
+        median one-way rate at every size is in the notes (small copies are latency-bound).
       repeats: timings per transfer (the fastest counts), >= 1.
       label: the topology the devices are said to have (a Topology or any ``load_topology``
         source), compared with the measurement; default: on GPUs the detected one, else none.
@@ -96,7 +98,8 @@ def probe(devices=None, sizes=DEFAULT_SIZES, *, repeats: int = 3, label=None,
     t = build_topology(m, platform)
     t.notes.append(f"probed {len(devices)} {platform} devices with jax.device_put copies of "
                    f"{', '.join(_fmt_bytes(s) for s in sizes)} (capacities at {_fmt_bytes(sizes[-1])}, "
-                   f"fastest of {repeats})")
+                   f"fastest of {repeats}); median one-way GB/s by size: "
+                   + ", ".join(f"{_fmt_bytes(k)} {v:.3g}" for k, v in sorted(m.by_size.items())))
     if label is None and platform in ("gpu", "cuda", "rocm"):
         try:
             from .discovery import detect
@@ -130,17 +133,14 @@ def _check_args(devices, sizes, repeats, max_pair_tests):
 
 
 def measure(devices, sizes, *, repeats: int = 3, max_pair_tests: int = MAX_PAIR_TESTS) -> Measurement:
-    """Time the transfers (see the module docstring); GB/s at ``max(sizes)``, fastest of ``repeats``."""
+    """Time the transfers (see the module docstring): one way at every size, the rest at
+    ``max(sizes)``; GB/s, the fastest of ``repeats``."""
     import jax
     gpus = [default_gpu_id(d) for d in devices]
     if len(set(gpus)) != len(gpus):
         raise TopologyError(f"devices {devices} map to topology GPUs {gpus}, some twice")
-    n, nbytes = len(devices), max(sizes)
+    n = len(devices)
     with jax.ensure_compile_time_eval():  # JAX_BLINK_TOPOLOGY=probe runs this while a psum traces
-        bufs = [jax.device_put(np.ones(nbytes // 4, np.float32), d) for d in devices]
-        for b in bufs:
-            b.block_until_ready()
-
         def rate(transfers) -> list[float]:
             """GB/s of each (src index, dst index) transfer when all start at once: bytes over the
             time until it is seen done (waited on in order, so a later one's time is an upper bound);
@@ -156,7 +156,13 @@ def measure(devices, sizes, *, repeats: int = 3, max_pair_tests: int = MAX_PAIR_
                 del outs
             return [nbytes / max(b, 1e-9) / 1e9 for b in best]
 
-        one = {(i, j): rate([(i, j)])[0] for i, j in itertools.permutations(range(n), 2)}
+        by_size = {}
+        for nbytes in sizes:  # ascending: the largest stays in nbytes / bufs for the tests below
+            bufs = [jax.device_put(np.ones(nbytes, np.uint8), d) for d in devices]
+            for b in bufs:
+                b.block_until_ready()
+            one = {(i, j): rate([(i, j)])[0] for i, j in itertools.permutations(range(n), 2)}
+            by_size[nbytes] = float(np.median(list(one.values())))
         both = {}
         for i, j in itertools.combinations(range(n), 2):
             both[i, j], both[j, i] = rate([(i, j), (j, i)])
@@ -177,7 +183,7 @@ def measure(devices, sizes, *, repeats: int = 3, max_pair_tests: int = MAX_PAIR_
     return Measurement(
         gpus=gpus, one_way={g(p): v for p, v in one.items()}, both_ways={g(p): v for p, v in both.items()},
         shared=[(g(a), g(b), s) for a, b, s in shared], ring={gpus[i]: v for i, v in ring.items()},
-        concurrent={(g(a), g(b)): v for (a, b), v in concurrent.items()})
+        concurrent={(g(a), g(b)): v for (a, b), v in concurrent.items()}, by_size=by_size)
 
 
 def build_topology(m: Measurement, platform: str = "cpu") -> Topology:

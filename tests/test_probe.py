@@ -9,6 +9,7 @@ Probe sizes are a few KiB so each probe takes about a second.
 import importlib
 import json
 import math
+import re
 
 import networkx as nx
 import numpy as np
@@ -46,7 +47,9 @@ def test_probe_shape_positive_finite_and_every_pair_reachable(probed):
         for j in range(8):
             if i != j:
                 assert nx.maximum_flow_value(probed.graph, i, j, capacity="bandwidth_gbps") > 0
-    assert any(n.startswith("probed 8 cpu devices with jax.device_put copies of 4 KiB, 64 KiB") for n in probed.notes)
+    (note,) = [n for n in probed.notes if n.startswith("probed 8 cpu devices")]
+    assert "copies of 4 KiB, 64 KiB (capacities at 64 KiB, fastest of 1)" in note
+    assert re.search(r"median one-way GB/s by size: 4 KiB [\d.e+-]+, 64 KiB [\d.e+-]+$", note), note
     assert any("labelled topology 'host8'" in n for n in probed.notes)
 
 
