@@ -57,6 +57,7 @@ def fails(capsys, argv, match):
     (["topology", "host0"], r"'host0' is not a preset name"),
     (["topology", "/no/such/topo.xml"], r"'/no/such/topo.xml' is not a preset name.*NCCL's topology XML"),
     (["topology", "dgx1v", "--probe-sizes", "1M"], r"--probe-sizes applies to `jax-blink topology probe`"),
+    (["topology", "dgx1v", "--repeats", "2"], r"--repeats applies to `jax-blink topology probe`, not to 'dgx1v'"),
     (["topology", "dgx1v", "--pcie-gbps", "nan"], r"argument --pcie-gbps: must be a finite number of GB/s > 0"),
     (["topology", "probe", "--repeats", "0"], r"argument --repeats: must be an integer in \[1, inf\]"),
     (["topology", "probe", "--probe-sizes", "4G"], r"--probe-sizes up to 1G per transfer"),
