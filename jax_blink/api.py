@@ -99,8 +99,9 @@ def _bucketed(leaves, axes, bind):
 
 
 def _check_operand(x, api) -> None:
-    """Raise lax's TypeError for a leaf that is not an array or a number (a str, a dtype name, None
-    inside a list, an object), before anything else touches it."""
+    """Raise lax's kind of TypeError ("... is not a valid JAX type") for a leaf of ``x`` that is not an
+    array or a number (a str such as a dtype name, bytes, an arbitrary object), before anything else
+    touches it. For every public collective (``api`` names it in the message)."""
     for leaf in jax.tree_util.tree_leaves(x):
         if isinstance(leaf, (str, bytes)) or not core.valid_jaxtype(leaf):
             raise TypeError(f"{api}: argument {leaf!r} of type {type(leaf)} is not a valid JAX type; "
