@@ -7,6 +7,9 @@ from .errors import BlinkError, PlanError, ScheduleError, TopologyError
 from .topology import Topology
 from .presets import PRESETS, multi_node
 from .discovery import detect, load_topology
+# the function shadows its module on purpose (jax_blink.probe(...)); the module stays importable with
+# importlib.import_module("jax_blink.probe") and `from jax_blink.probe import ...`; jax loads lazily.
+from .probe import probe
 
 def _installed_version() -> str:
     """The version in pyproject.toml, as installed (one source of truth); '0+unknown' for a source
@@ -39,6 +42,6 @@ def __dir__():
 
 
 __all__ = ["BlinkError", "PlanError", "ScheduleError", "Topology", "TopologyError", "__version__",
-           "PRESETS", "multi_node", "detect", "load_topology",
+           "PRESETS", "multi_node", "detect", "load_topology", "probe",
            "psum", "pmean", "broadcast", "reduce", "set_device_map", "plan", "Plan", "Tree", "ring_rate", "selftest",
            "clear_caches"]

@@ -24,6 +24,8 @@ from jax._src.lax import lax as _lax
 from jax._src.lax import parallel as _parallel
 
 from . import mapping
+from .errors import TopologyError
+from .topology import Topology
 from . import primitives as P
 from .lowering import LOWERINGS
 from .lowering import ppermute as _ppermute  # noqa: F401  (registers impl "ppermute")
@@ -96,6 +98,67 @@ def _bucketed(leaves, axes, bind):
     return out
 
 
+def _check_operand(x, api) -> None:
+    """Raise lax's kind of TypeError ("... is not a valid JAX type") for a leaf of ``x`` that is not an
+    array or a number (a str such as a dtype name, bytes, an arbitrary object), before anything else
+    touches it. For every public collective (``api`` names it in the message)."""
+    for leaf in jax.tree_util.tree_leaves(x):
+        if isinstance(leaf, (str, bytes)) or not core.valid_jaxtype(leaf):
+            raise TypeError(f"{api}: argument {leaf!r} of type {type(leaf)} is not a valid JAX type; "
+                            "pass arrays or numbers (a pytree of them)")
+
+
+def _check_topology(key, axes, api) -> None:
+    """Check at trace time what ``key`` lets us check without the mesh's devices: that a named
+    topology loads, and that it has a GPU for every device of the collective's axes (and of the
+    whole mesh, whose devices must map to distinct GPUs). Raises TopologyError saying what to pass;
+    the rest (device ids, the device map) is checked at lowering."""
+    spec = key.topology
+    if spec is None:
+        return
+    try:
+        topo = spec if isinstance(spec, Topology) else mapping._load(spec)
+    except TopologyError as err:
+        raise TopologyError(f"{api}: topology={spec!r}: {err}") from None
+    mesh = _abstract_mesh()
+    if mesh is None or not set(axes) <= set(mesh.axis_names):
+        return  # a vmap axis is not devices: nothing to count
+    sizes = {"axes " + ", ".join(map(repr, axes)): math.prod(P.axis_sizes(axes)),
+             "the mesh": math.prod(mesh.axis_sizes)}
+    where, n = max(sizes.items(), key=lambda kv: kv[1])
+    ngpus = len(topo.gpus)
+    if n > ngpus:
+        raise TopologyError(
+            f"{api}: topology {topo.name!r} has {ngpus} GPUs but {where} span {n} devices, and each device "
+            f"needs its own GPU of the topology; pass a topology with >= {n} GPUs (e.g. topology='host{n}' "
+            "on CPU devices, or a machine preset / file of this machine), or leave topology unset to use "
+            "the detected one")
+
+
+def _abstract_mesh():
+    """The mesh being traced under (shard_map, pmap), or None (vmap alone, or a jax without it)."""
+    try:
+        from jax._src.mesh import get_abstract_mesh
+        mesh = get_abstract_mesh()
+    except (ImportError, AttributeError):
+        return None
+    return None if mesh is None or getattr(mesh, "empty", True) else mesh
+
+
+def _check_root(root, size, axes, api) -> int:
+    """``root`` as an int rank in [0, size); TypeError for a non-integer (a str, a float, a traced
+    value), ValueError for a rank out of range."""
+    if isinstance(root, core.Tracer):
+        raise TypeError(f"{api}: root must be a static Python int (a rank over axes {axes}), got a traced "
+                        "value; pass it as a Python int (mark it static under jit)")
+    if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)):
+        raise TypeError(f"{api}: root must be an int rank in [0, {size}) over axes {axes}, got {root!r} "
+                        f"of type {type(root).__name__}")
+    if not 0 <= root < size:
+        raise ValueError(f"{api}: root must be a rank in [0, {size}) over axes {axes}, got {root!r}")
+    return int(root)
+
+
 def _groups(axis_index_groups):
     if axis_index_groups is None:
         return None
@@ -131,10 +194,14 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
     Returns: same structure/shapes as ``x``; every device holds bitwise-identical sums (all receive
     the tree roots' results). Source: Blink (MLSys 2020) section 4: reduce then broadcast on the same
     packed spanning trees.
-    Raises NameError for an unbound axis, TypeError for an unsupported dtype, ValueError for an unknown
-    ``algorithm``, TopologyError /
-    PlanError / BlinkError (at trace/lower time) when the topology does not cover the mesh devices.
+    Raises, when called (while tracing): NameError for an unbound axis; TypeError for a leaf that is
+    not a valid JAX type (a str, a dtype name) or an unsupported dtype; ValueError for an unknown
+    ``impl`` / ``algorithm`` or a bad ``chunk_elems`` / ``max_trees``; TopologyError for a
+    ``topology`` (or ``$JAX_BLINK_TOPOLOGY``) that does not load or has fewer GPUs than the mesh has
+    devices. At lowering: TopologyError / PlanError / BlinkError when the mesh's devices do not map
+    onto the topology's GPUs.
     """
+    _check_operand(x, "jax_blink.psum")
     axes = _parallel._maybe_skip_one_sized_axes(_axes(axis_name))
     if not axes:
         return x
@@ -146,6 +213,7 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
                          f"index of axes {axes} (size {size}) exactly once")
     impl = _impl(impl)
     key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm, max_trees)
+    _check_topology(key, axes, "jax_blink.psum")
     leaves, treedef, constant = _prepare(x, axes, "jax_blink.psum")
     if constant:
         size = len(groups[0]) if groups is not None else size
@@ -175,17 +243,16 @@ def pmean(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, dev
 
 def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_elems, algorithm,
             max_trees=None):
-    axes = _parallel._maybe_skip_one_sized_axes(_axes(axis_name))
     api = f"jax_blink.{prim_name}"
+    _check_operand(x, api)
+    axes = _parallel._maybe_skip_one_sized_axes(_axes(axis_name))
     if not axes:
         return x
     P.check_axis_names(axes, api)
-    size = math.prod(P.axis_sizes(axes))
-    if int(root) != root or not 0 <= root < size:
-        raise ValueError(f"{api}: root must be a rank in [0, {size}) over axes {axes}, got {root!r}")
-    root = int(root)
+    root = _check_root(root, math.prod(P.axis_sizes(axes)), axes, api)
     impl = _impl(impl)
     key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm, max_trees)
+    _check_topology(key, axes, api)
     if key.algorithm == "ring" and key.algorithm_strict:
         raise ValueError(f"{api}: algorithm 'ring' is an all-reduce algorithm; use "
                          "'auto', 'trees' or 'hierarchical'")
@@ -212,7 +279,8 @@ def broadcast(x, axis_name, root=0, *, topology=None, impl=None, device_map=None
     Args: ``x`` pytree (dtypes kept, bool included); ``root`` rank over ``axis_name`` (row-major
     over a tuple, as ``lax.axis_index``); other arguments as :func:`psum`. Under ``check_vma=True`` the result is
     invariant over ``axis_name``. ``algorithm``: as :func:`psum` except "ring" (ValueError).
-    Raises ValueError for a root out of range, plus :func:`psum`'s errors.
+    Raises TypeError for a root that is not a static int, ValueError for a root out of range, plus
+    :func:`psum`'s errors.
     """
     return _rooted("broadcast", x, axis_name, root, topology, impl, device_map, chunk_elems, algorithm,
                    max_trees)

@@ -280,6 +280,9 @@ def ring_rate(topology: Topology, devices) -> float:
     Ring all-reduce of S bytes then takes 2(n-1)/n * S / B_ring (NCCL; nccl-tests PERFORMANCE.md);
     a ring broadcast or reduce pipelines at B_ring. inf for one device, 0.0 when no ring exists.
     """
+    if not isinstance(topology, Topology):
+        raise PlanError(f"ring_rate needs a jax_blink.Topology, got {type(topology).__name__}; load one with "
+                        "jax_blink.load_topology(...)")
     devices = list(devices)
     try:
         topology.check_devices(devices)

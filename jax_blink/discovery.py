@@ -23,7 +23,7 @@ import networkx as nx
 from .errors import TopologyError
 from .ncclxml import normalise_busid, parse_nccl_xml
 from .nvsmi import build_topology, parse_topo
-from .presets import is_preset, nvlink_gbps as _nvlink_rate, preset
+from .presets import PRESETS, is_preset, nvlink_gbps as _nvlink_rate, preset
 from .topology import Topology
 
 SUPPORTED_FORMATS = ("a preset name (e.g. 'dgx1v', 'dgx-a100', 'host8')",
@@ -201,12 +201,20 @@ def _apply_visible_devices(t: Topology) -> Topology:
     return t
 
 
+def _did_you_mean(name: str) -> str:
+    """' (did you mean 'dgx1v'?)' for a near miss of a preset name, else ''."""
+    import difflib
+    close = difflib.get_close_matches(name.strip().lower().replace("_", "-"), list(PRESETS), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def load_topology(source, **kw) -> Topology:
     """A Topology from what a user names.
 
     Args:
       source: a Topology (returned as is); a preset name (``dgx1v``, ``dgx-a100``, ``host8``...);
-        ``"detect"`` (:func:`detect`); a path to a ``.json`` file (``Topology.to_json``), to NCCL's
+        ``"detect"`` (:func:`detect`); ``"probe"`` (the job's devices, measured once per machine:
+        :func:`jax_blink.probe.cached_probe`); a path to a ``.json`` file (``Topology.to_json``), to NCCL's
         topology XML (``.xml``, :func:`jax_blink.ncclxml.parse_nccl_xml`) or to a text file with
         ``nvidia-smi topo -m`` output; or a dict (``Topology.to_dict``). A file's format comes from
         its suffix, else from its first character (``{`` JSON, ``<`` XML), else from ``GPU<i>``
@@ -223,13 +231,18 @@ def load_topology(source, **kw) -> Topology:
         return Topology.from_dict(source)
     if isinstance(source, str) and source.strip().lower() == "detect":
         return detect(**kw)
+    if isinstance(source, str) and source.strip().lower() == "probe":
+        from .probe import cached_probe  # imports jax: only when asked for
+        return cached_probe(**kw)
     if isinstance(source, str) and is_preset(source):
         return preset(source)
     if not isinstance(source, (str, os.PathLike)):
         raise TopologyError(f"cannot load a topology from {type(source).__name__}; " + HOW_TO_PASS)
     path = pathlib.Path(source)
     if not path.is_file():
-        raise TopologyError(f"{str(source)!r} is not a preset name or an existing file; " + HOW_TO_PASS)
+        raise TopologyError(f"{str(source)!r} is not a preset name or an existing file{_did_you_mean(str(source))}; "
+                            f"known presets: {', '.join(PRESETS)}, host<N>; 'detect' reads this machine's GPUs, "
+                            "'probe' measures the job's devices; " + HOW_TO_PASS)
     try:
         text = path.read_text(errors="replace")
     except OSError as err:

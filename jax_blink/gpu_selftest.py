@@ -36,11 +36,8 @@ DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32",
 
 def record_path() -> pathlib.Path:
     """Where passes are recorded (see the module docstring)."""
-    base = os.environ.get("JAX_BLINK_CACHE_DIR")
-    if not base:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = os.path.join(xdg, "jax_blink") if xdg else os.path.join(os.path.expanduser("~"), ".cache", "jax_blink")
-    return pathlib.Path(base) / "selftest.json"
+    from .probe import cache_dir  # one cache directory for probes and self-test records
+    return cache_dir() / "selftest.json"
 
 
 def machine_key() -> dict | None:
@@ -222,7 +219,10 @@ def _jax_time(jax_ctx, impl, count):
 
 def selftest(*, nranks: int | None = None, record: bool = True, out=print) -> int:
     """Runs the self-test (see the module docstring). Returns the exit status: 0 pass (recorded when
-    ``record``), 1 failure, 2 no usable CUDA GPU (one line, nothing else)."""
+    ``record``), 1 failure, 2 no usable CUDA GPU (one line, nothing else). Raises ValueError for an
+    ``nranks`` that is not None or an int >= 1."""
+    if nranks is not None and (isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 1):
+        raise ValueError(f"selftest: nranks must be None (one per GPU) or an int >= 1, got {nranks!r}")
     cuda = _native.cuda
     if cuda is None:
         out(f"jax-blink selftest: the CUDA module is not available ({_native.cuda_error}); nothing to test")

@@ -122,7 +122,8 @@ def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=No
     dm = device_map if device_map is not None else _GLOBAL_DEVICE_MAP
     if dm is not None and not (isinstance(dm, dict) or callable(dm)):
         raise TypeError(f"device_map must be a dict or a callable, got {type(dm).__name__}")
-    if chunk_elems is not None and (int(chunk_elems) != chunk_elems or chunk_elems < 1):
+    if chunk_elems is not None and (isinstance(chunk_elems, (bool, np.bool_)) or not isinstance(
+            chunk_elems, (int, np.integer)) or chunk_elems < 1):
         raise ValueError(f"chunk_elems must be a positive int, got {chunk_elems!r}")
     if max_trees is not None and (isinstance(max_trees, bool) or not isinstance(max_trees, int) or max_trees < 1):
         raise ValueError(f"max_trees must be a positive int or None (cost model), got {max_trees!r}")

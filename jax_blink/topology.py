@@ -14,6 +14,7 @@ through host memory, :mod:`jax_blink.simulate`).
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 from typing import Iterable
 
@@ -22,6 +23,7 @@ import networkx as nx
 from .errors import TopologyError
 
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "host", "net")
+MAX_HOST_DEVICES = 4096
 NODE_KINDS = ("gpu", "nvswitch", "pcie-switch", "cpu", "nic", "host", "network")
 
 
@@ -74,8 +76,8 @@ class Topology:
             raise TopologyError(f"link {u!r}-{v!r}: self loops are not links")
         if kind not in LINK_KINDS:
             raise TopologyError(f"link {u!r}-{v!r}: unknown kind {kind!r}; expected one of {LINK_KINDS}")
-        if not (per_link_gbps > 0) or int(links) != links or links < 1:
-            raise TopologyError(f"link {u!r}-{v!r}: bandwidth must be > 0 and links >= 1, "
+        if not (0 < per_link_gbps < math.inf) or int(links) != links or links < 1:
+            raise TopologyError(f"link {u!r}-{v!r}: bandwidth must be a finite number > 0 and links >= 1, "
                                 f"got {per_link_gbps!r} GB/s x {links!r}")
         pairs = [(u, v), (v, u)] if bidirectional else [(u, v)]
         for a, b in pairs:
@@ -238,6 +240,9 @@ class Topology:
         """
         if int(n) != n or n < 1:
             raise TopologyError(f"Topology.host needs n >= 1 devices, got {n!r}")
+        if n > MAX_HOST_DEVICES:  # planning is polynomial in n: refuse before minutes of work
+            raise TopologyError(f"host{n}: at most {MAX_HOST_DEVICES} devices (a job's host CPU devices); "
+                                f"got {n}")
         t = cls(f"host{n}")
         t.add_switch("host", "host")
         for i in range(n):

@@ -34,8 +34,9 @@ def test_rate_tolerance_trades_rate_for_trees(capsys):
 def test_bad_options_exit_2_with_a_message(capsys):
     assert main(["plan", "--topology", "dgx1v", "--relays", "x"]) == 2
     assert "--relays takes" in capsys.readouterr().err
-    assert main(["plan", "--topology", "dgx1v", "--rate-tolerance", "1.5"]) == 2
-    assert "--rate-tolerance" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # refused by the option's type, as argparse does
+        main(["plan", "--topology", "dgx1v", "--rate-tolerance", "1.5"])
+    assert exc.value.code == 2 and "--rate-tolerance: must be a fraction in [0, 1)" in capsys.readouterr().err
     assert main(["plan", "--topology", "dgx1v", "--algorithm", "hierarchical"]) == 2
     assert "two or more nodes" in capsys.readouterr().err
 

@@ -442,8 +442,11 @@ def accuracy_shortfall(res: "Result", min_accuracy: float) -> str | None:
 def config_from_args(args, ndevices: int = 8) -> Config:
     """A Config from parsed ``add_arguments`` options; ValueError on non-positive counts or a batch
     larger than the training split (an epoch would have no step)."""
-    if args.epochs < 1 or args.batch_size < 1 or args.lr <= 0:
-        raise ValueError("--epochs, --batch-size and --lr must be positive")
+    if args.epochs < 1 or args.batch_size < 1 or not 0 < args.lr < float("inf"):  # nan fails too
+        raise ValueError(f"--epochs, --batch-size and --lr must be positive (and --lr finite), got "
+                         f"{args.epochs}, {args.batch_size}, {args.lr}")
+    if not 0 <= args.min_accuracy <= 1:  # nan fails too
+        raise ValueError(f"--min-accuracy is a fraction in [0, 1], got {args.min_accuracy}")
     n_train = len(load_data(args.seed)[1])
     if args.batch_size > n_train:
         raise ValueError(f"--batch-size {args.batch_size} is larger than the training split ({n_train} images), "

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     only = next((a for a in argv if a in COMMANDS), None)
     parser = build_parser(only)
-    args = parser.parse_args(argv)
+    from ._args import join_negative_values, value_options
+    args = parser.parse_args(join_negative_values(argv, value_options(parser)))
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

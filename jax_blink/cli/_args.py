@@ -17,7 +17,7 @@ from ..errors import BlinkError, PlanError
 from ..packing import COLLECTIVES
 
 TOPOLOGY_HELP = ("preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, NCCL topology XML file, "
-                 "JSON file, or 'detect'")
+                 "JSON file, 'detect', or 'probe' (measure this job's devices)")
 _ITEM = re.compile(r"(\d+)(?:-(\d+))?")
 HOST_FLAG = "--xla_force_host_platform_device_count"
 
@@ -84,9 +84,76 @@ def positive_gbps(text: str) -> float:
     return v
 
 
+def number_type(kind=float, *, low=None, high=None, low_open=False, high_open=False, what="a number"):
+    """argparse ``type=``: an int or a finite float in [low, high] (an end excluded when ``*_open``),
+    so nan, inf, negative counts and out-of-range fractions stop at parsing with the range named."""
+    lo_b, hi_b = "(" if low_open else "[", ")" if high_open else "]"
+    span = f"in {lo_b}{'-inf' if low is None else f'{low:g}'}, {'inf' if high is None else f'{high:g}'}{hi_b}"
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            v = None
+        ok = v is not None and math.isfinite(v)
+        if ok and low is not None:
+            ok = v > low if low_open else v >= low
+        if ok and high is not None:
+            ok = v < high if high_open else v <= high
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be {what} {span}, got {text!r}")
+        return v
+    parse.__name__ = what  # argparse names the type in its own messages
+    return parse
+
+
+positive_int = number_type(int, low=1, what="an integer")
+
+
+def value_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Option strings (of ``parser`` and its subcommands) that take exactly one value."""
+    out = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= value_options(sub)
+        elif action.option_strings and action.nargs is None and not isinstance(action, (
+                argparse._StoreConstAction, argparse._VersionAction, argparse._HelpAction)):
+            out.update(action.option_strings)
+    return out
+
+
+def join_negative_values(argv: list[str], options) -> list[str]:
+    """``["--size", "-1M"]`` -> ``["--size=-1M"]`` for the value options in ``options``: argparse
+    takes "-1M" for an option and says only "expected one argument"; joined, the option's own check
+    says what is wrong with the value."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a in options and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+PROBE_HOST_DEVICES = 8  # host CPU devices the CLI asks XLA for when it probes (XLA_FLAGS unset)
+
+
+def topology_source(text: str) -> str:
+    """argparse ``type=`` for --topology: the text itself; for 'probe' it first asks XLA for
+    :data:`PROBE_HOST_DEVICES` host CPU devices (as `jax-blink topology probe` does), so both
+    read the probe cached for the same device set."""
+    if text.strip().lower() == "probe":
+        force_host_devices(PROBE_HOST_DEVICES)
+    return text
+
+
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
     """Register --topology (required), --devices, --collective and --root."""
-    p.add_argument("--topology", required=True, metavar="SOURCE", help=TOPOLOGY_HELP)
+    p.add_argument("--topology", required=True, type=topology_source, metavar="SOURCE", help=TOPOLOGY_HELP)
     p.add_argument("--devices", type=devices_type, default=None, metavar="IDS",
                    help="GPU ids of the job: 0,1,4 or ranges 0-3 or both, 0-2,5 (default: all)")
     p.add_argument("--collective", choices=COLLECTIVES, default="allreduce")

@@ -19,7 +19,7 @@ import sys
 
 from ..errors import BlinkError, PlanError
 from ._args import (HOST_FLAG, add_job_arguments, check_plan_fits_topology, check_root, force_host_devices,
-                    parse_devices, read_text)
+                    number_type, parse_devices, positive_int, read_text)
 
 __all__ = ["add_common", "human_bytes", "human_time", "load_inputs", "parse_devices", "parse_size",
            "parse_sizes", "run"]
@@ -27,6 +27,7 @@ __all__ = ["add_common", "human_bytes", "human_time", "load_inputs", "parse_devi
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 MAX_SWEEP = 64
+MEASURE_MAX_BYTES = 1 << 30
 
 
 def parse_size(text: str) -> int:
@@ -138,12 +139,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes per GPU (allgather / reducescatter: the full buffer, n shards): a range in "
                         "powers of two (1K..1G) and/or a list (4K,1M,64M); K/M/G/T = KiB/MiB/GiB/TiB "
                         "(default 1K..1G)")
-    p.add_argument("--latency-us", type=float, default=None,
+    p.add_argument("--latency-us", type=number_type(float, low=0), default=None,
                    help="per-send latency of the simulator in microseconds (default: simulate.DEFAULT_LATENCY_US)")
     p.add_argument("--measure", action="store_true",
                    help="also time jax_blink.psum vs lax.psum (float32, pmap) on the local JAX devices; "
                         "without GPUs, host CPU devices standing in for the GPU ids (allreduce only)")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per size with --measure (default 5)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed calls per size with --measure (default 5)")
     p.add_argument("--json", action="store_true",
                    help="print a JSON list, one object per size: size (bytes per GPU), blink_plan, and "
                         "<name>_time_s, <name>_algbw_gbps, <name>_busbw_gbps for blink, ring, tree "
@@ -289,6 +290,10 @@ def run(args: argparse.Namespace) -> int:
         raise BlinkError(f"--repeats must be >= 1, got {args.repeats}")
     if args.latency_us is not None and not (args.latency_us >= 0 and math.isfinite(args.latency_us)):
         raise BlinkError(f"--latency-us must be >= 0, got {args.latency_us}")
+    if args.measure and max(sizes) > MEASURE_MAX_BYTES:  # each device holds a few operands of this size
+        raise BlinkError(f"--measure allocates the operand on every device: sizes up to "
+                         f"{human_bytes(MEASURE_MAX_BYTES)} per GPU, got {human_bytes(max(sizes))} (--sizes "
+                         f"{args.sizes}); the simulated sweep alone (no --measure) takes any size")
     if args.measure and args.collective != "allreduce":
         raise BlinkError("--measure times the all-reduce (jax_blink.psum vs lax.psum); use --collective allreduce")
     topo, devices, bp = load_inputs(args)

@@ -13,7 +13,7 @@ import pathlib
 import sys
 
 from ..errors import BlinkError
-from ._args import HOST_FLAG, force_host_devices
+from ._args import HOST_FLAG, force_host_devices, number_type, positive_int
 
 HOST_DEVICES = 8
 EXAMPLE = pathlib.Path("examples") / "flax_digits" / "train.py"
@@ -22,18 +22,18 @@ _MODULE = "jax_blink_example_flax_digits"
 
 def add_arguments(p) -> None:
     """Options: the example's training options plus topology and the accuracy target."""
-    p.add_argument("--epochs", type=int, default=8, help="passes over the training split (default 8)")
+    p.add_argument("--epochs", type=positive_int, default=8, help="passes over the training split (default 8)")
     p.add_argument("--mode", choices=("pmap", "shard_map"), default="shard_map",
                    help="train step: jax.pmap or jax.jit(jax.shard_map) on a mesh (default shard_map)")
-    p.add_argument("--batch-size", type=int, default=64, help="global batch over all devices (default 64)")
-    p.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate (default 5e-3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=positive_int, default=64, help="global batch over all devices (default 64)")
+    p.add_argument("--lr", type=number_type(float, low=0, low_open=True), default=5e-3, help="Adam learning rate (default 5e-3)")
+    p.add_argument("--seed", type=number_type(int, low=0, what="an integer"), default=0)
     p.add_argument("--topology", default=None,
                    help="preset name, nvidia-smi topo -m file, NCCL topology XML or JSON (default: "
                         "detected GPUs, else the dgx1v preset mapped onto 8 host CPU devices)")
     p.add_argument("--impl", choices=("auto", "ppermute", "ffi"), default="auto",
                    help="jax_blink lowering: auto (ffi where built, else ppermute), ppermute, ffi")
-    p.add_argument("--min-accuracy", type=float, default=0.95,
+    p.add_argument("--min-accuracy", type=number_type(float, low=0, high=1), default=0.95,
                    help="exit status 1 when the held-out accuracy ends below this (default 0.95)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -118,8 +118,9 @@ def _plan_lines(topo, ndevices: int) -> list[str]:
     ring = ring_rate(topo, gpus)
     n = len(gpus)
     summary = (f"plan: {len(pl.trees)} trees, rate {pl.rate_gbps:.2f} GB/s, bound {pl.bound_gbps:.2f} GB/s "
-               f"({pl.algorithm}); ring rate {ring:.2f} GB/s = all-reduce rate "
-               f"{ring * n / (2 * (n - 1)):.2f} GB/s (ring time 2(n-1)/n * S / B)")
+               f"({pl.algorithm}); best ring packing: rings of {ring:.2f} GB/s in total, so an all-reduce ring rate "
+               f"of at most {ring * n / (2 * (n - 1)):.2f} GB/s (ring time 2(n-1)/n * S / B; NCCL's rings "
+               "reach at most this)")
     lines.append(summary)
     return lines
 

@@ -13,17 +13,19 @@ from ..bounds import ring_rate
 from ..discovery import load_topology
 from ..errors import BlinkError, PlanError
 from ..packing import ALGORITHMS, plan
-from ._args import add_job_arguments, check_root, parse_devices
+from ._args import add_job_arguments, check_root, number_type, parse_devices, positive_int
+
+FRACTION = number_type(float, low=0, high=1, high_open=True, what="a fraction")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register --topology, --devices, --collective, --root, --max-trees, --algorithm,
     --rate-tolerance, --relays, --json."""
     add_job_arguments(p)
-    p.add_argument("--max-trees", type=int, default=None, help="use at most K trees (the rate loss is reported)")
+    p.add_argument("--max-trees", type=positive_int, default=None, help="use at most K trees (the rate loss is reported)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default="auto",
                    help="force an algorithm (default: the fastest on predicted time)")
-    p.add_argument("--rate-tolerance", type=float, default=0.0, metavar="F",
+    p.add_argument("--rate-tolerance", type=FRACTION, default=0.0, metavar="F",
                    help="drop the lightest trees while the rate stays within this fraction (e.g. 0.01)")
     p.add_argument("--relays", default=None, metavar="IDS|gpus",
                    help="GPUs outside --devices that may forward data (comma list, or 'gpus' for all); "
@@ -73,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     ratio = "" if math.isinf(p.rate_gbps) or p.bound_gbps == 0 else f" ({p.rate_gbps / p.bound_gbps:.3f} of bound)"
     bound = "cut bound" if row.sharded else "bound"
     console.print(f"rate {fmt(p.rate_gbps)} GB/s, {bound} {fmt(p.bound_gbps)} GB/s{ratio}; "
-                  f"ring {fmt(ring_eff)} GB/s (ring bandwidth {fmt(b_ring)} GB/s)")
+                  f"rings at most {fmt(ring_eff)} GB/s (the best ring packing, rings of {fmt(b_ring)} GB/s in "
+                  "total: no ring schedule, NCCL's included, exceeds it)")
     for note in p.notes:
         console.print(f"  note: {note}")
     if nbytes is None and args.algorithm == "auto" and n > 1:

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from ._args import positive_int
+
 
 def add_arguments(p) -> None:
-    p.add_argument("--ranks", type=int, default=None,
+    p.add_argument("--ranks", type=positive_int, default=None,
                    help="ranks for the executor checks (default: one per GPU; 4 sharing one GPU when there is one)")
     p.add_argument("--no-record", action="store_true", help="do not record a pass")
 

@@ -1,4 +1,6 @@
-"""``jax-blink topology SOURCE [--json]``: show a topology (preset, ``topo -m`` file, NCCL XML, JSON, detect)."""
+"""``jax-blink topology SOURCE [--json]``: show a topology (preset, ``topo -m`` file, NCCL XML, JSON, detect),
+or ``jax-blink topology probe [--probe-sizes 1M,16M] [--json]``: measure this job's devices
+(:mod:`jax_blink.probe`) and store the result where ``JAX_BLINK_TOPOLOGY=probe`` finds it."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from ..discovery import load_topology
 from ..errors import BlinkError
 from ..presets import is_preset
 from ..topology import Topology
-from ._args import TOPOLOGY_HELP, positive_gbps
+from ._args import HOST_FLAG, PROBE_HOST_DEVICES, TOPOLOGY_HELP, force_host_devices, positive_gbps, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,12 +24,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pcie-gbps", type=positive_gbps, default=None,
                    help="GB/s per PCIe hop per direction when parsing a topo -m file (default 12) or an "
                         "NCCL XML file (default: from each link's link_speed and link_width)")
+    p.add_argument("--probe-sizes", default=None, metavar="SIZES",
+                   help="with SOURCE 'probe': bytes per timed transfer, e.g. 1M,16M (default 1M,16M; "
+                        "the largest gives the capacities)")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="with SOURCE 'probe': timings per transfer, the fastest counts (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Load SOURCE and print it; returns 0 (errors surface as TopologyError to the dispatcher)."""
     kw = {k: v for k, v in (("nvlink_gbps", args.nvlink_gbps), ("pcie_gbps", args.pcie_gbps)) if v is not None}
     src = args.source.strip()
+    if src.lower() == "probe":
+        return run_probe(args, kw)
+    for opt, value in (("--probe-sizes", args.probe_sizes), ("--repeats", args.repeats)):
+        if value is not None:
+            raise BlinkError(f"{opt} applies to `jax-blink topology probe`, not to {src!r}")
     if kw and (is_preset(src) or src.lower().endswith(".json")):
         # presets and JSON models carry their own bandwidths; silently ignoring the option misleads
         what = "preset" if is_preset(src) else "JSON model"
@@ -35,6 +47,31 @@ def run(args: argparse.Namespace) -> int:
                          f"file or 'detect'; "
                          f"the {what} {src!r} has fixed bandwidths")
     t = load_topology(args.source, **kw)
+    if args.json:
+        print(t.to_json(indent=2))
+    else:
+        print_table(t)
+    return 0
+
+
+def run_probe(args: argparse.Namespace, kw: dict) -> int:
+    """Measure the devices JAX has (8 host CPU devices unless XLA_FLAGS sets a count), refresh the
+    cache ``JAX_BLINK_TOPOLOGY=probe`` reads, print the result."""
+    from .bench_cmd import parse_sizes
+    if kw:
+        raise BlinkError("--nvlink-gbps/--pcie-gbps label parsed files; `topology probe` measures the links")
+    sizes = parse_sizes(args.probe_sizes) if args.probe_sizes is not None else None
+    if sizes is not None and max(sizes) > 1 << 30:
+        raise BlinkError(f"--probe-sizes up to 1G per transfer (each pair of devices copies it), got "
+                         f"{args.probe_sizes!r}")
+    force_host_devices(PROBE_HOST_DEVICES)
+    import jax
+
+    from ..probe import DEFAULT_SIZES, cached_probe
+    if len(jax.devices()) < 2:
+        raise BlinkError(f"JAX has {len(jax.devices())} device; probing needs 2 or more (on CPU set "
+                         f"XLA_FLAGS={HOST_FLAG}={PROBE_HOST_DEVICES})")
+    t = cached_probe(sizes=tuple(sizes or DEFAULT_SIZES), repeats=args.repeats or 3, refresh=True)
     if args.json:
         print(t.to_json(indent=2))
     else:
