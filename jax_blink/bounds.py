@@ -9,6 +9,9 @@
   spanning trees is min over partitions P of cap(edges crossing P) / (|P| - 1). Brute force.
 - :func:`allreduce_bound`: an undirected tree packing can be oriented from any GPU, so its rate is at
   most the minimum max-flow between any two job GPUs.
+- :func:`allgather_bound` / :func:`reducescatter_bound`: the exact cut bound of all-gather (ForestColl,
+  Zhao et al. 2024): n * min over node sets T holding some but not all ranks of B_out(T) / |T & ranks|,
+  by parametric max-flow (:func:`sharded_cut`); reduce-scatter on the reversed graph.
 - :func:`ring_rate`: the best packing of directed Hamiltonian cycles (NCCL-style rings), by column
   generation with exact pricing (all cycles) for up to 9 GPUs, a 2-opt heuristic above that.
 """
@@ -64,6 +67,66 @@ def allreduce_bound(topology: Topology, devices, relays=()) -> float:
         return float("inf")
     return min(broadcast_bound(topology, devices, devices[0], relays),
                reduce_bound(topology, devices, devices[0], relays))
+
+
+def sharded_cut(topology: Topology, devices, *, reverse: bool = False, relays=()) -> tuple[float, frozenset]:
+    """The exact all-gather cut bound per root and a node set attaining it.
+
+    x* = min over node sets T of the job graph (GPUs and switch nodes, ``topology.subset(devices +
+    relays)``) holding some but not all ranks of B_out(T) / |T & ranks| (GB/s per root); with
+    ``reverse=True`` B_in(T) (reduce-scatter: all-gather on the reversed graph). Exact method
+    (ForestColl, Zhao et al. 2024, section 5): add a source s with an arc s -> r of capacity y to
+    every rank r; y is feasible iff maxflow(s, t) >= n y for every rank t (a cut {s} u T, t not in
+    T, costs y (n - |T & ranks|) + B_out(T)). Dinkelbach iteration: start at the best single-rank
+    ratio; while some rank t has maxflow(s, t) < n y, its minimum cut T has a smaller ratio: y :=
+    ratio(T). Each y is the ratio of a real set, so the final y is the exact minimum.
+
+    Returns (x*, T) with T the minimising node set; (inf, frozenset()) for one rank.
+    """
+    devices = list(devices)
+    n = len(devices)
+    if n < 2:
+        return float("inf"), frozenset()
+    g = _job_graph(topology, devices, relays)
+    if reverse:
+        g = g.reverse(copy=True)
+    g = nx.DiGraph(g)
+    src = ("cut-source",)
+    cap = lambda a, b: g.edges[a, b]["bandwidth_gbps"]  # noqa: E731
+
+    def ratio(t_set):
+        out = sum(cap(a, b) for a in t_set for b in g.successors(a) if b not in t_set)
+        return out / len(t_set.intersection(devices))
+
+    best = min((frozenset([r]) for r in devices), key=lambda t_set: (ratio(t_set), devices.index(min(t_set))))
+    y = ratio(best)
+    while True:
+        for r in devices:
+            g.add_edge(src, r, bandwidth_gbps=y)
+        for t in devices:
+            val, (side, _) = nx.minimum_cut(g, src, t, capacity="bandwidth_gbps")
+            if val < n * y * (1 - 1e-12):
+                t_set = frozenset(side) - {src}
+                if ratio(t_set) < y:
+                    best, y = t_set, ratio(t_set)
+                    break
+        else:
+            return y, best
+
+
+def allgather_bound(topology: Topology, devices, relays=()) -> float:
+    """All-gather rate bound (exact: the optimal tree packing reaches it), GB/s of gathered data.
+
+    n * min over node sets T holding some but not all of the n ranks of B_out(T) / |T & ranks|
+    (ForestColl, Zhao et al. 2024, sections 4-5; switch nodes are ordinary nodes): the ranks in T
+    must send their |T & ranks| shards out of T. See :func:`sharded_cut`. inf for one device.
+    """
+    return len(list(devices)) * sharded_cut(topology, devices, relays=relays)[0]
+
+
+def reducescatter_bound(topology: Topology, devices, relays=()) -> float:
+    """Reduce-scatter rate bound, GB/s: :func:`allgather_bound` on the reversed graph (B_in(T))."""
+    return len(list(devices)) * sharded_cut(topology, devices, reverse=True, relays=relays)[0]
 
 
 def _partitions(items):

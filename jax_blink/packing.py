@@ -35,11 +35,12 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from . import bounds as _bounds
+from . import collectives as _collectives
 from .errors import PlanError, TopologyError
-from .routes import RouteTable, solve_packing
+from .routes import RouteTable, solve_packing, solve_rooted_packing
 from .topology import Topology, _key
 
-COLLECTIVES = ("broadcast", "reduce", "allreduce")
+COLLECTIVES = ("broadcast", "reduce", "allreduce", "allgather", "reducescatter")
 MILP_NODE_LIMIT = 200
 L1_ROUNDS = 6            # most reweighted-L1 LPs in the tree-count reduction
 MILP_MAX_COLUMNS = 24    # exact min-count ILP only over at most this many generated trees (its root LP
@@ -117,9 +118,10 @@ class Tree:
     def link_usage(self, collective: str) -> collections.Counter:
         """Counter {(u, v): times this tree sends over physical link u->v} for ``collective``."""
         use = collections.Counter()
-        if collective in ("broadcast", "allreduce"):
+        row = _collectives.get(collective)
+        if row.broadcasts:
             use.update(self.edges)
-        if collective in ("reduce", "allreduce"):
+        if row.reduces:
             red = self.reduce_edges if self.reduce_edges is not None else self.edges
             use.update((b, a) for a, b in red)
         return use
@@ -181,6 +183,10 @@ class Plan:
         if self.algorithm != "ring" or not self.trees:
             return []
         n = len(self.devices)
+        if _collectives.get(self.collective).sharded:  # n chains per ring, each of weight b / (n-1)
+            return [(tuple(dict.fromkeys(h for t in self.trees[i:i + n] for h in t.edges)),
+                     sum(t.weight_gbps for t in self.trees[i:i + n]) * (n - 1) / n)
+                    for i in range(0, len(self.trees), n)]
         if self.collective != "allreduce":
             return [(t.edges, t.weight_gbps) for t in self.trees]
         return [(tuple(dict.fromkeys(h for t in self.trees[i:i + n] for h in t.edges)),
@@ -281,24 +287,59 @@ def _column_hops(col, mode: str) -> tuple:
     return tuple(hops)
 
 
-def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, lp_weights):
+def _equal_share_rows(groups, cols) -> np.ndarray | None:
+    """Rows D with D w = 0 iff every group (root) of the columns ``cols`` carries the same total
+    weight (sharded collectives: one group per shard owner); None for one group."""
+    if groups is None:
+        return None
+    g = np.asarray(groups)[cols]
+    ids = sorted(set(g.tolist()))
+    if len(ids) < 2:
+        return None
+    member = (g[None, :] == np.array(ids)[:, None]).astype(np.float64)
+    return member[:-1] - member[1:]
+
+
+def _reoptimise(a: np.ndarray, cap: np.ndarray, keep, groups=None) -> np.ndarray | None:
+    """LP (HiGHS): the largest total weight of the columns ``keep`` within the link capacities,
+    every group carrying the same total (see :func:`_equal_share_rows`). Weights [len(keep)], or None
+    when the LP fails or some group has no column in ``keep``."""
+    if groups is not None and set(np.asarray(groups)[keep].tolist()) != set(groups):
+        return None
+    eq = _equal_share_rows(groups, keep)
+    lp = linprog(-np.ones(len(keep)), A_ub=a[:, keep], b_ub=cap, A_eq=eq,
+                 b_eq=None if eq is None else np.zeros(len(eq)), bounds=(0, None), method="highs")
+    return None if lp.status != 0 else np.asarray(lp.x, dtype=np.float64)
+
+
+def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, lp_weights, groups=None):
     """Fewer trees over the generated columns (Blink's TreeGen ILP step).
 
     Without ``max_trees``: reweighted-L1 LPs (Candes, Wakin, Boyd 2008) minimise sum w_t / (w_t' + eps)
     subject to the link capacities and total rate >= ``rate`` (1 - 1e-7), keeping the sparsest
     support found; then, over at most MILP_MAX_COLUMNS trees, the exact minimum-count ILP (larger column sets, e.g. with PCIe links: the ILP took 0.1-1 s, so the L1 result stands). With ``max_trees=k``: the ILP (scipy.optimize.milp, HiGHS, node-limited so
     deterministic) maximising the total weight using at most k trees.
+    ``groups`` (sharded collectives): the root of each column; every root then carries rate / (number
+    of roots) and the same share of any re-optimised total.
     Returns weights [T] re-optimised by an LP on the chosen trees, or None on failure.
     """
     t = len(cols)
     a = np.stack([c.usage for c in cols], axis=1).astype(np.float64)
+    allcols = np.arange(t)
+    eq = _equal_share_rows(groups, allcols)
+    if groups is None:
+        share_rows, share = -np.ones((1, t)), np.array([-rate * (1 - 1e-7)])
+    else:
+        ids = sorted(set(groups))
+        share_rows = -(np.asarray(groups)[None, :] == np.array(ids)[:, None]).astype(np.float64)
+        share = np.full(len(ids), -rate / len(ids) * (1 - 1e-7))
     if max_trees is None:
         best = lp_weights
         w = lp_weights
         for _ in range(L1_ROUNDS):
             cost = 1.0 / (w + 1e-3 * rate / t)
-            res = linprog(cost, A_ub=np.vstack([a, -np.ones((1, t))]),
-                          b_ub=np.concatenate([table.cap, [-rate * (1 - 1e-7)]]), bounds=(0, None), method="highs")
+            res = linprog(cost, A_ub=np.vstack([a, share_rows]),
+                          b_ub=np.concatenate([table.cap, share]), bounds=(0, None), method="highs")
             if res.status != 0:
                 break
             w = res.x
@@ -313,8 +354,8 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
             res = _quiet_milp(np.concatenate([np.zeros(t), np.ones(t)]),
                        constraints=[LinearConstraint(np.hstack([a, np.zeros((nl, t))]), -np.inf, table.cap),
                                     LinearConstraint(np.hstack([np.eye(t), -rate * np.eye(t)]), -np.inf, 0.0),
-                                    LinearConstraint(np.concatenate([np.ones(t), np.zeros(t)])[None, :],
-                                                     rate * (1 - 1e-7), np.inf)],
+                                    LinearConstraint(np.hstack([share_rows, np.zeros_like(share_rows)]),
+                                                     -np.inf, share)],
                        integrality=np.concatenate([np.zeros(t), np.ones(t)]),
                        bounds=Bounds(np.zeros(2 * t), np.concatenate([np.full(t, rate), np.ones(t)])),
                        options={"node_limit": MILP_NODE_LIMIT, "presolve": True})
@@ -325,7 +366,10 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
         link = LinearConstraint(np.hstack([a, np.zeros((nl, t))]), -np.inf, table.cap)
         tie = LinearConstraint(np.hstack([np.eye(t), -rate * np.eye(t)]), -np.inf, 0.0)
         count = LinearConstraint(np.concatenate([np.zeros(t), np.ones(t)])[None, :], -np.inf, max_trees)
-        res = _quiet_milp(np.concatenate([-np.ones(t), np.zeros(t)]), constraints=[link, tie, count],
+        cons = [link, tie, count]
+        if eq is not None:
+            cons.append(LinearConstraint(np.hstack([eq, np.zeros_like(eq)]), 0.0, 0.0))
+        res = _quiet_milp(np.concatenate([-np.ones(t), np.zeros(t)]), constraints=cons,
                    integrality=np.concatenate([np.zeros(t), np.ones(t)]),
                    bounds=Bounds(np.zeros(2 * t), np.concatenate([np.full(t, rate), np.ones(t)])),
                    options={"node_limit": MILP_NODE_LIMIT, "presolve": True})
@@ -334,11 +378,11 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
         chosen = np.flatnonzero(res.x[t:] > 0.5)
     if not len(chosen):
         return None
-    lp = linprog(-np.ones(len(chosen)), A_ub=a[:, chosen], b_ub=table.cap, bounds=(0, None), method="highs")
-    if lp.status != 0:
+    x = _reoptimise(a, table.cap, chosen, groups)
+    if x is None:
         return None
     w = np.zeros(t)
-    w[chosen] = lp.x
+    w[chosen] = x
     return w
 
 
@@ -354,26 +398,45 @@ def _spread_roots(weights, devices) -> list:
     return roots
 
 
+def _mode(collective: str) -> str:
+    """The LP column kind of ``collective`` (routes.Column): broadcast-like collectives pack
+    out-arborescences, reduce-like ones in-arborescences, all-reduce undirected spanning trees."""
+    row = _collectives.get(collective)
+    if row.reduces and row.broadcasts:
+        return "spanning"
+    return "in-arborescence" if row.reduces else "arborescence"
+
+
+def _bound(topology, collective: str, devices, root, relays=()) -> float:
+    """The max-flow certificate of ``collective`` (collectives.Collective.certificate), GB/s."""
+    return {"broadcast": lambda: _bounds.broadcast_bound(topology, devices, root, relays),
+            "reduce": lambda: _bounds.reduce_bound(topology, devices, root, relays),
+            "allreduce": lambda: _bounds.allreduce_bound(topology, devices, relays),
+            "allgather": lambda: _bounds.allgather_bound(topology, devices, relays),
+            "reducescatter": lambda: _bounds.reducescatter_bound(topology, devices, relays)}[collective]()
+
+
 def _round(x: float) -> float:
     """Weights are rounded down to 1e-9 GB/s so JSON is short and the rounding never overloads a link."""
     return float(math.floor(x * 10 ** WEIGHT_DECIMALS + 1e-6) / 10 ** WEIGHT_DECIMALS)
 
 
-def _drop_light_trees(table: RouteTable, cols, w, rate: float, tolerance: float):
+def _drop_light_trees(table: RouteTable, cols, w, rate: float, tolerance: float, groups=None):
     """Drop the lightest trees while the re-optimised rate of the rest stays >= (1 - tolerance) * rate.
 
     Trees sorted by weight (ties by index); binary search on how many of the lightest to drop, each
-    probe an LP (HiGHS) re-optimising the weights of the kept trees. Returns (weights [T], dropped)."""
+    probe an LP (HiGHS) re-optimising the weights of the kept trees (``groups``: equal per-root
+    totals, see :func:`_reoptimise`). Returns (weights [T], dropped)."""
     order = sorted((i for i in range(len(w)) if w[i] > 1e-9), key=lambda i: (w[i], i))
     a = np.stack([c.usage for c in cols], axis=1).astype(np.float64)
 
     def solve(k):
         keep = sorted(order[k:])
-        lp = linprog(-np.ones(len(keep)), A_ub=a[:, keep], b_ub=table.cap, bounds=(0, None), method="highs")
-        if lp.status != 0 or -lp.fun < rate * (1 - tolerance) - 1e-9:
+        x = _reoptimise(a, table.cap, keep, groups)
+        if x is None or x.sum() < rate * (1 - tolerance) - 1e-9:
             return None
         out = np.zeros(len(w))
-        out[keep] = lp.x
+        out[keep] = x
         return out
 
     lo, hi, best = 0, len(order) - 1, w  # invariant: dropping lo trees is fine
@@ -412,17 +475,19 @@ def _tree_plan_uncached(topology, devices, collective, root, max_trees, relays=(
     Returns (trees, rate, dual bound, route table, notes, exact LP rate before ``rate_tolerance``)."""
     table = RouteTable.build(topology, devices, relays)
     table.check_connected(f"{collective} plan")
-    mode = {"broadcast": "arborescence", "reduce": "in-arborescence", "allreduce": "spanning"}[collective]
-    lp_root = devices[0] if root is None else root
-    res = solve_packing(table, mode, lp_root, target=target)
+    mode = _mode(collective)
+    if _collectives.get(collective).sharded:
+        res = solve_rooted_packing(table, mode, target=target)
+    else:
+        res = solve_packing(table, mode, devices[0] if root is None else root, target=target)
     notes = []
-    w = _fewest_trees(table, res.columns, res.rate, max_trees, res.weights)
+    w = _fewest_trees(table, res.columns, res.rate, max_trees, res.weights, res.roots)
     if w is None or w.sum() < res.rate * (1 - 1e-6) and max_trees is None:
         w = res.weights
         notes.append("tree-count reduction failed; using the LP's basic solution")
     if rate_tolerance > 0 and max_trees is None:
         before = int(np.count_nonzero(w > 1e-9))
-        w, dropped = _drop_light_trees(table, res.columns, w, res.rate, rate_tolerance)
+        w, dropped = _drop_light_trees(table, res.columns, w, res.rate, rate_tolerance, res.roots)
         if dropped:
             notes.append(f"rate_tolerance={rate_tolerance:g}: {before} -> {before - dropped} trees, rate "
                          f"{float(w.sum()):.3f} of the optimum {res.rate:.3f} GB/s")
@@ -438,6 +503,9 @@ def _tree_plan_uncached(topology, devices, collective, root, max_trees, relays=(
         roots = _spread_roots(ws, list(devices))
         trees = [Tree(r, wi, _orient(res.columns[i].edges, r), relays=relays)
                  for i, wi, r in zip(keep, ws, roots)]
+    elif res.roots is not None:  # sharded: every GPU roots the trees of its own shard
+        trees = [Tree(res.roots[i], wi, _column_hops(res.columns[i], mode), relays=relays)
+                 for i, wi in zip(keep, ws)]
     else:
         trees = [Tree(root, wi, _column_hops(res.columns[i], mode), relays=relays) for i, wi in zip(keep, ws)]
     trees.sort(key=lambda t: (-t.weight_gbps, _key(t.root), [(_key(a), _key(b)) for a, b in t.edges]))
@@ -468,6 +536,42 @@ def _ring_trees(rings, n) -> list:
             bc, red = ring_paths(cycle, routes, v)
             trees.append(Tree(v, _round(b / (2 * (n - 1))), bc, red))
     return trees
+
+
+def _sharded_ring_trees(rings, n, reduces: bool) -> list:
+    """A ring packing as all-gather (``reduces=False``) or reduce-scatter trees: per ring of
+    bandwidth b and per GPU v, one chain of weight b / (n - 1) rooted at v. All-gather: v's shard
+    travels n - 1 hops along the ring from v; reduce-scatter: shard v is summed along the ring and
+    ends at v (NCCL's ring; edges in broadcast direction, data flowing child -> parent). Every ring
+    link carries n - 1 chains: load b."""
+    trees = []
+    for cycle, routes, b in rings:
+        for v in cycle:
+            bc, red = ring_paths(cycle, routes, v)
+            # the in-path lists its routes leaf first; a Tree lists them root first
+            hops = tuple(h for r in reversed(_parse_routes(red)) for h in _hops(r)) if reduces else bc
+            trees.append(Tree(v, _round(b / (n - 1)), hops))
+    return trees
+
+
+def _sharded_ring_plan(topology, collective, devices, max_trees, bound) -> Plan:
+    """The LP ring packing (bounds.ring_packing) run as an all-gather / reduce-scatter ring:
+    rate n B / (n - 1) for total ring bandwidth B, certificate the cut bound."""
+    n = len(devices)
+    table = RouteTable.build(topology, devices)
+    table.check_connected(f"{collective} ring plan")
+    b_ring, rings = _bounds.ring_packing(topology, devices, table)
+    if b_ring <= 0:
+        raise PlanError(f"no ring (cycle through every GPU) over devices {list(devices)} on the links of "
+                        f"{topology.name!r}")
+    if max_trees is not None and n * len(rings) > max_trees:
+        raise PlanError(f"no ring packing over devices {list(devices)} within max_trees={max_trees} "
+                        f"(it needs {n * len(rings)} trees)")
+    trees = _sharded_ring_trees(rings, n, _collectives.get(collective).reduces)
+    rate = _round(sum(t.weight_gbps for t in trees))
+    note = (f"ring: {len(rings)} ring(s) of {b_ring:.3f} GB/s in total; each shard travels n-1 = {n - 1} hops, "
+            f"rate n*B/(n-1) = {rate:.3f} GB/s of the cut bound {bound:.3f} GB/s",)
+    return Plan(collective, None, devices, tuple(trees), rate, _round(bound), "ring", note)
 
 
 def _node_groups(topology: Topology, devices) -> list:
@@ -531,7 +635,7 @@ def _hierarchical(topology, devices, collective, root, groups, max_trees):
     from types import SimpleNamespace
 
     from .routes import MAX_ITERATIONS, PRICE_TOL, Column
-    mode = {"broadcast": "arborescence", "reduce": "in-arborescence", "allreduce": "spanning"}[collective]
+    mode = _mode(collective)
     groups = [sorted(gs) for gs in groups]
     npos = max(len(gs) for gs in groups)
     leaders = [[gs[i % len(gs)] for gs in groups] for i in range(npos)]
@@ -543,9 +647,7 @@ def _hierarchical(topology, devices, collective, root, groups, max_trees):
     nl = len(links)
     intra = [_Part(RouteTable.build(topology, gs), index, True) if len(gs) > 1 else None for gs in groups]
     cross = [_Part(RouteTable.build(topology, ld), index, False) if len(set(ld)) > 1 else None for ld in leaders]
-    bound = {"broadcast": lambda: _bounds.broadcast_bound(topology, devices, root),
-             "reduce": lambda: _bounds.reduce_bound(topology, devices, root),
-             "allreduce": lambda: _bounds.allreduce_bound(topology, devices)}[collective]()
+    bound = _bound(topology, collective, devices, root)
 
     def price(y):
         """Cheapest three-phase tree per partition i under link prices y: [(price, i, Column)]."""
@@ -736,10 +838,18 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
     if not isinstance(topology, Topology):
         raise PlanError(f"plan needs a jax_blink.Topology, got {type(topology).__name__}")
     devices = job_devices(topology, devices)
+    row = _collectives.get(collective)
     if collective == "allreduce":
         if root is not None and root not in devices:
             raise PlanError(f"root {root!r} is not among devices {list(devices)}")
         root = None
+    elif row.sharded:
+        if root is not None:
+            raise PlanError(f"{collective} has no root (every rank owns one shard); got root={root!r}, pass None")
+        if max_trees is not None and not isinstance(max_trees, bool) and isinstance(max_trees, int) \
+                and 1 <= max_trees < len(devices):
+            raise PlanError(f"{collective} needs at least one tree per rank: max_trees={max_trees} < "
+                            f"{len(devices)} devices")
     else:
         root = devices[0] if root is None else root
         if root not in devices:
@@ -748,8 +858,11 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
         raise PlanError(f"max_trees must be a positive int or None, got {max_trees!r}")
     if algorithm not in ALGORITHMS:
         raise PlanError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
-    if algorithm == "ring" and collective != "allreduce":
-        raise PlanError(f"algorithm 'ring' is an all-reduce algorithm, not for {collective!r}")
+    if algorithm == "ring" and collective not in ("allreduce", "allgather", "reducescatter"):
+        raise PlanError(f"algorithm 'ring' is for all-reduce, all-gather and reduce-scatter, not {collective!r}")
+    if algorithm == "hierarchical" and row.sharded:
+        raise PlanError(f"algorithm 'hierarchical' (Blink's three phases) is not planned for {collective!r}; "
+                        f"use 'auto', 'trees' or 'ring'")
     if isinstance(rate_tolerance, bool) or not isinstance(rate_tolerance, (int, float)) \
             or not 0.0 <= rate_tolerance < 1.0:
         raise PlanError(f"rate_tolerance must be a number in [0, 1), got {rate_tolerance!r}")
@@ -806,10 +919,7 @@ def _check_relays(topology, devices, relays) -> tuple:
 def _relay_plan(topology, collective, devices, root, max_trees, relays, rate_tolerance) -> Plan:
     """Tree packing whose routes may forward through the ``relays`` GPUs (issue 7, single-pair case).
     Certificate: the max-flow bound over the relay-allowed graph (relays behave like switch nodes)."""
-    fn = {"broadcast": lambda: _bounds.broadcast_bound(topology, devices, root, relays),
-          "reduce": lambda: _bounds.reduce_bound(topology, devices, root, relays),
-          "allreduce": lambda: _bounds.allreduce_bound(topology, devices, relays)}[collective]
-    bound = fn()
+    bound = _bound(topology, collective, devices, root, relays)
     target = bound if collective != "allreduce" else None
     trees, rate, dual, _, notes, _ = _tree_plan(topology, devices, collective, root, max_trees, relays, target,
                                              rate_tolerance)
@@ -827,6 +937,8 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm="au
     if n == 1:
         return Plan(collective, root, devices, (), float("inf"), float("inf"), "trivial",
                     ("one device: nothing to send (rate is infinite)",))
+    if _collectives.get(collective).sharded:  # no three-phase variant: the flat packing is exact
+        return _flat_plan(topology, collective, devices, root, max_trees, algorithm, rate_tolerance)
     groups = _node_groups(topology, list(devices))
     if algorithm == "hierarchical" and len(groups) == 1:
         raise PlanError(f"algorithm 'hierarchical' needs devices on two or more nodes; {list(devices)} "
@@ -837,9 +949,7 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm="au
             return flat
     trees, notes = _hierarchical(topology, devices, collective, root, groups, max_trees)
     rate = _round(sum(t.weight_gbps for t in trees))
-    bound = {"broadcast": lambda: _bounds.broadcast_bound(topology, devices, root),
-             "reduce": lambda: _bounds.reduce_bound(topology, devices, root),
-             "allreduce": lambda: _bounds.allreduce_bound(topology, devices)}[collective]()
+    bound = _bound(topology, collective, devices, root)
     hier = Plan(collective, root, devices, tuple(trees), rate, _round(bound), "hierarchical", tuple(notes))
     if algorithm == "hierarchical":
         return dataclasses.replace(hier, notes=hier.notes + ("three-phase plan forced (algorithm='hierarchical')",))
@@ -856,10 +966,10 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm="au
 def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto", rate_tolerance=0.0) -> Plan:
     """Exact packing over all job GPUs at once (plus the ring alternative for all-reduce)."""
     n = len(devices)
-    if collective == "broadcast":
-        bound = _bounds.broadcast_bound(topology, devices, root)
-    elif collective == "reduce":
-        bound = _bounds.reduce_bound(topology, devices, root)
+    if collective != "allreduce":
+        bound = _bound(topology, collective, devices, root)
+    if _collectives.get(collective).sharded and algorithm == "ring":
+        return _sharded_ring_plan(topology, collective, devices, max_trees, bound)
     if collective == "allreduce" and algorithm == "ring":  # the tree packing is not needed
         trees, rate, dual, table, notes, exact = [], 0.0, 0.0, RouteTable.build(topology, devices), [], math.inf
         table.check_connected("allreduce plan")

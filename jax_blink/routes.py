@@ -147,6 +147,7 @@ class PackingResult:
     rate: float
     dual_bound: float
     iterations: int
+    roots: list | None = None  # root of each column (solve_rooted_packing); None: one root for all
 
 
 def _pair_costs(table: RouteTable, y: np.ndarray, mode: str):
@@ -243,7 +244,12 @@ def min_arborescence(w: np.ndarray, root: int):
 
 def _price(table: RouteTable, y: np.ndarray, mode: str, root) -> Column | None:
     """The minimum-price tree under link prices ``y`` (None if no spanning tree exists)."""
-    costs = _pair_costs(table, y, mode)
+    return _tree_from_costs(table, _pair_costs(table, y, mode), mode, root)
+
+
+def _tree_from_costs(table: RouteTable, costs: dict, mode: str, root) -> Column | None:
+    """The minimum-price tree rooted at ``root`` over GPU-level edge costs from :func:`_pair_costs`
+    (one cost table serves every root of a multi-root pricing round)."""
     if mode == "spanning":
         h = nx.Graph()
         h.add_nodes_from(table.devices)
@@ -348,3 +354,88 @@ def solve_packing(table: RouteTable, mode: str, root, warm_start: int | None = N
             if c.edges not in seen:
                 cols.append(c)
                 seen.add(c.edges)
+
+
+def solve_rooted_packing(table: RouteTable, mode: str, target: float | None = None,
+                         warm_rounds: int = 2) -> PackingResult:
+    """Maximum equal-per-root packing of arborescences rooted at every GPU (all-gather / reduce-scatter).
+
+    LP (ForestColl, Zhao et al. 2024, sections 4-5, as one LP): maximise x subject to, for every
+    root r in ``table.devices``, sum of the weights of r's trees >= x, and for every directed link
+    e, sum_t usage_t(e) w_t <= cap(e); w, x >= 0. Columns are spanning arborescences out of their
+    root (``mode="arborescence"``, all-gather) or into it (``"in-arborescence"``, reduce-scatter),
+    each GPU-level edge with a chosen route. Column generation with HiGHS: with link duals y and
+    root duals z, a tree rooted at r enters while its price usage . y < z_r - PRICE_TOL; pricing is
+    one minimum arborescence per root over one shared table of route costs. Weak duality gives
+    the certificate n * cap . y / sum_r (cheapest tree price of r) at every round. Stops at
+    optimality or once n * x reaches ``target`` (the exact cut bound, :func:`jax_blink.bounds.allgather_bound`).
+
+    Returns a PackingResult whose ``rate`` is n * x (the sum of all tree weights), ``weights`` the
+    LP weights trimmed so every root carries exactly x, and ``roots`` the root of each column.
+    Raises PlanError when some GPU cannot reach (or be reached from) another.
+    """
+    roots = list(table.devices)
+    n, nl = len(roots), len(table.links)
+    cols, col_root, seen = [], [], set()
+
+    def add(r, col):
+        if (r, col.edges) not in seen:
+            seen.add((r, col.edges))
+            cols.append(col)
+            col_root.append(r)
+            return True
+        return False
+
+    def price(y):
+        costs = _pair_costs(table, y, mode)
+        out = []
+        for r in roots:
+            col = _tree_from_costs(table, costs, mode, r)
+            if col is None:
+                raise PlanError(f"no spanning tree over devices {list(table.devices)} rooted at {r}: "
+                                f"some GPUs cannot reach each other over the job's links")
+            out.append((r, col))
+        return out
+
+    # warm start: multiplicative-weights rounds over all roots at once (Garg-Koenemann)
+    y = 1.0 / table.cap
+    for _ in range(max(1, warm_rounds)):
+        for r, col in price(y):
+            add(r, col)
+            used = col.usage > 0
+            y = y * (1.0 + 0.5 * float(np.min(table.cap[used] / col.usage[used])) * col.usage / table.cap / n)
+    it, dual = 0, float("inf")
+    while True:
+        it += 1
+        t = len(cols)
+        a = np.stack([c.usage for c in cols], axis=1).astype(np.float64)
+        g = np.zeros((n, t))
+        g[[roots.index(r) for r in col_root], np.arange(t)] = 1.0
+        a_ub = np.block([[a, np.zeros((nl, 1))], [-g, np.ones((n, 1))]])
+        b_ub = np.concatenate([table.cap, np.zeros(n)])
+        res = linprog(np.concatenate([np.zeros(t), [-1.0]]), A_ub=a_ub, b_ub=b_ub, bounds=(0, None),
+                      method="highs")
+        if res.status != 0:
+            raise PlanError(f"all-gather packing LP failed for devices {list(table.devices)}: {res.message}")
+        x = float(res.x[-1])
+        w = np.asarray(res.x[:t], dtype=np.float64)
+        if target is not None and n * x >= target * (1 - 1e-9):
+            dual = max(target, n * x)
+            break
+        marg = -np.asarray(res.ineqlin.marginals)
+        y, z = np.maximum(marg[:nl], 0.0), np.maximum(marg[nl:], 0.0)
+        priced = price(y)
+        prices = np.array([float(c.usage @ y) for _, c in priced])
+        if prices.sum() > 0:
+            dual = min(dual, n * float(table.cap @ y) / prices.sum())
+        new = [add(r, c) for (r, c), p, zr in zip(priced, prices, z) if p < zr - PRICE_TOL]
+        if not any(new) or it >= MAX_ITERATIONS:
+            dual = max(dual, n * x)
+            break
+    # trim every root's weights to exactly x (scaling down keeps every link within capacity)
+    for i, r in enumerate(roots):
+        mine = np.array([j for j in range(len(w)) if col_root[j] == r])
+        s = float(w[mine].sum())
+        if s > 0:
+            w[mine] *= x / s
+    return PackingResult(cols, w, n * x, dual, it, col_root)
