@@ -452,7 +452,7 @@ def _all_gather_batcher(axis_data, vals_in, dims_in, *, all_gather_dimension, **
     (x,), (d,) = vals_in, dims_in
     dim, tiled = all_gather_dimension, params["tiled"]
     if axis_data.name not in params["axes"]:
-        if d is batching.not_mapped:
+        if d is None:
             return blink_all_gather_p.bind(x, all_gather_dimension=dim, **params), d
         if d <= dim:
             dim += 1
@@ -461,7 +461,7 @@ def _all_gather_batcher(axis_data, vals_in, dims_in, *, all_gather_dimension, **
         return blink_all_gather_p.bind(x, all_gather_dimension=dim, **params), d
     _only_axis(axis_data, params, "jax_blink.all_gather")
     n = axis_data.size
-    if d is batching.not_mapped:
+    if d is None:
         shape = list(x.shape)
         shape.insert(dim, n)
         y = lax.broadcast_in_dim(x, shape, [i for i in range(len(shape)) if i != dim])
@@ -469,14 +469,14 @@ def _all_gather_batcher(axis_data, vals_in, dims_in, *, all_gather_dimension, **
         y = jnp.moveaxis(x, d, dim)
     if tiled:  # fold the gathered axis into the next one
         y = y.reshape(y.shape[:dim] + (y.shape[dim] * y.shape[dim + 1],) + y.shape[dim + 2:])
-    return y, batching.not_mapped
+    return y, None
 
 
 def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, scatter_dimension, **params):
     (x,), (d,) = vals_in, dims_in
     dim, tiled = scatter_dimension, params["tiled"]
     if axis_data.name not in params["axes"]:
-        if d is batching.not_mapped:
+        if d is None:
             return blink_reduce_scatter_p.bind(x, scatter_dimension=dim, **params), d
         if d <= dim:
             dim += 1
@@ -485,7 +485,7 @@ def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, scatter_dimension, *
         return blink_reduce_scatter_p.bind(x, scatter_dimension=dim, **params), d
     _only_axis(axis_data, params, "jax_blink.psum_scatter")
     n = axis_data.size
-    if d is batching.not_mapped:
+    if d is None:
         s = _lax._const(x, n) * x
     else:
         s = lax.reduce_sum(x, (d,))
