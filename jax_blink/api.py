@@ -24,7 +24,7 @@ from jax._src import config, core, dtypes
 from jax._src.lax import lax as _lax
 from jax._src.lax import parallel as _parallel
 
-from . import mapping
+from . import collectives, mapping
 from . import primitives as P
 from .lowering import LOWERINGS
 from .lowering import ppermute as _ppermute  # noqa: F401  (registers impl "ppermute")
@@ -191,9 +191,10 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
         raise ValueError(f"{api}: algorithm 'ring' is an all-reduce algorithm; use "
                          "'auto', 'trees' or 'hierarchical'")
     leaves, treedef, constant = _prepare(x, axes, api)
-    prim = P.blink_broadcast_p if prim_name == "broadcast" else P.blink_reduce_p
+    prim = {"broadcast": P.blink_broadcast_p, "reduce": P.blink_reduce_p}[prim_name]
+    copies_only = not collectives.get(prim_name).reduces
     vma = bool(config._check_vma.value)
-    if prim_name == "broadcast":
+    if copies_only:
         # broadcast moves values without adding: a bool operand stays bool (prepared as int32).
         was_bool = [dtypes.dtype(leaf) == np.bool_ for leaf in jax.tree_util.tree_leaves(x)]
         if constant:
@@ -201,7 +202,7 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
             return jax.tree_util.tree_unflatten(treedef, out)
     bind = lambda *v: prim.bind(*v, axes=axes, root=root, impl=impl, key=key, vma=vma)
     out = _bucketed(leaves, axes, bind)
-    if prim_name == "broadcast":
+    if copies_only:
         out = [lax.convert_element_type(o, np.bool_) if b else o for o, b in zip(out, was_bool)]
     return jax.tree_util.tree_unflatten(treedef, out)
 

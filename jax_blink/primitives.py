@@ -520,7 +520,7 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
                          f"jax.shard_map with a jax.sharding.Mesh); got axis context {type(axis_ctx).__name__}")
     aval_in, aval_out = ctx.avals_in[0], ctx.avals_out[0]
     n = axis_size
-    gather = collective == "allgather"
+    gather = collectives.get(collective).input == "shard"  # all-gather: shard in, whole out
     shard_shape = aval_in.shape if gather else aval_out.shape
     m = math.prod(shard_shape)
     full = core.ShapedArray((n * m,), aval_in.dtype)
@@ -559,9 +559,13 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
         def post(v):
             me = jnp.asarray(ranks)[_position_p.bind()]
             return lax.dynamic_slice(v, (me * m,), (m,)).reshape(aval_out.shape)
-    placed, = mlir.lower_fun(pre, multiple_results=False)(
-        ctx.replace(primitive=None, avals_in=[plain_in], avals_out=[full]), x)
-    out, = rule(ctx.replace(avals_in=[full], avals_out=[full]), [placed], request_for)
+    if gather and getattr(rule, "shard_input", False):  # the executor places the shard itself
+        out, = rule(ctx.replace(avals_in=[core.ShapedArray((m,), aval_in.dtype)], avals_out=[full]),
+                    [mlir.reshape(ctx, x, core.ShapedArray((m,), aval_in.dtype))], request_for)
+    else:
+        placed, = mlir.lower_fun(pre, multiple_results=False)(
+            ctx.replace(primitive=None, avals_in=[plain_in], avals_out=[full]), x)
+        out, = rule(ctx.replace(avals_in=[full], avals_out=[full]), [placed], request_for)
     return mlir.lower_fun(post, multiple_results=False)(
         ctx.replace(primitive=None, avals_in=[full], avals_out=[plain_out]), out)
 
