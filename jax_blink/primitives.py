@@ -261,6 +261,25 @@ def choose_lowering(impl: str, platforms, processes: int = 1) -> tuple[str, obje
     return impl, rules[0]
 
 
+def _shared_memory_stars(plan):
+    """For the CPU executor: the sharded ``plan`` as one star per owner (owner -> every other rank
+    directly), each with the owner's total weight.
+
+    In host memory a tree hop is a pass over the chunk, not a link: a star makes every shard one
+    fused copy (all-gather: owner -> n - 1 outputs) or one fused sum (reduce-scatter: n - 1 inputs
+    added into the owner's output), the fewest memory passes, where a deeper packed tree would
+    materialise a partial result at every interior rank. Data flow and results are those of any
+    valid per-owner packing; only the shape of the trees differs."""
+    from .packing import Plan, Tree
+    weight = {}
+    for t in plan.trees:
+        weight[t.root] = weight.get(t.root, 0.0) + t.weight_gbps
+    trees = tuple(Tree(d, weight.get(d, 0.0), tuple((d, c) for c in plan.devices if c != d))
+                  for d in plan.devices)
+    return Plan(plan.collective, None, tuple(plan.devices), trees, plan.rate_gbps, plan.bound_gbps, plan.algorithm,
+                plan.notes + ("executed as one star per owner by the CPU executor (host memory)",))
+
+
 @functools.lru_cache(maxsize=256)
 def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, key,
                   nelems: int, itemsize: int, platform: str, impl: str = "ppermute") -> _lowering.LoweringRequest:
@@ -287,6 +306,8 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
                 # (first candidate) reads every input once and writes every output once, a ring writes
                 # every rank twice (measured 1.6-1.7x slower at 1-16 MiB per device on 8 devices).
                 plans = plans[:1]
+                if collectives.get(collective).sharded:
+                    plans = [_shared_memory_stars(plans[0])]
             cache[gpus] = _group_schedule(collective, plans, nelems, itemsize, impl, topo, key.chunk_elems)
         schedules.append(cache[gpus])
     return _lowering.LoweringRequest(collective=collective, schedules=tuple(schedules), device_table=table,
