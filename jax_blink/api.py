@@ -230,8 +230,9 @@ def reduce(x, axis_name, root=0, *, topology=None, impl=None, device_map=None, c
                    max_trees)
 
 
-def _sharded_setup(axis_name, axis_index_groups, api):
-    """(axes, groups, ranks per group) of a sharded collective; lax's errors for bad groups."""
+def _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_map, chunk_elems, algorithm,
+                   max_trees):
+    """(leaves, treedef, bind params) of a sharded collective; lax's errors for bad groups."""
     axes = _axes(axis_name)
     P.check_axis_names(axes, api)
     groups = _groups(axis_index_groups)
@@ -244,7 +245,11 @@ def _sharded_setup(axis_name, axis_index_groups, api):
             raise NotImplementedError(f"axis_index_groups is not supported with shard_map(check_vma=True) "
                                       f"({api}, as lax); use check_vma=False")
         size = len(groups[0])
-    return axes, groups, size
+    key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm, max_trees)
+    leaves, treedef = _sharded_leaves(x, axes, api)
+    params = dict(axes=axes, impl=_impl(impl), key=key, axis_index_groups=groups, axis_size=size,
+                  vma=bool(config._check_vma.value))
+    return leaves, treedef, params
 
 
 def _sharded_leaves(x, axes, api):
@@ -284,11 +289,8 @@ def all_gather(x, axis_name, *, axis=0, tiled=False, axis_index_groups=None, top
     lowering when the topology does not cover the mesh devices.
     """
     api = "jax_blink.all_gather"
-    axes, groups, size = _sharded_setup(axis_name, axis_index_groups, api)
-    impl = _impl(impl)
-    key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm, max_trees)
-    leaves, treedef = _sharded_leaves(x, axes, api)
-    vma = bool(config._check_vma.value)
+    leaves, treedef, params = _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_map,
+                                             chunk_elems, algorithm, max_trees)
 
     def one(leaf):
         nd = leaf.ndim if tiled else leaf.ndim + 1
@@ -300,8 +302,7 @@ def all_gather(x, axis_name, *, axis=0, tiled=False, axis_index_groups=None, top
             raise ValueError(f"{api}: tiled=True needs an operand with at least one dimension")
         was_bool = leaf.dtype == np.bool_
         v = lax.convert_element_type(leaf, np.uint8) if was_bool else leaf
-        out = P.blink_all_gather_p.bind(v, axes=axes, impl=impl, key=key, axis_index_groups=groups,
-                                        axis_size=size, tiled=bool(tiled), vma=vma, all_gather_dimension=dim)
+        out = P.blink_all_gather_p.bind(v, tiled=bool(tiled), all_gather_dimension=dim, **params)
         return lax.convert_element_type(out, np.bool_) if was_bool else out
 
     return jax.tree_util.tree_unflatten(treedef, [one(leaf) for leaf in leaves])
@@ -330,11 +331,8 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False, axis_index_g
     by the axis size (tiled) or differs from it (not tiled); otherwise :func:`all_gather`'s errors.
     """
     api = "jax_blink.psum_scatter"
-    axes, groups, size = _sharded_setup(axis_name, axis_index_groups, api)
-    impl = _impl(impl)
-    key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm, max_trees)
-    leaves, treedef = _sharded_leaves(x, axes, api)
-    vma = bool(config._check_vma.value)
+    leaves, treedef, params = _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_map,
+                                             chunk_elems, algorithm, max_trees)
 
     def one(leaf):
         if leaf.dtype == np.bool_:
@@ -342,8 +340,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False, axis_index_g
         dim = scatter_dimension
         if leaf.ndim and -leaf.ndim <= dim < 0:
             dim %= leaf.ndim
-        P.reduce_scatter_shape(leaf.shape, dim, size, bool(tiled), api)
-        return P.blink_reduce_scatter_p.bind(leaf, axes=axes, impl=impl, key=key, axis_index_groups=groups,
-                                             axis_size=size, tiled=bool(tiled), vma=vma, scatter_dimension=dim)
+        P.reduce_scatter_shape(leaf.shape, dim, params["axis_size"], bool(tiled), api)
+        return P.blink_reduce_scatter_p.bind(leaf, tiled=bool(tiled), scatter_dimension=dim, **params)
 
     return jax.tree_util.tree_unflatten(treedef, [one(leaf) for leaf in leaves])

@@ -469,16 +469,22 @@ def _only_axis(axis_data, params, api):
         raise NotImplementedError(f"{api} over several axes where one is a vmap axis is not supported (as lax)")
 
 
+def _batch_dims(dim, d, tiled, shift):
+    """A batch dimension ``d`` outside the collective's axes (lax's rule): (collective dimension,
+    output batch dimension). ``shift``: how the untiled collective changes the rank (+1 gather, -1
+    scatter), moving a batch dimension after it."""
+    if d is None:
+        return dim, d
+    if d <= dim:
+        return dim + 1, d
+    return dim, d if tiled else d + shift
+
+
 def _all_gather_batcher(axis_data, vals_in, dims_in, *, all_gather_dimension, **params):
     (x,), (d,) = vals_in, dims_in
     dim, tiled = all_gather_dimension, params["tiled"]
     if axis_data.name not in params["axes"]:
-        if d is None:
-            return blink_all_gather_p.bind(x, all_gather_dimension=dim, **params), d
-        if d <= dim:
-            dim += 1
-        elif not tiled:
-            d += 1
+        dim, d = _batch_dims(dim, d, tiled, +1)
         return blink_all_gather_p.bind(x, all_gather_dimension=dim, **params), d
     _only_axis(axis_data, params, "jax_blink.all_gather")
     n = axis_data.size
@@ -497,12 +503,7 @@ def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, scatter_dimension, *
     (x,), (d,) = vals_in, dims_in
     dim, tiled = scatter_dimension, params["tiled"]
     if axis_data.name not in params["axes"]:
-        if d is None:
-            return blink_reduce_scatter_p.bind(x, scatter_dimension=dim, **params), d
-        if d <= dim:
-            dim += 1
-        elif not tiled:
-            d -= 1
+        dim, d = _batch_dims(dim, d, tiled, -1)
         return blink_reduce_scatter_p.bind(x, scatter_dimension=dim, **params), d
     _only_axis(axis_data, params, "jax_blink.psum_scatter")
     n = axis_data.size

@@ -54,3 +54,18 @@ def test_gradient_is_the_reduce_scatter_transpose(ex):
 def test_shortfall_is_explained(ex, run):
     msgs = ex.problems(run, 1.01)
     assert len(msgs) == 1 and "below --min-accuracy 1.01" in msgs[0] and "per epoch" in msgs[0]
+
+
+def test_demo_fsdp_in_a_fresh_process():
+    """`jax-blink demo --fsdp` as a user runs it: plan of the all-gather, FSDP training, lockstep."""
+    import re
+
+    from test_demo import _demo
+    p = _demo("--fsdp", "--epochs", str(EPOCHS), timeout=600)
+    out = p.stdout
+    assert p.returncode == 0, out + p.stderr
+    m = re.search(r"plan \(allgather\): (\d+) trees, rate ([\d.]+) GB/s, bound ([\d.]+) GB/s", out)
+    assert m and int(m[1]) >= 8 and abs(float(m[2]) - float(m[3])) <= 1e-6 * float(m[3]), out
+    assert re.search(r"\[jax_blink fsdp\] held-out accuracy 0\.9[5-9]", out), out
+    m = re.search(r"largest loss difference (\S+) rel \(within", out)
+    assert m and float(m[1]) <= 1e-5, out

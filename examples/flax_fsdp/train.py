@@ -39,14 +39,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-try:
-    import flax.linen as nn
-    import optax
-except ModuleNotFoundError as err:  # the examples extra is not installed
-    raise ModuleNotFoundError(
-        f"the FSDP example needs flax, optax and scikit-learn ({err.name} is missing): "
-        "pip install -e \".[examples]\"", name=err.name) from None
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -67,8 +59,9 @@ def _digits_example():
     return sys.modules[name]
 
 
-digits = _digits_example()
+digits = _digits_example()  # raises the examples extra's install hint when flax / optax / sklearn are missing
 load_data = digits.load_data
+nn, optax = digits.nn, digits.optax
 AXIS = "data"
 MIN_ACCURACY = 0.95
 MAX_REL_DIFF = 1e-5   # lockstep: largest relative per-step loss difference vs lax

@@ -304,7 +304,8 @@ struct Job {
         first = dst;
       }
     }
-    const int64_t root = meeting->plan->schedule.seg_root[cp.segment];
+    // (segment -1: the one-rank plan without chunks, its rank 0 keeps its input)
+    const int64_t root = cp.segment >= 0 ? meeting->plan->schedule.seg_root[cp.segment] : 0;
     for (int32_t r : cp.copy_in)  // nothing to copy where XLA aliased the output to the input
       if (out[r][l] != in[r][l] && (!scratch_non_root || r == root))
         std::memcpy(out[r][l] + off, in[r][l] + off, bytes);
