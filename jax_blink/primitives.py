@@ -556,8 +556,7 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
                         avals_out=[core.ShapedArray(aval_out.shape, aval_out.dtype)]), x)
     platforms = ctx.module_context.platforms
     nproc = len({d.process_index for d in axis_ctx.mesh.devices.flat})
-    _, rule = choose_lowering(impl, platforms, nproc)
-    impl_name = choose_lowering(impl, platforms, nproc)[0]
+    impl_name, rule = choose_lowering(impl, platforms, nproc)
 
     def request_for(nelems: int) -> _lowering.LoweringRequest:
         return build_request(collective, axis_ctx.mesh, tuple(axes), axis_index_groups, None, key,

@@ -31,7 +31,6 @@ MESH1 = Mesh(DEV[[3, 1, 0, 2, 7, 5, 4, 6]], ("i",))             # permuted 1-D
 MESH2 = Mesh(DEV[[5, 0, 2, 7, 1, 4, 6, 3]].reshape(2, 4), ("x", "y"))  # permuted 2-D
 DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
           "bfloat16", "float32", "float64", "complex64", "complex128")
-jax.config.update("jax_enable_x64", True)
 
 
 def operand(shape, dtype, seed=0):
@@ -304,4 +303,5 @@ def batch_cases(batch):
 BATCHES = ("shapes", "dtypes", "meshes", "transforms")
 
 if __name__ == "__main__":
+    jax.config.update("jax_enable_x64", True)  # 64-bit dtypes as they are (only in the worker process)
     sys.exit(rc.main(sys.argv[1:], batch_cases, BATCHES))
