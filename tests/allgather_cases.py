@@ -272,32 +272,28 @@ def errors_case():
         raise AssertionError("unbound axis accepted")
 
 
+# batch -> (name, case, takes check_vma): every case runs per impl, with check_vma on and off where it takes it
+_TABLE = {
+    "shapes": [("shapes", shapes_case, True)],
+    "dtypes": [("dtypes", dtypes_case, False)],
+    "meshes": [("mesh2d", mesh2d_case, True), ("pytree_zero_size", pytree_zero_size_case, True),
+               ("groups", groups_case, False)],
+    "transforms": [("grad", grad_case, True), ("vmap", vmap_case, False), ("scan_pmap", scan_pmap_case, False)],
+}
+
+
 def batch_cases(batch):
-    if batch == "shapes":
-        for impl in IMPLS:
-            for vma in (True, False):
-                yield f"{impl}/vma={vma}/shapes", lambda impl=impl, vma=vma: shapes_case(impl, vma)
-        return
-    if batch == "dtypes":
-        for impl in IMPLS:
-            yield f"{impl}/dtypes", lambda impl=impl: dtypes_case(impl)
-        return
-    if batch == "meshes":
-        for impl in IMPLS:
-            for vma in (True, False):
-                yield f"{impl}/vma={vma}/mesh2d", lambda impl=impl, vma=vma: mesh2d_case(impl, vma)
-                yield f"{impl}/vma={vma}/pytree_zero_size", lambda impl=impl, vma=vma: pytree_zero_size_case(impl, vma)
-            yield f"{impl}/groups", lambda impl=impl: groups_case(impl)
-        return
+    if batch not in _TABLE:
+        raise SystemExit(f"unknown batch {batch!r}")
+    for impl in IMPLS:
+        for name, case, with_vma in _TABLE[batch]:
+            if with_vma:
+                for vma in (True, False):
+                    yield f"{impl}/vma={vma}/{name}", lambda case=case, impl=impl, vma=vma: case(impl, vma)
+            else:
+                yield f"{impl}/{name}", lambda case=case, impl=impl: case(impl)
     if batch == "transforms":
-        for impl in IMPLS:
-            for vma in (True, False):
-                yield f"{impl}/vma={vma}/grad", lambda impl=impl, vma=vma: grad_case(impl, vma)
-            yield f"{impl}/vmap", lambda impl=impl: vmap_case(impl)
-            yield f"{impl}/scan_pmap", lambda impl=impl: scan_pmap_case(impl)
         yield "errors", errors_case
-        return
-    raise SystemExit(f"unknown batch {batch!r}")
 
 
 BATCHES = ("shapes", "dtypes", "meshes", "transforms")

@@ -67,17 +67,6 @@ MIN_ACCURACY = 0.95
 MAX_REL_DIFF = 1e-5   # lockstep: largest relative per-step loss difference vs lax
 
 
-class MLP(nn.Module):
-    """[B, 8, 8, 1] images -> logits [B, 10]: 64 -> 256 -> 128 -> 10, ReLU."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = x.reshape(x.shape[0], -1)
-        x = nn.relu(nn.Dense(256)(x))
-        x = nn.relu(nn.Dense(128)(x))
-        return nn.Dense(10)(x)
-
-
 # ----------------------------------------------------------------------------- sharding
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -105,6 +94,17 @@ class Layout:
         """Gathered [n * block] leaves -> the parameter pytree (padding dropped)."""
         leaves = [f[:math.prod(s)].reshape(s) for f, s in zip(full_leaves, self.shapes)]
         return jax.tree.unflatten(self.treedef, leaves)
+
+
+class MLP(nn.Module):
+    """[B, 8, 8, 1] images -> logits [B, 10]: 64 -> 256 -> 128 -> 10, ReLU."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.reshape(x.shape[0], -1)
+        x = nn.relu(nn.Dense(256)(x))
+        x = nn.relu(nn.Dense(128)(x))
+        return nn.Dense(10)(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,13 +194,8 @@ def train(config: Config, coll: Collectives, data=None, devices=None, progress: 
     """Train the MLP fully sharded with ``coll``; every step also runs the lax step from the same
     state (untimed towards ``step_times``) for the lockstep check. Raises ValueError when the batch
     does not split over the devices or JAX has too few devices."""
-    devices = list(devices or jax.devices()[: config.ndevices])
+    devices = digits.job_devices(devices, config.ndevices, config.batch_size)
     n = len(devices)
-    if n < config.ndevices:
-        raise ValueError(f"{config.ndevices} devices requested but JAX has {len(jax.devices())}; on CPU "
-                         "set XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax")
-    if config.batch_size % n:
-        raise ValueError(f"batch size {config.batch_size} does not split over {n} devices: use a multiple of {n}")
     x_tr, y_tr, x_te, y_te = data if data is not None else load_data(config.seed)
     mesh = Mesh(np.asarray(devices), (AXIS,))
     dat = NamedSharding(mesh, P(AXIS))
