@@ -1,11 +1,15 @@
-"""All-reduce time per call on 8 host CPU devices: lax.psum vs each jax_blink impl, same run.
+"""Collective time per call on 8 host CPU devices: lax vs each jax_blink impl, same run.
 
-Usage: python benchmarks/collectives.py [--min-kib 4] [--max-mib 64] [--iters N] [--topology NAME]
+Usage: python benchmarks/collectives.py [--collective allreduce|allgather|reducescatter|all]
+       [--min-kib 4] [--max-mib 64] [--iters N] [--topology NAME] [--impls ppermute,ffi]
 
-float32 operand of the given size per device inside jax.jit(jax.shard_map(..., check_vma=False)).
-Reports the median wall time per call (after one warm-up), algbw = bytes / t and the ratio
-t(impl) / t(lax.psum) measured in the same process (lower is faster). busbw = algbw * 2(n-1)/n
-(nccl-tests convention for all-reduce).
+float32 inside jax.jit(jax.shard_map(..., check_vma=False)); the size is the full buffer per device
+(all-reduce: the operand; all-gather: the gathered output, each device contributing 1/n of it;
+reduce-scatter: the input, each device keeping 1/n), as nccl-tests counts it. References:
+lax.psum, lax.all_gather(tiled=True), lax.psum_scatter(tiled=True). Reports the median wall time per
+call (after one warm-up), the ratio t(impl) / t(lax) measured in the same process (lower is faster)
+and lax's busbw = bytes / t * factor (nccl-tests: 2(n-1)/n for all-reduce, (n-1)/n for all-gather
+and reduce-scatter; ``jax_blink.collectives``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import jax_blink  # noqa: E402
-from jax_blink import lowering  # noqa: E402
+from jax_blink import collectives, lowering  # noqa: E402
 import jax_blink.api  # noqa: E402,F401  (registers the lowerings, "ffi" included, before impls are listed)
 
 
@@ -40,39 +44,48 @@ def _time(f, x, iters: int) -> float:
     return float(np.median(ts))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--min-kib", type=int, default=4)
-    ap.add_argument("--max-mib", type=int, default=64)
-    ap.add_argument("--iters", type=int, default=0, help="timed calls per point (default: by size)")
-    ap.add_argument("--topology", default=None, help="preset / file (default: Topology.host(8))")
-    args = ap.parse_args(argv)
+def _functions(collective: str, impls, topology):
+    """{label: per-device function}: lax's reference first, then jax_blink with each impl."""
+    if collective == "allreduce":
+        ref = {"lax.psum": lambda v: lax.psum(v, "i")}
+        blink = lambda impl: lambda v: jax_blink.psum(v, "i", impl=impl, topology=topology)  # noqa: E731
+    elif collective == "allgather":
+        ref = {"lax.all_gather": lambda v: lax.all_gather(v, "i", tiled=True)}
+        blink = lambda impl: lambda v: jax_blink.all_gather(v, "i", tiled=True, impl=impl,  # noqa: E731
+                                                            topology=topology)
+    else:
+        ref = {"lax.psum_scatter": lambda v: lax.psum_scatter(v, "i", tiled=True)}
+        blink = lambda impl: lambda v: jax_blink.psum_scatter(v, "i", tiled=True, impl=impl,  # noqa: E731
+                                                              topology=topology)
+    return {**ref, **{impl: blink(impl) for impl in impls}}
 
+
+def run(collective: str, args, impls, console) -> None:
+    """One table: every size from --min-kib to --max-mib (x4 steps) for ``collective``."""
     n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("i",))
-    impls = ["ppermute"] + (["ffi"] if lowering.find_lowering("ffi", "cpu") is not None else [])
-    fns = {"lax.psum": lambda v: lax.psum(v, "i")}
-    for impl in impls:
-        fns[impl] = (lambda impl: lambda v: jax_blink.psum(v, "i", impl=impl, topology=args.topology))(impl)
+    fns = _functions(collective, impls, args.topology)
+    ref_name = next(iter(fns))
     jitted = {k: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
               for k, f in fns.items()}
-
+    factor = collectives.get(collective).busbw_factor(n)
     sizes = []
     b = args.min_kib * 1024
     while b <= args.max_mib * 1024 * 1024:
         sizes.append(b)
         b *= 4
-    table = Table(title=f"all-reduce, float32, {n} host CPU devices (median time per call)")
+    table = Table(title=f"{collective}, float32, {n} host CPU devices (median time per call; bytes = full "
+                        "buffer per device)")
     table.add_column("bytes/device", justify="right")
     for k in fns:
         table.add_column(f"{k} ms", justify="right")
-        if k != "lax.psum":
+        if k != ref_name:
             table.add_column(f"{k}/lax", justify="right")
     table.add_column("lax busbw GB/s", justify="right")
-    console = Console()
     for nbytes in sizes:
         nelems = nbytes // 4
-        x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal(n * nelems), jnp.float32),
+        per_device = nelems // n if collective == "allgather" else nelems  # all-gather input: one shard
+        x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal(n * per_device), jnp.float32),
                            NamedSharding(mesh, P("i")))
         iters = args.iters or max(3, min(50, (64 << 20) // (nbytes * 4)))
         ref = None
@@ -84,14 +97,36 @@ def main(argv=None) -> int:
                 ref = np.asarray(out)
             else:  # a benchmark of a wrong result is worthless
                 np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+            del out
             times[k] = _time(f, x, iters)
             row.append(f"{times[k] * 1e3:.3f}")
-            if k != "lax.psum":
-                row.append(f"{times[k] / times['lax.psum']:.2f}")
-        row.append(f"{nbytes / times['lax.psum'] * 2 * (n - 1) / n / 1e9:.2f}")
+            if k != ref_name:
+                row.append(f"{times[k] / times[ref_name]:.2f}")
+        row.append(f"{nbytes / times[ref_name] * factor / 1e9:.2f}")
         table.add_row(*row)
         del x
     console.print(table)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--collective", choices=("allreduce", "allgather", "reducescatter", "all"),
+                    default="allreduce", help="what to time (all: the three in turn)")
+    ap.add_argument("--min-kib", type=int, default=4)
+    ap.add_argument("--max-mib", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=0, help="timed calls per point (default: by size)")
+    ap.add_argument("--topology", default=None, help="preset / file (default: Topology.host(8))")
+    ap.add_argument("--impls", default=None,
+                    help="comma-separated jax_blink impls (default: ppermute, and ffi where built)")
+    args = ap.parse_args(argv)
+    have = ["ppermute"] + (["ffi"] if lowering.find_lowering("ffi", "cpu") is not None else [])
+    impls = args.impls.split(",") if args.impls else have
+    missing = [i for i in impls if i not in have]
+    if missing:
+        ap.error(f"impl(s) {missing} not available here (available: {have})")
+    console = Console()
+    for coll in (("allreduce", "allgather", "reducescatter") if args.collective == "all" else (args.collective,)):
+        run(coll, args, impls, console)
     return 0
 
 

@@ -24,7 +24,8 @@ def _installed_version() -> str:
 __version__ = _installed_version()
 
 # JAX-facing API, imported lazily so the CLI and planners load without importing jax.
-_LAZY = {"psum": "api", "pmean": "api", "broadcast": "api", "reduce": "api", "set_device_map": "mapping",
+_LAZY = {"psum": "api", "pmean": "api", "broadcast": "api", "reduce": "api", "all_gather": "api",
+         "psum_scatter": "api", "set_device_map": "mapping",
          "plan": "packing", "Plan": "packing", "Tree": "packing", "ring_rate": "bounds",
          "selftest": "gpu_selftest", "clear_caches": "packing"}
 
@@ -43,5 +44,5 @@ def __dir__():
 
 __all__ = ["BlinkError", "PlanError", "ScheduleError", "Topology", "TopologyError", "__version__",
            "PRESETS", "multi_node", "detect", "load_topology", "probe",
-           "psum", "pmean", "broadcast", "reduce", "set_device_map", "plan", "Plan", "Tree", "ring_rate", "selftest",
-           "clear_caches"]
+           "psum", "pmean", "broadcast", "reduce", "all_gather", "psum_scatter", "set_device_map", "plan", "Plan",
+           "Tree", "ring_rate", "selftest", "clear_caches"]

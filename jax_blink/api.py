@@ -1,4 +1,5 @@
-"""Public collectives: ``psum``, ``pmean``, ``broadcast``, ``reduce`` (drop-ins for ``jax.lax``).
+"""Public collectives: ``psum``, ``pmean``, ``broadcast``, ``reduce``, ``all_gather``, ``psum_scatter``
+(drop-ins for ``jax.lax``).
 
 Inside ``jax.pmap`` / ``jax.shard_map`` (check_vma on or off) / ``vmap(axis_name=...)``. The data
 moves along a tree packing of the machine's topology (Blink, Wang et al., MLSys 2020, sections 3-4):
@@ -23,7 +24,7 @@ from jax._src import config, core, dtypes
 from jax._src.lax import lax as _lax
 from jax._src.lax import parallel as _parallel
 
-from . import mapping
+from . import collectives, mapping
 from .errors import TopologyError
 from .topology import Topology
 from . import primitives as P
@@ -257,9 +258,10 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
         raise ValueError(f"{api}: algorithm 'ring' is an all-reduce algorithm; use "
                          "'auto', 'trees' or 'hierarchical'")
     leaves, treedef, constant = _prepare(x, axes, api)
-    prim = P.blink_broadcast_p if prim_name == "broadcast" else P.blink_reduce_p
+    prim = {"broadcast": P.blink_broadcast_p, "reduce": P.blink_reduce_p}[prim_name]
+    copies_only = not collectives.get(prim_name).reduces
     vma = bool(config._check_vma.value)
-    if prim_name == "broadcast":
+    if copies_only:
         # broadcast moves values without adding: a bool operand stays bool (prepared as int32).
         was_bool = [dtypes.dtype(leaf) == np.bool_ for leaf in jax.tree_util.tree_leaves(x)]
         if constant:
@@ -267,7 +269,7 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
             return jax.tree_util.tree_unflatten(treedef, out)
     bind = lambda *v: prim.bind(*v, axes=axes, root=root, impl=impl, key=key, vma=vma)
     out = _bucketed(leaves, axes, bind)
-    if prim_name == "broadcast":
+    if copies_only:
         out = [lax.convert_element_type(o, np.bool_) if b else o for o, b in zip(out, was_bool)]
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -294,3 +296,122 @@ def reduce(x, axis_name, root=0, *, topology=None, impl=None, device_map=None, c
     """
     return _rooted("reduce", x, axis_name, root, topology, impl, device_map, chunk_elems, algorithm,
                    max_trees)
+
+
+def _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_map, chunk_elems, algorithm,
+                   max_trees):
+    """(leaves, treedef, bind params) of a sharded collective; lax's errors for bad groups; the call-time
+    operand and topology checks of :func:`psum`."""
+    _check_operand(x, api)
+    axes = _axes(axis_name)
+    P.check_axis_names(axes, api)
+    groups = _groups(axis_index_groups)
+    size = math.prod(P.axis_sizes(axes))
+    if groups is not None:
+        if sorted(i for g in groups for i in g) != list(range(size)):
+            raise ValueError(f"{api}: axis_index_groups {[list(g) for g in groups]} must cover every index of "
+                             f"axes {axes} (size {size}) exactly once")
+        if config._check_vma.value:
+            raise NotImplementedError(f"axis_index_groups is not supported with shard_map(check_vma=True) "
+                                      f"({api}, as lax); use check_vma=False")
+        size = len(groups[0])
+    key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm, max_trees)
+    _check_topology(key, axes, api)
+    leaves, treedef = _sharded_leaves(x, axes, api)
+    params = dict(axes=axes, impl=_impl(impl), key=key, axis_index_groups=groups, axis_size=size,
+                  vma=bool(config._check_vma.value))
+    return leaves, treedef, params
+
+
+def _sharded_leaves(x, axes, api):
+    """Leaves as arrays (bool kept, marked), dtypes checked, pvaried over ``axes`` under check_vma."""
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    out = []
+    for leaf in leaves:
+        leaf = jnp.asarray(leaf)
+        if leaf.dtype != np.bool_:
+            _check_dtype(leaf.dtype, api)
+        out.append(_vary(leaf, axes))
+    return out, treedef
+
+
+def all_gather(x, axis_name, *, axis=0, tiled=False, axis_index_groups=None, topology=None, impl=None,
+               device_map=None, chunk_elems=None, algorithm=None, max_trees=None):
+    """Gather every rank's ``x`` over ``axis_name`` along tree packings (drop-in for ``lax.all_gather``).
+
+    Each rank's shard is broadcast from its owner along that owner's trees of an all-gather packing
+    (ForestColl, Zhao et al. 2024, section 3: per-root trees with equal rate, reaching the cut bound).
+
+    Args:
+      x: pytree of arrays (any shape, including zero-size). Dtypes: bool (kept bool), int8..int64,
+        uint8..uint64, float16, bfloat16, float32, float64, complex64, complex128.
+      axis_name: a mesh / pmap / vmap axis name or a tuple of them (rank = ``lax.axis_index(axes)``).
+      axis: where the gathered axis goes: non-tiled, a new axis of size n at position ``axis`` of the
+        output (in [-(ndim+1), ndim]); tiled, the operand's ``axis`` is concatenated (size * n).
+      tiled: as ``lax.all_gather``.
+      axis_index_groups: like ``lax.all_gather`` (not with ``check_vma=True``).
+      topology, impl, device_map, chunk_elems, algorithm, max_trees: as :func:`psum` (algorithm
+        "auto", "trees" or "ring").
+
+    Returns: per leaf, the gathered array, bitwise identical to ``lax.all_gather`` (data is only
+    copied). Under ``check_vma=True`` it stays varying over ``axis_name`` (as lax).
+    Raises NameError for an unbound axis, TypeError for an unsupported dtype, ValueError for an
+    ``axis`` out of range or bad ``axis_index_groups``, TopologyError / PlanError / BlinkError at
+    lowering when the topology does not cover the mesh devices.
+    """
+    api = "jax_blink.all_gather"
+    leaves, treedef, params = _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_map,
+                                             chunk_elems, algorithm, max_trees)
+
+    def one(leaf):
+        nd = leaf.ndim if tiled else leaf.ndim + 1
+        if not -nd <= axis < nd:
+            raise ValueError(f"{api}: axis {axis} is out of range for an operand of {leaf.ndim} dimension(s) "
+                             f"(tiled={tiled}: expected in [{-nd}, {nd}))")
+        dim = axis % nd
+        if tiled and leaf.ndim == 0:
+            raise ValueError(f"{api}: tiled=True needs an operand with at least one dimension")
+        was_bool = leaf.dtype == np.bool_
+        v = lax.convert_element_type(leaf, np.uint8) if was_bool else leaf
+        out = P.blink_all_gather_p.bind(v, tiled=bool(tiled), all_gather_dimension=dim, **params)
+        return lax.convert_element_type(out, np.bool_) if was_bool else out
+
+    return jax.tree_util.tree_unflatten(treedef, [one(leaf) for leaf in leaves])
+
+
+def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False, axis_index_groups=None, topology=None,
+                 impl=None, device_map=None, chunk_elems=None, algorithm=None, max_trees=None):
+    """Sum ``x`` over ``axis_name`` and keep this rank's block (drop-in for ``lax.psum_scatter``).
+
+    Block r of the sum is reduced to rank r along r's trees of a reduce-scatter packing (the
+    all-gather packing reversed; ForestColl, Zhao et al. 2024, section 3).
+
+    Args:
+      x: pytree of arrays. bool becomes int32 (as :func:`psum`); integer sums wrap; float16/bfloat16
+        partial sums are rounded at every tree hop (see :func:`psum`).
+      axis_name: as :func:`all_gather`.
+      scatter_dimension: the operand dimension split into n blocks (rank r keeps block r).
+      tiled: False: that dimension must have size n and is removed; True: its size must be divisible
+        by n and becomes size / n.
+      axis_index_groups: like ``lax.psum_scatter`` (not with ``check_vma=True``).
+      topology, impl, device_map, chunk_elems, algorithm, max_trees: as :func:`all_gather`.
+
+    Returns: per leaf, this rank's block of the sum (equal to ``lax.psum_scatter``: bitwise for
+    integers, up to summation order for floats). Under ``check_vma=True`` it stays varying (as lax).
+    Raises ValueError (as lax) when ``scatter_dimension`` is out of range, its size is not divisible
+    by the axis size (tiled) or differs from it (not tiled); otherwise :func:`all_gather`'s errors.
+    """
+    api = "jax_blink.psum_scatter"
+    leaves, treedef, params = _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_map,
+                                             chunk_elems, algorithm, max_trees)
+
+    def one(leaf):
+        if leaf.dtype == np.bool_:
+            leaf = lax.convert_element_type(leaf, np.int32)
+        dim = scatter_dimension
+        if leaf.ndim and -leaf.ndim <= dim < 0:
+            dim %= leaf.ndim
+        P.reduce_scatter_shape(leaf.shape, dim, params["axis_size"], bool(tiled), api)
+        return P.blink_reduce_scatter_p.bind(leaf, tiled=bool(tiled), scatter_dimension=dim, **params)
+
+    return jax.tree_util.tree_unflatten(treedef, [one(leaf) for leaf in leaves])

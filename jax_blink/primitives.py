@@ -40,8 +40,9 @@ from jax._src.sharding_impls import SPMDAxisContext
 
 from . import lowering as _lowering
 from . import mapping
-from .errors import BlinkError
-from . import costmodel
+from .errors import BlinkError, PlanError, ScheduleError
+from . import collectives, costmodel
+from .schedule import build_schedule
 
 # -------------------------------------------------------------------------------- helpers
 
@@ -260,6 +261,25 @@ def choose_lowering(impl: str, platforms, processes: int = 1) -> tuple[str, obje
     return impl, rules[0]
 
 
+def _shared_memory_stars(plan):
+    """For the CPU executor: the sharded ``plan`` as one star per owner (owner -> every other rank
+    directly), each with the owner's total weight.
+
+    In host memory a tree hop is a pass over the chunk, not a link: a star makes every shard one
+    fused copy (all-gather: owner -> n - 1 outputs) or one fused sum (reduce-scatter: n - 1 inputs
+    added into the owner's output), the fewest memory passes, where a deeper packed tree would
+    materialise a partial result at every interior rank. Data flow and results are those of any
+    valid per-owner packing; only the shape of the trees differs."""
+    from .packing import Plan, Tree
+    weight = {}
+    for t in plan.trees:
+        weight[t.root] = weight.get(t.root, 0.0) + t.weight_gbps
+    trees = tuple(Tree(d, weight.get(d, 0.0), tuple((d, c) for c in plan.devices if c != d))
+                  for d in plan.devices)
+    return Plan(plan.collective, None, tuple(plan.devices), trees, plan.rate_gbps, plan.bound_gbps, plan.algorithm,
+                plan.notes + ("executed as one star per owner by the CPU executor (host memory)",))
+
+
 @functools.lru_cache(maxsize=256)
 def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, key,
                   nelems: int, itemsize: int, platform: str, impl: str = "ppermute") -> _lowering.LoweringRequest:
@@ -279,18 +299,46 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
         gpus = tuple(all_ids[p] for p in members)
         if gpus not in cache:
             algorithm = mapping.effective_algorithm(key, topo, collective, gpus)
-            plans = mapping.candidate_plans(topo, collective, list(gpus), root, algorithm, key.max_trees)
+            plans = _candidates(topo, collective, list(gpus), root, algorithm, key.max_trees)
             if impl == "ffi" and platform == "cpu":
                 # The CPU executor walks each tile through the whole schedule while it is in cache, so
                 # its cost is memory passes, which the link simulator does not model: the packing
                 # (first candidate) reads every input once and writes every output once, a ring writes
                 # every rank twice (measured 1.6-1.7x slower at 1-16 MiB per device on 8 devices).
                 plans = plans[:1]
-            _, cache[gpus], _ = costmodel.lowering_schedule(
-                plans, nelems, itemsize=itemsize, impl=impl, topology=topo, chunk_elems=key.chunk_elems)
+                if collectives.get(collective).sharded:
+                    plans = [_shared_memory_stars(plans[0])]
+            cache[gpus] = _group_schedule(collective, plans, nelems, itemsize, impl, topo, key.chunk_elems)
         schedules.append(cache[gpus])
     return _lowering.LoweringRequest(collective=collective, schedules=tuple(schedules), device_table=table,
                                      groups=tuple(tuple(g) for g in groups), axis_names=tuple(axes))
+
+
+# What the cost model may not (yet) handle for a collective: then the packing plan and the schedule's
+# own chunk model are used.
+_COSTMODEL_GAPS = (PlanError, ScheduleError, ValueError, KeyError, NotImplementedError)
+
+
+def _candidates(topo, collective, gpus, root, algorithm, max_trees):
+    """The cost model's candidate plans; for a sharded collective it does not cover, the packing plan."""
+    if not collectives.get(collective).sharded:
+        return mapping.candidate_plans(topo, collective, gpus, root, algorithm, max_trees)
+    try:
+        return mapping.candidate_plans(topo, collective, gpus, root, algorithm, max_trees)
+    except _COSTMODEL_GAPS:
+        return [mapping.plan_group(topo, collective, gpus, root, algorithm, max_trees)]
+
+
+def _group_schedule(collective, plans, nelems, itemsize, impl, topo, chunk_elems):
+    """The least-predicted-time schedule (``costmodel.lowering_schedule``); for a sharded collective
+    the cost model does not cover, ``build_schedule`` of the first plan."""
+    try:
+        return costmodel.lowering_schedule(plans, nelems, itemsize=itemsize, impl=impl, topology=topo,
+                                           chunk_elems=chunk_elems)[1]
+    except _COSTMODEL_GAPS:
+        if not collectives.get(collective).sharded:
+            raise
+        return build_schedule(plans[0], nelems, itemsize=itemsize, chunk_elems=chunk_elems)
 
 
 def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=None, vma=None):
@@ -327,3 +375,230 @@ mlir.register_lowering(blink_psum_p, functools.partial(_lower, "allreduce"), cac
 mlir.register_lowering(blink_psum_invariant_p, functools.partial(_lower, "allreduce"), cacheable=False)
 mlir.register_lowering(blink_broadcast_p, functools.partial(_lower, "broadcast"), cacheable=False)
 mlir.register_lowering(blink_reduce_p, functools.partial(_lower, "reduce"), cacheable=False)
+
+
+# ================================================================================ sharded collectives
+# All-gather and reduce-scatter (ForestColl, Zhao et al. 2024, section 3: each shard broadcast from /
+# reduced to its owner along its own trees), with ``lax.all_gather`` / ``lax.psum_scatter``'s rules
+# (jax/_src/lax/parallel.py: all_gather_p, reduce_scatter_p): one operand per bind, output keeps the
+# operand's varying axes (check_vma on; the public API pvaries the operand first), transpose of one is
+# the other, vmap over a collective axis is local (stack / sum-and-split).
+# Params: axes, impl, key, axis_index_groups, axis_size (ranks per group), tiled, vma, and
+# all_gather_dimension / scatter_dimension.
+
+blink_all_gather_p = core.Primitive("blink_all_gather")
+blink_reduce_scatter_p = core.Primitive("blink_reduce_scatter")
+for _p in (blink_all_gather_p, blink_reduce_scatter_p):
+    _p.def_impl(functools.partial(dispatch.apply_primitive, _p))
+
+
+def all_gather_shape(shape, dim: int, n: int, tiled: bool) -> tuple:
+    """Output shape of all-gathering a ``shape`` shard over ``n`` ranks at ``dim`` (lax.all_gather)."""
+    shape = list(shape)
+    if tiled:
+        shape[dim] *= n
+    else:
+        shape.insert(dim, n)
+    return tuple(shape)
+
+
+def reduce_scatter_shape(shape, dim: int, n: int, tiled: bool, api: str = "jax_blink.psum_scatter") -> tuple:
+    """Output shape of reduce-scattering ``shape`` over ``n`` ranks at ``dim`` (lax.psum_scatter).
+
+    Raises ValueError (as lax) for ``dim`` out of range, a tiled dimension not divisible by ``n`` or
+    an untiled dimension whose size is not ``n``."""
+    shape = list(shape)
+    if not 0 <= dim < len(shape):
+        raise ValueError(f"{api}: scatter_dimension must be in [0, {len(shape)}) for an operand of shape "
+                         f"{tuple(shape)}, got {dim}")
+    if tiled:
+        if shape[dim] % n:
+            raise ValueError(f"{api}: tiled operand dimension {dim} of size {shape[dim]} must be divisible by "
+                             f"the axis size {n}")
+        shape[dim] //= n
+    else:
+        if shape[dim] != n:
+            raise ValueError(f"{api}: operand dimension {dim} of size {shape[dim]} must equal the axis size {n} "
+                             "(or pass tiled=True to split it into equal blocks)")
+        del shape[dim]
+    return tuple(shape)
+
+
+def _sharded_out(aval, shape, axes, vma):
+    if vma:
+        _require_varying(aval, axes, "jax_blink sharded collective")
+        return aval.update(shape=shape)
+    return core.ShapedArray(shape, aval.dtype, sharding=aval.sharding)
+
+
+def _all_gather_abstract(x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma, all_gather_dimension):
+    check_axis_names(axes, "jax_blink.all_gather")
+    shape = all_gather_shape(x.shape, all_gather_dimension, axis_size, tiled)
+    return _sharded_out(x, shape, axes, vma), _effects(axes)
+
+
+def _reduce_scatter_abstract(x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma, scatter_dimension):
+    check_axis_names(axes, "jax_blink.psum_scatter")
+    shape = reduce_scatter_shape(x.shape, scatter_dimension, axis_size, tiled)
+    return _sharded_out(x, shape, axes, vma), _effects(axes)
+
+
+blink_all_gather_p.def_effectful_abstract_eval(_all_gather_abstract)
+blink_reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract)
+
+
+def _all_gather_transpose(ct, x, *, all_gather_dimension, **params):
+    ct = ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct
+    return [blink_reduce_scatter_p.bind(ct, scatter_dimension=all_gather_dimension, **params)]
+
+
+def _reduce_scatter_transpose(ct, x, *, scatter_dimension, **params):
+    ct = ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct
+    return [blink_all_gather_p.bind(ct, all_gather_dimension=scatter_dimension, **params)]
+
+
+ad.deflinear2(blink_all_gather_p, _all_gather_transpose)
+ad.deflinear2(blink_reduce_scatter_p, _reduce_scatter_transpose)
+
+
+def _only_axis(axis_data, params, api):
+    """lax's limits for vmap over a collective axis of a sharded collective."""
+    if params["axis_index_groups"] is not None:
+        raise NotImplementedError(f"{api}: axis_index_groups not supported in vmap (as lax)")
+    if len(params["axes"]) > 1:
+        raise NotImplementedError(f"{api} over several axes where one is a vmap axis is not supported (as lax)")
+
+
+def _batch_dims(dim, d, tiled, shift):
+    """A batch dimension ``d`` outside the collective's axes (lax's rule): (collective dimension,
+    output batch dimension). ``shift``: how the untiled collective changes the rank (+1 gather, -1
+    scatter), moving a batch dimension after it."""
+    if d is None:
+        return dim, d
+    if d <= dim:
+        return dim + 1, d
+    return dim, d if tiled else d + shift
+
+
+def _all_gather_batcher(axis_data, vals_in, dims_in, *, all_gather_dimension, **params):
+    (x,), (d,) = vals_in, dims_in
+    dim, tiled = all_gather_dimension, params["tiled"]
+    if axis_data.name not in params["axes"]:
+        dim, d = _batch_dims(dim, d, tiled, +1)
+        return blink_all_gather_p.bind(x, all_gather_dimension=dim, **params), d
+    _only_axis(axis_data, params, "jax_blink.all_gather")
+    n = axis_data.size
+    if d is None:
+        shape = list(x.shape)
+        shape.insert(dim, n)
+        y = lax.broadcast_in_dim(x, shape, [i for i in range(len(shape)) if i != dim])
+    else:
+        y = jnp.moveaxis(x, d, dim)
+    if tiled:  # fold the gathered axis into the next one
+        y = y.reshape(y.shape[:dim] + (y.shape[dim] * y.shape[dim + 1],) + y.shape[dim + 2:])
+    return y, None
+
+
+def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, scatter_dimension, **params):
+    (x,), (d,) = vals_in, dims_in
+    dim, tiled = scatter_dimension, params["tiled"]
+    if axis_data.name not in params["axes"]:
+        dim, d = _batch_dims(dim, d, tiled, -1)
+        return blink_reduce_scatter_p.bind(x, scatter_dimension=dim, **params), d
+    _only_axis(axis_data, params, "jax_blink.psum_scatter")
+    n = axis_data.size
+    if d is None:
+        s = _lax._const(x, n) * x
+    else:
+        s = lax.reduce_sum(x, (d,))
+    reduce_scatter_shape(s.shape, dim, n, tiled)  # lax's shape errors
+    if tiled:  # split the scattered axis into (ranks, block): the ranks axis is the batch axis
+        s = s.reshape(s.shape[:dim] + (n, s.shape[dim] // n) + s.shape[dim + 1:])
+    return s, dim
+
+
+batching.fancy_primitive_batchers[blink_all_gather_p] = _all_gather_batcher
+batching.fancy_primitive_batchers[blink_reduce_scatter_p] = _reduce_scatter_batcher
+
+
+def _rank_table(request, ndevices: int) -> np.ndarray:
+    """int32 [ndevices]: each mesh position's rank in its group (0 outside every group)."""
+    ranks = np.zeros(ndevices, np.int32)
+    for members in request.groups:
+        for r, p in enumerate(members):
+            ranks[p] = r
+    return ranks
+
+
+def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma,
+                   all_gather_dimension=None, scatter_dimension=None):
+    """All-gather: place the shard at the rank's position of a zero full buffer, run the schedule,
+    fold to the output shape. Reduce-scatter: lay the operand out as n shards, run, slice the own shard.
+    Both lowerings (ppermute, ffi) see only full buffers."""
+    from .lowering.ppermute import _position_p
+    axis_ctx = ctx.module_context.axis_context
+    if not isinstance(axis_ctx, SPMDAxisContext) or isinstance(axis_ctx.mesh, AbstractMesh):
+        raise BlinkError(f"jax_blink.{collective} needs a concrete device mesh at lowering (jax.pmap or "
+                         f"jax.shard_map with a jax.sharding.Mesh); got axis context {type(axis_ctx).__name__}")
+    aval_in, aval_out = ctx.avals_in[0], ctx.avals_out[0]
+    n = axis_size
+    gather = collectives.get(collective).input == "shard"  # all-gather: shard in, whole out
+    shard_shape = aval_in.shape if gather else aval_out.shape
+    m = math.prod(shard_shape)
+    full = core.ShapedArray((n * m,), aval_in.dtype)
+    if m == 0 or n == 1:  # nothing moves: local reshapes only
+        if gather:
+            f = lambda v: v.reshape(aval_out.shape)
+        else:
+            f = lambda v: _rs_layout(v, scatter_dimension, n, tiled)[0].reshape(aval_out.shape)
+        return mlir.lower_fun(f, multiple_results=False)(
+            ctx.replace(primitive=None, avals_in=[core.ShapedArray(aval_in.shape, aval_in.dtype)],
+                        avals_out=[core.ShapedArray(aval_out.shape, aval_out.dtype)]), x)
+    platforms = ctx.module_context.platforms
+    nproc = len({d.process_index for d in axis_ctx.mesh.devices.flat})
+    impl_name, rule = choose_lowering(impl, platforms, nproc)
+
+    def request_for(nelems: int) -> _lowering.LoweringRequest:
+        return build_request(collective, axis_ctx.mesh, tuple(axes), axis_index_groups, None, key,
+                             nelems, np.dtype(aval_in.dtype).itemsize, platforms[0], impl_name)
+
+    ranks = _rank_table(request_for(n * m), axis_ctx.mesh.size)
+    plain_in = core.ShapedArray(aval_in.shape, aval_in.dtype)
+    plain_out = core.ShapedArray(aval_out.shape, aval_out.dtype)
+    if gather:
+        def pre(v):
+            me = jnp.asarray(ranks)[_position_p.bind()]
+            return lax.dynamic_update_slice(jnp.zeros((n * m,), v.dtype), v.reshape(-1), (me * m,))
+
+        def post(v):
+            y = jnp.moveaxis(v.reshape((n,) + tuple(shard_shape)), 0, all_gather_dimension)
+            return y.reshape(aval_out.shape)
+    else:
+        def pre(v):
+            return _rs_layout(v, scatter_dimension, n, tiled).reshape(-1)
+
+        def post(v):
+            me = jnp.asarray(ranks)[_position_p.bind()]
+            return lax.dynamic_slice(v, (me * m,), (m,)).reshape(aval_out.shape)
+    if gather and getattr(rule, "shard_input", False):  # the executor places the shard itself
+        out, = rule(ctx.replace(avals_in=[core.ShapedArray((m,), aval_in.dtype)], avals_out=[full]),
+                    [mlir.reshape(ctx, x, core.ShapedArray((m,), aval_in.dtype))], request_for)
+    else:
+        placed, = mlir.lower_fun(pre, multiple_results=False)(
+            ctx.replace(primitive=None, avals_in=[plain_in], avals_out=[full]), x)
+        out, = rule(ctx.replace(avals_in=[full], avals_out=[full]), [placed], request_for)
+    return mlir.lower_fun(post, multiple_results=False)(
+        ctx.replace(primitive=None, avals_in=[full], avals_out=[plain_out]), out)
+
+
+def _rs_layout(v, dim, n, tiled):
+    """The reduce-scatter operand as [n, *shard shape]: shard r = block r along ``dim``."""
+    shape = v.shape
+    k = shape[dim] // n if tiled else 1
+    y = v.reshape(shape[:dim] + (n, k) + shape[dim + 1:])
+    return jnp.moveaxis(y, dim, 0)
+
+
+mlir.register_lowering(blink_all_gather_p, functools.partial(_lower_sharded, "allgather"), cacheable=False)
+mlir.register_lowering(blink_reduce_scatter_p, functools.partial(_lower_sharded, "reducescatter"),
+                       cacheable=False)

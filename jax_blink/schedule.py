@@ -10,7 +10,13 @@ values completed in earlier rounds. Plain int64 NumPy arrays, no JAX.
 Format (see docs/architecture.md): ``transfers`` rows are ``(round, op, src, dst, chunk)`` with
 ``op`` :data:`REDUCE` (dst += src) or :data:`COPY` (dst = src) over the chunk's element range.
 Executing the rows in order on per-rank buffers initialised with each rank's input gives the
-collective's result; for ``reduce`` the executor then zeroes every non-root buffer.
+collective's result; where the collective's row says non-root ranks hold zeros (``reduce``) the
+executor then zeroes every non-root buffer.
+
+Sharded collectives (all-gather, reduce-scatter; ForestColl, Zhao et al. 2024, section 3): the buffer
+is ``n`` equal shards, shard ``r`` owned by rank ``r``; each owner's trees split its shard in
+proportion to their weights, so every segment lies inside its root's shard. The collective's phases
+come from its row in :mod:`jax_blink.collectives`, never from its name.
 """
 
 from __future__ import annotations
@@ -21,13 +27,22 @@ import math
 
 import numpy as np
 
+from . import collectives as _coll
 from .errors import ScheduleError
 
 REDUCE = 0
 COPY = 1
-COLLECTIVES = ("allreduce", "broadcast", "reduce")
+COLLECTIVES = tuple(_coll.COLLECTIVES)
 MAGIC = 0x424C4E4B  # "BLNK"
-VERSION = 1
+VERSION = 2
+PHASE_REDUCE = 1     # seg_phases bit 0: the segment's tree runs a reduce phase
+PHASE_BROADCAST = 2  # seg_phases bit 1: ... a broadcast phase
+
+
+def phases_of(collective: str) -> int:
+    """The ``seg_phases`` bits of ``collective`` (from its row): reduce bit 0, broadcast bit 1."""
+    row = _coll.get(collective)
+    return PHASE_REDUCE * row.reduces + PHASE_BROADCAST * row.broadcasts
 
 # Cost model defaults for choosing the chunk count (see choose_chunks).
 DEFAULT_STEP_LATENCY_S = 20e-6
@@ -41,8 +56,12 @@ class Schedule:
     """An executable tree schedule over ``nranks`` ranks and a flat operand of ``nelems`` elements.
 
     Attributes (all int64 NumPy arrays; S segments, C chunks, T transfers, n = nranks):
-      collective: "allreduce" | "broadcast" | "reduce".
+      collective: a name of :mod:`jax_blink.collectives` ("allreduce", "broadcast", "reduce",
+        "allgather", "reducescatter").
+      nelems: elements per rank of the full buffer (all-gather: the gathered output; reduce-scatter:
+        the input); for sharded collectives a multiple of n, shard r = [r*m, (r+1)*m), m = nelems/n.
       seg_root [S]: root rank of each segment. seg_offset [S], seg_length [S]: element range.
+      seg_phases [S]: bit 0 reduce phase, bit 1 broadcast phase (the collective's row).
       reduce_parent [S, n], bcast_parent [S, n]: parent rank in the segment's reduce / broadcast
         tree, -1 at the root (all -1 where that phase is unused).
       chunk_seg [C], chunk_offset [C] (absolute), chunk_length [C] (> 0).
@@ -55,6 +74,7 @@ class Schedule:
     seg_root: np.ndarray
     seg_offset: np.ndarray
     seg_length: np.ndarray
+    seg_phases: np.ndarray
     reduce_parent: np.ndarray
     bcast_parent: np.ndarray
     chunk_seg: np.ndarray
@@ -76,32 +96,39 @@ class Schedule:
 
     # ------------------------------------------------------------- serialisation
     def to_array(self) -> np.ndarray:
-        """Serialise to one int64 array (the FFI attribute; layout in docs/architecture.md)."""
+        """Serialise to one int64 array (the FFI attribute; layout in docs/architecture.md): header
+        [MAGIC, 2, wire_id, n, nelems, S, C, T], then seg_root, seg_offset, seg_length, seg_phases,
+        reduce_parent, bcast_parent, chunk_seg, chunk_offset, chunk_length, transfers."""
         S, C, T = len(self.seg_root), len(self.chunk_seg), len(self.transfers)
-        head = [MAGIC, VERSION, COLLECTIVES.index(self.collective), self.nranks, self.nelems, S, C, T]
-        parts = [np.asarray(head, np.int64), self.seg_root, self.seg_offset, self.seg_length,
+        head = [MAGIC, VERSION, _coll.get(self.collective).wire_id, self.nranks, self.nelems, S, C, T]
+        parts = [np.asarray(head, np.int64), self.seg_root, self.seg_offset, self.seg_length, self.seg_phases,
                  self.reduce_parent.reshape(-1), self.bcast_parent.reshape(-1), self.chunk_seg,
                  self.chunk_offset, self.chunk_length, self.transfers.reshape(-1)]
         return np.concatenate([np.asarray(p, np.int64).reshape(-1) for p in parts])
 
     @classmethod
     def from_array(cls, arr) -> "Schedule":
-        """Inverse of :meth:`to_array`; validates. Raises ScheduleError on a malformed array."""
+        """Inverse of :meth:`to_array`; also reads version-1 arrays (no seg_phases: derived from the
+        collective, wire ids 0-2). Validates. Raises ScheduleError on a malformed array."""
         a = np.asarray(arr, np.int64).reshape(-1)
-        if len(a) < 8 or a[0] != MAGIC or a[1] != VERSION:
+        if len(a) < 8 or a[0] != MAGIC or a[1] not in (1, VERSION):
             raise ScheduleError("not a jax_blink schedule array (bad magic/version)")
-        coll, n, nelems, S, C, T = (int(x) for x in a[2:8])
-        if not 0 <= coll < len(COLLECTIVES) or min(n, nelems, S, C, T) < 0:
+        version = int(a[1])
+        wire, n, nelems, S, C, T = (int(x) for x in a[2:8])
+        row = _coll.BY_WIRE_ID.get(wire)
+        if row is None or (version == 1 and wire > 2) or min(n, nelems, S, C, T) < 0:
             raise ScheduleError(f"bad schedule header {a[:8].tolist()}")
-        sizes = [S, S, S, S * n, S * n, C, C, C, T * 5]
+        sizes = [S, S, S, S if version >= 2 else 0, S * n, S * n, C, C, C, T * 5]
         if len(a) != 8 + sum(sizes):
             raise ScheduleError(f"schedule array has {len(a)} entries, header implies {8 + sum(sizes)}")
         out, pos = [], 8
         for k in sizes:
             out.append(a[pos:pos + k].copy())
             pos += k
-        s = cls(COLLECTIVES[coll], n, nelems, out[0], out[1], out[2], out[3].reshape(S, n),
-                out[4].reshape(S, n), out[5], out[6], out[7], out[8].reshape(T, 5))
+        if version == 1:
+            out[3] = np.full(S, phases_of(row.name), np.int64)
+        s = cls(row.name, n, nelems, out[0], out[1], out[2], out[3], out[4].reshape(S, n),
+                out[5].reshape(S, n), out[6], out[7], out[8], out[9].reshape(T, 5))
         s.validate()
         return s
 
@@ -110,12 +137,21 @@ class Schedule:
         n = self.nranks
         if self.collective not in COLLECTIVES:
             raise ScheduleError(f"unknown collective {self.collective!r}")
+        row = _coll.get(self.collective)
         ends = self.seg_offset + self.seg_length
         if len(self.seg_root) and (self.seg_offset[0] != 0 or ends[-1] != self.nelems
                                    or np.any(self.seg_offset[1:] != ends[:-1])):
             raise ScheduleError("segments must be contiguous and cover [0, nelems)")
         if np.any((self.seg_root < 0) | (self.seg_root >= n)):
             raise ScheduleError("segment root out of range")
+        if self.seg_phases.shape != self.seg_root.shape or np.any(self.seg_phases != phases_of(row.name)):
+            raise ScheduleError(f"seg_phases must be {phases_of(row.name)} (the {row.name} row) for every segment")
+        if row.sharded and len(self.seg_root):
+            if self.nelems % n:
+                raise ScheduleError(f"{row.name} needs nelems divisible by nranks, got {self.nelems} over {n}")
+            m = self.nelems // n
+            if np.any(self.seg_offset < self.seg_root * m) or np.any(ends > (self.seg_root + 1) * m):
+                raise ScheduleError(f"{row.name}: a segment leaves its root's shard")
         for name in ("reduce_parent", "bcast_parent"):
             p = getattr(self, name)
             if p.shape != (len(self.seg_root), n) or np.any((p < -1) | (p >= n)):
@@ -188,8 +224,11 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
     """Schedule ``plan`` (a ``jax_blink.packing.Plan``) for a flat operand of ``nelems`` elements.
 
     Args:
-      plan: the tree packing; rank r is ``plan.devices[r]``.
-      nelems: elements per rank (>= 0).
+      plan: the tree packing; rank r is ``plan.devices[r]``. For sharded collectives (all-gather,
+        reduce-scatter) every rank's GPU roots one or more trees (the owner of shard r).
+      nelems: elements per rank (>= 0); for sharded collectives the FULL buffer (gathered output /
+        reduce-scatter input), divisible by the rank count. Shard r = [r*m, (r+1)*m), m = nelems / n,
+        is split over rank r's trees in proportion to their weights (segments never cross shards).
       itemsize: bytes per element (for the chunk cost model only).
       chunk_elems: fixed chunk size in elements (overrides the cost model).
       step_latency_s, max_chunks: the cost model of :func:`choose_chunks`.
@@ -197,12 +236,14 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
         this many chunks (each chunk adds rounds, and a round has a fixed cost); not applied to an
         explicit ``chunk_elems``.
 
-    Returns: a validated :class:`Schedule`. Raises ScheduleError on bad arguments or a plan whose
-    trees do not span its devices.
+    Returns: a validated :class:`Schedule`. Raises ScheduleError on bad arguments, ``nelems`` not
+    divisible by the rank count for a sharded collective, or a plan whose trees do not span its
+    devices (or, sharded, a rank that roots no tree).
     """
     collective = plan.collective
     if collective not in COLLECTIVES:
         raise ScheduleError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    row = _coll.get(collective)
     if int(nelems) != nelems or nelems < 0:
         raise ScheduleError(f"nelems must be a non-negative int, got {nelems!r}")
     if chunk_elems is not None and (int(chunk_elems) != chunk_elems or chunk_elems < 1):
@@ -213,33 +254,45 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
                             f"without relays (jax_blink.plan(..., relays=None)) to execute it.")
     devices = list(plan.devices)
     n = len(devices)
+    if row.sharded and nelems % max(n, 1):
+        raise ScheduleError(f"{collective} over {n} ranks needs a full buffer of a multiple of {n} elements "
+                            f"(n shards of equal size), got nelems={nelems}")
     rank = {d: r for r, d in enumerate(devices)}
     trees = [t for t in plan.trees if t.weight_gbps > 0]
     if n > 1 and not trees:
         raise ScheduleError(f"plan for {n} devices has no trees")
     if n <= 1 or nelems == 0:
         trees = []
-    lengths = _split_proportional(int(nelems), [t.weight_gbps for t in trees]) if trees else []
+    if row.sharded and trees:
+        m = int(nelems) // n
+        per_root = [[t for t in trees if t.root == d] for d in devices]
+        missing = [d for d, ts in zip(devices, per_root) if not ts]
+        if missing:
+            raise ScheduleError(f"{collective} plan has no tree rooted at GPU(s) {missing}: every rank's GPU "
+                                "must root the trees of its shard")
+        trees = [t for ts in per_root for t in ts]
+        lengths = [x for ts in per_root for x in _split_proportional(m, [t.weight_gbps for t in ts])]
+    else:
+        lengths = _split_proportional(int(nelems), [t.weight_gbps for t in trees]) if trees else []
 
+    phases = phases_of(collective)
     lengths_kept = [(t, length) for t, length in zip(trees, lengths) if length]
     seg_root, seg_offset, seg_length, red_par, bc_par = [], [], [], [], []
     chunk_seg, chunk_offset, chunk_length = [], [], []
     ks = []
     offset = 0
     for t, length in lengths_kept:
-        s = len(seg_root)
         root = rank[t.root]
         rp = np.full(n, -1, np.int64)
         bp = np.full(n, -1, np.int64)
-        if collective in ("allreduce", "reduce"):
+        if row.reduces:
             for child, parent in t.gpu_parents(reduce=True).items():
                 rp[rank[child]] = rank[parent]
-        if collective in ("allreduce", "broadcast"):
+        if row.broadcasts:
             for child, parent in t.gpu_parents(reduce=False).items():
                 bp[rank[child]] = rank[parent]
         d = _depth(rp, root) + _depth(bp, root)
-        for p in (rp, bp):
-            used = collective == "allreduce" or (p is rp) == (collective == "reduce")
+        for p, used in ((rp, row.reduces), (bp, row.broadcasts)):
             if used and np.count_nonzero(p >= 0) != n - 1:
                 raise ScheduleError(f"tree rooted at GPU {t.root} does not span devices {devices}")
         seg_root.append(root), seg_offset.append(offset), seg_length.append(length)
@@ -259,9 +312,10 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
                 chunk_seg.append(s), chunk_offset.append(offset), chunk_length.append(cl)
                 offset += cl
 
-    transfers = _list_schedule(collective, n, seg_root, red_par, bc_par, chunk_seg, chunk_length)
+    transfers = _list_schedule(row, n, seg_root, red_par, bc_par, chunk_seg, chunk_length)
     i64 = lambda x: np.asarray(x, np.int64)
     sched = Schedule(collective, n, int(nelems), i64(seg_root), i64(seg_offset), i64(seg_length),
+                     np.full(len(seg_root), phases, np.int64),
                      i64(red_par).reshape(len(seg_root), n), i64(bc_par).reshape(len(seg_root), n),
                      i64(chunk_seg), i64(chunk_offset), i64(chunk_length),
                      i64(transfers).reshape(-1, 5))
@@ -269,7 +323,7 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
     return sched
 
 
-def _list_schedule(collective, n, seg_root, red_par, bc_par, chunk_seg, chunk_length):
+def _list_schedule(row, n, seg_root, red_par, bc_par, chunk_seg, chunk_length):
     """Greedy list scheduling of chunk transfers into partial-permutation rounds.
 
     Each task is one chunk crossing one tree edge. A reduce task (v -> parent) is ready once all of
@@ -277,8 +331,7 @@ def _list_schedule(collective, n, seg_root, red_par, bc_par, chunk_seg, chunk_le
     the final value. Each round takes ready tasks in priority order (earlier chunk first, then larger
     chunk, so trees interleave and the pipeline stays full) while the sender and receiver are free.
     """
-    do_reduce = collective in ("allreduce", "reduce")
-    do_bcast = collective in ("allreduce", "broadcast")
+    do_reduce, do_bcast = row.reduces, row.broadcasts
     children_r = []  # per segment: rank -> number of reduce children
     kids_b = []      # per segment: rank -> broadcast children
     for s in range(len(seg_root)):
@@ -316,7 +369,7 @@ def _list_schedule(collective, n, seg_root, red_par, bc_par, chunk_seg, chunk_le
                 pending[c, v] = int(children_r[s][v])
                 if v != root and children_r[s][v] == 0:
                     push(REDUCE, v, int(red_par[s][v]), c, 0)
-        if collective == "broadcast":
+        if not do_reduce:  # broadcast only: the root holds the final value from the start
             final(c, root, 0)
 
     rows = []
@@ -358,7 +411,10 @@ def execute(schedule: Schedule, inputs: np.ndarray) -> np.ndarray:
 
     Returns a new [nranks, nelems] array with the collective's result, applying the rows in order
     with the input dtype's arithmetic (integers wrap). The specification the native executors and
-    the ppermute lowering must match.
+    the ppermute lowering must match. Sharded collectives take full buffers: for all-gather the
+    caller places each rank's shard at its position (other positions may hold anything) and every
+    rank ends with the gathered buffer; for reduce-scatter rank r's shard r ends with the sum over
+    ranks of shard r, and its other positions are scratch (partial sums or its input).
     """
     x = np.array(inputs, copy=True)
     if x.shape[:1] != (schedule.nranks,) or x.reshape(schedule.nranks, -1).shape[1] != schedule.nelems:
@@ -372,7 +428,7 @@ def execute(schedule: Schedule, inputs: np.ndarray) -> np.ndarray:
                 x[dst, lo:hi] = x[dst, lo:hi] + x[src, lo:hi]
             else:
                 x[dst, lo:hi] = x[src, lo:hi]
-    if schedule.collective == "reduce" and len(schedule.seg_root):
+    if _coll.get(schedule.collective).non_root == "zeros" and len(schedule.seg_root):
         root = int(schedule.seg_root[0])
         keep = x[root].copy()
         x[:] = 0

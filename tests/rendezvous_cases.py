@@ -55,6 +55,9 @@ def blink_ops(impl):
         "pmean": lambda v: jax_blink.pmean(v, AX, impl=impl),
         "broadcast": lambda v: jax_blink.broadcast(v, AX, ROOT_B, impl=impl),
         "reduce": lambda v: jax_blink.reduce(v, AX, ROOT_R, impl=impl),
+        # sharded collectives, cut back to the operand's shape
+        "all_gather": lambda v: jax_blink.all_gather(v, AX, tiled=True, impl=impl)[N * ROOT_R:N * ROOT_R + N],
+        "psum_scatter": lambda v: jnp.tile(jax_blink.psum_scatter(v, AX, tiled=True, impl=impl), (N, 1)),
     }
 
 
@@ -63,6 +66,8 @@ LAX_EQUIV = {
     "pmean": lambda v: lax.pmean(v, AX),
     "broadcast": lambda v: lax.psum(jnp.where(_idx() == ROOT_B, v, jnp.zeros_like(v)), AX),
     "reduce": lambda v: jnp.where(_idx() == ROOT_R, lax.psum(v, AX), jnp.zeros_like(v)),
+    "all_gather": lambda v: lax.all_gather(v, AX, tiled=True)[N * ROOT_R:N * ROOT_R + N],
+    "psum_scatter": lambda v: jnp.tile(lax.psum_scatter(v, AX, tiled=True), (N, 1)),
 }
 
 # XLA collectives (operands have a leading dimension of N, for psum_scatter and all_to_all).
@@ -128,7 +133,8 @@ def chain_cases(mode, impl="auto"):
     ops = blink_ops(impl)
     chains = [("psum", "all_gather", "pmean"), ("broadcast", "ppermute", "reduce"),
               ("reduce", "psum_scatter", "psum"), ("pmean", "all_to_all", "broadcast"),
-              ("psum", "pmax", "psum")]
+              ("psum", "pmax", "psum"), ("all_gather", "psum", "psum_scatter"),
+              ("psum_scatter", "all_gather", "all_gather")]
     for b1, o, b2 in chains:
         xo = XLA_OPS[o]
         yield (f"{mode}/chain/{b1}->{o}->{b2}",
@@ -302,11 +308,13 @@ def batch_cases(batch):
 BATCHES = MODES + ("ppermute", "transforms", "fail_fast")
 
 
-def main(argv):
+def main(argv, cases=None, batches=None):
+    """Runs the named batches (default all) of ``cases`` (default this module's ``batch_cases``)."""
+    cases = cases or batch_cases
     failed = 0
-    for arg in argv or BATCHES:
+    for arg in argv or batches or BATCHES:
         batch, _, only = arg.partition(":")  # "batch:text" runs the cases whose name contains text
-        for name, fn in batch_cases(batch):
+        for name, fn in cases(batch):
             if only not in name:
                 continue
             print(f"START {name}", flush=True)

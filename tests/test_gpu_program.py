@@ -1,6 +1,6 @@
 """The CUDA executor's GPU program, checked on the CPU (ffi/src/gpu_program.cc, gpu_emulator.cc).
 
-Every preset and shared topology file, all-reduce / broadcast / reduce, odd sizes, every dtype across
+Every preset and shared topology file, every collective (all-gather and reduce-scatter included), odd sizes, every dtype across
 the set, three layouts (GPU per rank with peer access; all ranks on one GPU with 8 streams; no peer
 access, staged reduces): zero races, outputs bitwise equal to ``schedule.execute`` under random
 stream timings, and the critical path within 1.1 x (chunks + depth - 1). Mutations: dropping any one
@@ -10,7 +10,7 @@ wait or record makes the checker report a race.
 import numpy as np
 import pytest
 
-from jax_blink import _native
+from jax_blink import _native, collectives
 from jax_blink.lowering import gpu_program_check as g
 from jax_blink.packing import plan
 from jax_blink.presets import PRESETS
@@ -22,20 +22,26 @@ pytestmark = pytest.mark.skipif(_native.cpu is None, reason="native CPU module n
 def test_every_program_race_free_bitwise_and_pipelined():
     t = g.run(seeds=4, verbose=False)
     assert t["failures"] == []
-    # 10 presets + 5 topology files, 3 collectives, 3 layouts
-    assert t["programs"] == (len(PRESETS) + len(list(g.TOPOLOGY_DIR.glob("*.txt")))) * 3 * 3
+    # 10 presets + 5 topology files, 5 collectives, 3 layouts
+    assert t["programs"] == (len(PRESETS) + len(list(g.TOPOLOGY_DIR.glob("*.txt")))) * len(g.COLLECTIVES) * 3
+    assert g.COLLECTIVES == tuple(collectives.COLLECTIVES)
     assert t["races"] == 0 and t["mismatches"] == 0
     assert 0.5 < t["worst_ratio"] <= 1.1
 
 
 def _schedule(preset, collective, root=None, nelems=1031, chunk_elems=29):
-    return build_schedule(plan(PRESETS[preset](), collective, root=root), nelems, chunk_elems=chunk_elems)
+    p = plan(PRESETS[preset](), collective, root=root)
+    if collectives.get(collective).sharded:
+        nelems -= nelems % len(p.devices)
+    return build_schedule(p, nelems, chunk_elems=chunk_elems)
 
 
 @pytest.mark.parametrize("preset,collective,root,layout", [
     ("pcie-2socket", "reduce", 7, "no-peer"),    # staged reduces through scratch
     ("dgx-h100", "broadcast", 3, "one-gpu"),      # 8 ranks on one device, 8 streams
     ("dgx-a100", "allreduce", None, "peer"),
+    ("dgx1v", "allgather", None, "peer"),
+    ("pcie-2socket", "reducescatter", None, "no-peer"),
 ])
 def test_dropping_any_wait_or_record_is_a_race(preset, collective, root, layout):
     s = _schedule(preset, collective, root)

@@ -30,11 +30,11 @@ pytestmark = pytest.mark.skipif(lowering.find_lowering("ffi", "cpu") is None,
                                 reason="the native CPU FFI target is not registered (ffi/ not built)")
 
 
-def run_batch(batch):
+def run_batch(batch, worker=WORKER):
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_BLINK_TEST_ABSENT_DEVICE", "JAX_BLINK_TIMEOUT_S")}
     try:
-        r = subprocess.run([sys.executable, str(WORKER), batch], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, str(worker), batch], capture_output=True, text=True,
                            timeout=BATCH_TIMEOUT_S, env=env, cwd=HERE.parent)
         out, err, rc = r.stdout, r.stderr, r.returncode
     except subprocess.TimeoutExpired as e:
@@ -44,10 +44,11 @@ def run_batch(batch):
     return out, err, rc
 
 
-@pytest.mark.parametrize("batch", cases.BATCHES)
-def test_batch(batch):
-    expected = [name for name, _ in cases.batch_cases(batch)]
-    out, err, rc = run_batch(batch)
+def check_batch(batch, module=cases, worker=WORKER):
+    """Runs one batch of ``module`` (a cases file: ``batch_cases``) in a subprocess; asserts every
+    case passed, naming the one that hung or died."""
+    expected = [name for name, _ in module.batch_cases(batch)]
+    out, err, rc = run_batch(batch, worker)
     lines = out.splitlines()
     started = [ln.split(" ", 1)[1] for ln in lines if ln.startswith("START ")]
     ok = [ln.split(" ")[1] for ln in lines if ln.startswith("OK ")]
@@ -58,3 +59,8 @@ def test_batch(batch):
         + (f"; died or hung in case {stuck[0]!r}" if stuck else "")
         + ("\n" + "\n".join(failed) if failed else "")
         + "\nstderr tail:\n" + err[-3000:])
+
+
+@pytest.mark.parametrize("batch", cases.BATCHES)
+def test_batch(batch):
+    check_batch(batch)

@@ -128,3 +128,118 @@ def test_random_allocations_wrap_like_numpy(devs, nelems, chunk, coll, dtype):
     x = np.random.default_rng(0).integers(0, 200, (len(devs), nelems)).astype(dtype)
     with np.errstate(over="ignore"):
         np.testing.assert_array_equal(execute(s, x), expected(coll, x, 0).astype(dtype))
+
+
+# ------------------------------------------------------------------------ sharded collectives (v2)
+from jax_blink import collectives  # noqa: E402
+from jax_blink.packing import Plan, Tree  # noqa: E402
+from jax_blink.schedule import PHASE_BROADCAST, PHASE_REDUCE, phases_of  # noqa: E402
+
+
+def sharded_expected(coll, x):
+    """All-gather: every rank holds rank r's shard r at position r. Reduce-scatter: rank r's shard r
+    is the sum over ranks of shard r (other positions are scratch: returned as NaN-free None)."""
+    n, ne = x.shape
+    m = ne // n
+    if coll == "allgather":
+        full = np.concatenate([x[r, r * m:(r + 1) * m] for r in range(n)])
+        return np.broadcast_to(full, x.shape)
+    return x.reshape(n, n, m).sum(0, dtype=x.dtype)  # [shard r] = sum over ranks (wrapping)
+
+
+def check_sharded(s, coll, x):
+    got = execute(s, x)
+    n, ne = x.shape
+    m = ne // n
+    want = sharded_expected(coll, x)
+    if coll == "allgather":
+        np.testing.assert_array_equal(got, want)
+    else:
+        for r in range(n):
+            np.testing.assert_array_equal(got[r, r * m:(r + 1) * m], want[r])
+
+
+def ring_plan(coll, devices):
+    """A contract-conforming plan built by hand: per root one chain along the ring, weight 1."""
+    n = len(devices)
+    trees = tuple(Tree(devices[r], 1.0, tuple((devices[(r + i) % n], devices[(r + i + 1) % n]) for i in range(n - 1)))
+                  for r in range(n))
+    return Plan(coll, None, tuple(devices), trees, float(n), float(n), "trees")
+
+
+@pytest.mark.parametrize("coll", ["allgather", "reducescatter"])
+@pytest.mark.parametrize("devices", [(0, 1), (0, 1, 2), (1, 2, 5, 6, 7), tuple(range(8)), (6, 3, 0, 5)])
+@pytest.mark.parametrize("per_rank", [0, 1, 7, 1000])
+def test_sharded_reference_execution_is_exact(coll, devices, per_rank):
+    n = len(devices)
+    for p in (plan(DGX1V, coll, devices=list(devices)), ring_plan(coll, list(devices))):
+        s = build_schedule(p, n * per_rank, chunk_elems=97 if per_rank > 100 else None)
+        x = np.random.default_rng(per_rank).integers(-1000, 1000, (n, n * per_rank))
+        check_sharded(s, coll, x)
+        assert np.all(s.seg_phases == phases_of(coll))
+        row = collectives.get(coll)
+        assert np.all((s.reduce_parent >= 0).any(1) == row.reduces) if len(s.seg_root) else True
+        assert np.all((s.bcast_parent >= 0).any(1) == row.broadcasts) if len(s.seg_root) else True
+
+
+@pytest.mark.parametrize("coll", ["allgather", "reducescatter"])
+def test_segments_stay_in_their_owners_shard_in_proportion(coll):
+    p = plan(DGX1V, coll, devices=list(range(8)))
+    m = 100_000
+    s = build_schedule(p, 8 * m)
+    for r in range(8):
+        mine = s.seg_root == r
+        assert np.all(s.seg_offset[mine] >= r * m) and np.all(s.seg_offset[mine] + s.seg_length[mine] <= (r + 1) * m)
+        assert s.seg_length[mine].sum() == m
+        w = np.array([t.weight_gbps for t in p.trees if t.root == p.devices[r] and t.weight_gbps > 0])
+        np.testing.assert_allclose(np.sort(s.seg_length[mine] / m), np.sort(w / w.sum()), atol=1e-4)
+
+
+def test_sharded_needs_divisible_size_and_every_owner():
+    p = plan(DGX1V, "allgather", devices=[0, 1, 2])
+    with pytest.raises(ScheduleError, match="multiple of 3"):
+        build_schedule(p, 10)
+    lame = Plan("allgather", None, (0, 1, 2), tuple(t for t in ring_plan("allgather", [0, 1, 2]).trees if t.root != 1),
+                2.0, 3.0, "trees")
+    with pytest.raises(ScheduleError, match="no tree rooted at GPU"):
+        build_schedule(lame, 9)
+
+
+def test_v2_round_trip_and_v1_still_read():
+    s = build_schedule(plan(DGX1V, "reducescatter", devices=[0, 2, 4, 6]), 4 * 1001, chunk_elems=100)
+    a = s.to_array()
+    assert a[1] == 2 and a[2] == collectives.get("reducescatter").wire_id
+    s2 = Schedule.from_array(a)
+    assert s2.collective == "reducescatter"
+    for f in ("seg_root", "seg_offset", "seg_length", "seg_phases", "reduce_parent", "bcast_parent",
+              "chunk_seg", "chunk_offset", "chunk_length", "transfers"):
+        np.testing.assert_array_equal(getattr(s, f), getattr(s2, f))
+    bad = a.copy()
+    bad[8 + 3 * len(s.seg_root)] = PHASE_BROADCAST  # seg_phases[0] contradicts the row
+    with pytest.raises(ScheduleError, match="seg_phases"):
+        Schedule.from_array(bad)
+    # a version-1 array (no seg_phases) of an all-reduce: phases derived from the collective
+    ar = build_schedule(plan(DGX1V, "allreduce", devices=[0, 2, 4, 6]), 999)
+    v2 = ar.to_array()
+    S = len(ar.seg_root)
+    v1 = np.r_[v2[:1], 1, v2[2:8 + 3 * S], v2[8 + 4 * S:]]
+    old = Schedule.from_array(v1)
+    assert np.all(old.seg_phases == PHASE_REDUCE | PHASE_BROADCAST)
+    np.testing.assert_array_equal(old.transfers, ar.transfers)
+    # version 1 has no sharded collectives
+    v1_ag = v1.copy()
+    v1_ag[2] = collectives.get("allgather").wire_id
+    with pytest.raises(ScheduleError, match="header"):
+        Schedule.from_array(v1_ag)
+
+
+@settings(max_examples=25, deadline=None)
+@given(devs=st.lists(st.integers(0, 7), min_size=2, max_size=8, unique=True),
+       per_rank=st.integers(0, 400), chunk=st.integers(1, 300),
+       coll=st.sampled_from(["allgather", "reducescatter"]), dtype=st.sampled_from([np.int8, np.uint16, np.int64]))
+def test_random_sharded_wrap_like_numpy(devs, per_rank, chunk, coll, dtype):
+    n = len(devs)
+    s = build_schedule(plan(DGX1V, coll, devices=devs), n * per_rank, chunk_elems=chunk)
+    x = np.random.default_rng(1).integers(0, 200, (n, n * per_rank)).astype(dtype)
+    with np.errstate(over="ignore"):
+        check_sharded(s, coll, x)

@@ -246,6 +246,19 @@ def _epoch_batches(ntrain: int, batch: int, seed: int, epoch: int):
     return order[: nb * batch].reshape(nb, batch)
 
 
+def job_devices(devices, ndevices: int, batch_size: int) -> list:
+    """``devices`` (default: the first ``ndevices`` JAX devices) as a list. Raises ValueError when JAX
+    has fewer devices or the global ``batch_size`` does not split over them."""
+    devices = list(devices or jax.devices()[:ndevices])
+    n = len(devices)
+    if n < ndevices:
+        raise ValueError(f"{ndevices} devices requested but JAX has {len(jax.devices())}; on CPU "
+                         "set XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax")
+    if batch_size % n:
+        raise ValueError(f"batch size {batch_size} does not split over {n} devices: use a multiple of {n}")
+    return devices
+
+
 def train(config: Config, coll: Collectives, data=None, devices=None,
           shadow: Collectives | None = None) -> Result:
     """Train the CNN data-parallel with ``coll`` and evaluate on the held-out split.
@@ -256,14 +269,8 @@ def train(config: Config, coll: Collectives, data=None, devices=None,
     one step with the other collectives changes (no drift accumulated over earlier steps).
     Raises ValueError when the batch does not split over the devices.
     """
-    devices = list(devices or jax.devices()[: config.ndevices])
+    devices = job_devices(devices, config.ndevices, config.batch_size)
     n = len(devices)
-    if n < config.ndevices:
-        raise ValueError(f"{config.ndevices} devices requested but JAX has {len(jax.devices())}; on CPU "
-                         "set XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax")
-    if config.batch_size % n:
-        raise ValueError(f"batch size {config.batch_size} does not split over {n} devices: "
-                         f"use a multiple of {n}")
     x_tr, y_tr, x_te, y_te = data if data is not None else load_data(config.seed)
     model = CNN()
     tx = optax.adam(config.lr)

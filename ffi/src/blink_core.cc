@@ -31,6 +31,15 @@ const char* DtypeName(Dtype t) {
   return names[static_cast<int>(t)];
 }
 
+const CollectiveRow* CollectiveRowOf(int64_t id) {
+  static const CollectiveRow rows[] = {
+      {"allreduce", true, true, false, false},     {"broadcast", false, true, false, false},
+      {"reduce", true, false, false, true},        {"allgather", false, true, true, false},
+      {"reducescatter", true, false, true, false},
+  };
+  return id >= 0 && id < 5 ? &rows[id] : nullptr;
+}
+
 namespace {
 std::string Err(const std::string& what) {
   return "jax_blink: invalid schedule: " + what +
@@ -42,9 +51,12 @@ std::string DecodeSchedule(const int64_t* d, size_t n, Schedule* s, size_t* cons
   constexpr size_t kHeader = 8;
   if (n < kHeader) return Err("array has " + std::to_string(n) + " words, the header needs 8");
   if (d[0] != kScheduleMagic) return Err("bad magic word (expected 0x424C4E4B 'BLNK')");
-  if (d[1] != kScheduleVersion)
-    return Err("version " + std::to_string(d[1]) + " is not supported (this build reads version 1)");
-  if (d[2] < 0 || d[2] > 2) return Err("collective code " + std::to_string(d[2]) + " is not 0, 1 or 2");
+  if (d[1] != 1 && d[1] != kScheduleVersion)
+    return Err("version " + std::to_string(d[1]) + " is not supported (this build reads versions 1 and 2)");
+  const int64_t version = d[1];
+  const CollectiveRow* row = CollectiveRowOf(d[2]);
+  if (!row || (version == 1 && d[2] > 2))
+    return Err("collective code " + std::to_string(d[2]) + " is not a known wire id (0-4; version 1: 0-2)");
   const int64_t nr = d[3], ne = d[4], S = d[5], C = d[6], T = d[7];
   if (nr < 1 || ne < 0 || S < 0 || C < 0 || T < 0)
     return Err("negative size in header (nranks, nelems, S, C, T) = (" + std::to_string(nr) + ", " +
@@ -53,7 +65,8 @@ std::string DecodeSchedule(const int64_t* d, size_t n, Schedule* s, size_t* cons
   // Bound every count by the array length first, so the size arithmetic cannot overflow.
   const int64_t lim = static_cast<int64_t>(n);
   if (nr > lim || S > lim || C > lim || T > lim) return Err("header sizes exceed the array length");
-  const int64_t need = kHeader + 3 * S + 2 * S * nr + 3 * C + 5 * T;
+  const int64_t nphase = version >= 2 ? S : 0;
+  const int64_t need = kHeader + 3 * S + nphase + 2 * S * nr + 3 * C + 5 * T;
   if (need > lim)
     return Err("array has " + std::to_string(n) + " words, the header announces " + std::to_string(need));
   s->collective = static_cast<Collective>(d[2]);
@@ -62,6 +75,9 @@ std::string DecodeSchedule(const int64_t* d, size_t n, Schedule* s, size_t* cons
   const int64_t* p = d + kHeader;
   auto take = [&](std::vector<int64_t>& v, int64_t k) { v.assign(p, p + k); p += k; };
   take(s->seg_root, S); take(s->seg_offset, S); take(s->seg_length, S);
+  const int64_t phases = (row->reduces ? 1 : 0) | (row->broadcasts ? 2 : 0);
+  if (version >= 2) take(s->seg_phases, S);
+  else s->seg_phases.assign(S, phases);
   take(s->reduce_parent, S * nr); take(s->bcast_parent, S * nr);
   take(s->chunk_seg, C); take(s->chunk_offset, C); take(s->chunk_length, C);
   s->transfers.resize(T);
@@ -73,6 +89,18 @@ std::string DecodeSchedule(const int64_t* d, size_t n, Schedule* s, size_t* cons
     if (s->seg_offset[i] < 0 || s->seg_length[i] < 0 || s->seg_offset[i] > ne ||
         s->seg_length[i] > ne - s->seg_offset[i])
       return Err("segment " + std::to_string(i) + " lies outside [0, nelems)");
+    if (s->seg_phases[i] != phases)
+      return Err("segment " + std::to_string(i) + " has phases " + std::to_string(s->seg_phases[i]) + ", the " +
+                 row->name + " row says " + std::to_string(phases));
+  }
+  if (row->sharded && S > 0) {
+    if (ne % nr != 0)
+      return Err(std::string(row->name) + " needs nelems divisible by nranks, got " + std::to_string(ne) +
+                 " over " + std::to_string(nr));
+    const int64_t m = ne / nr;
+    for (int64_t i = 0; i < S; ++i)
+      if (s->seg_offset[i] < s->seg_root[i] * m || s->seg_offset[i] + s->seg_length[i] > (s->seg_root[i] + 1) * m)
+        return Err("segment " + std::to_string(i) + " leaves the shard of its root");
   }
   for (int64_t i = 0; i < 2 * S * nr; ++i) {
     int64_t v = i < S * nr ? s->reduce_parent[i] : s->bcast_parent[i - S * nr];
@@ -189,7 +217,7 @@ std::string BuildExecPlan(const Schedule& s, ExecPlan* out) {
     byc[c].steps = FuseOps(byc[c].ops);
     int64_t root = s.seg_root[byc[c].segment];
     for (int32_t r = 0; r < nr; ++r) {
-      if (s.collective == Collective::kReduce && r != root) byc[c].zero.push_back(r);
+      if (CollectiveRowOf(static_cast<int64_t>(s.collective))->zero_non_root && r != root) byc[c].zero.push_back(r);
       else if (!mat[c][r]) byc[c].copy_in.push_back(r);
     }
   }

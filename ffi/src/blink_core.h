@@ -16,9 +16,20 @@
 namespace jax_blink {
 
 constexpr int64_t kScheduleMagic = 0x424C4E4B;  // "BLNK"
-constexpr int64_t kScheduleVersion = 1;
+constexpr int64_t kScheduleVersion = 2;  // version 1 (no seg_phases, collectives 0-2) is still read
 
-enum class Collective : int64_t { kAllReduce = 0, kBroadcast = 1, kReduce = 2 };
+// Wire ids of jax_blink/collectives.py (stable, never reused).
+enum class Collective : int64_t { kAllReduce = 0, kBroadcast = 1, kReduce = 2, kAllGather = 3, kReduceScatter = 4 };
+
+// A collective's row (jax_blink/collectives.py): what the executors need instead of comparing ids.
+struct CollectiveRow {
+  const char* name;
+  bool reduces, broadcasts;  // phases its trees run
+  bool sharded;              // buffer = nranks equal shards, segments inside their root's shard
+  bool zero_non_root;        // non-root ranks end with zeros (reduce)
+};
+// The row of wire id `id`, or nullptr for an unknown id.
+const CollectiveRow* CollectiveRowOf(int64_t id);
 
 // Element types the executors add. Complex types add as pairs of reals.
 enum class Dtype : int {
@@ -36,6 +47,7 @@ struct Schedule {
   Collective collective = Collective::kAllReduce;
   int64_t nranks = 0, nelems = 0;
   std::vector<int64_t> seg_root, seg_offset, seg_length;
+  std::vector<int64_t> seg_phases;                   // [S]: bit 0 reduce phase, bit 1 broadcast phase
   std::vector<int64_t> reduce_parent, bcast_parent;  // [S * nranks]
   std::vector<int64_t> chunk_seg, chunk_offset, chunk_length;
   std::vector<Transfer> transfers;

@@ -267,6 +267,9 @@ struct Job {
   std::vector<std::vector<const char*>> in;  // [rank][leaf]
   std::vector<std::vector<char*>> out;
   bool stream = false;  // final broadcast copies with non-temporal stores (StreamCopy)
+  // Reduce-scatter: a rank's output outside the shards it owns is scratch nobody returns, so the
+  // input is not copied there (copy_in only on the segment's root).
+  bool scratch_non_root = false;
   std::atomic<int64_t> next{0}, done{0};
 
   void RunTile(int64_t t) {
@@ -301,8 +304,11 @@ struct Job {
         first = dst;
       }
     }
+    // (segment -1: the one-rank plan without chunks, its rank 0 keeps its input)
+    const int64_t root = cp.segment >= 0 ? meeting->plan->schedule.seg_root[cp.segment] : 0;
     for (int32_t r : cp.copy_in)  // nothing to copy where XLA aliased the output to the input
-      if (out[r][l] != in[r][l]) std::memcpy(out[r][l] + off, in[r][l] + off, bytes);
+      if (out[r][l] != in[r][l] && (!scratch_non_root || r == root))
+        std::memcpy(out[r][l] + off, in[r][l] + off, bytes);
     for (int32_t r : cp.zero) std::memset(out[r][l] + off, 0, bytes);
     if (streamed) StreamFence();  // visible before the tile counts as done (Work's acq_rel counter)
   }
@@ -383,6 +389,10 @@ void ExecuteOnCpu(std::shared_ptr<Meeting> meeting, int64_t caller_rank) {
   static const bool stream_ok = EnvInt("JAX_BLINK_CPU_STREAM", 0, 1, 1) == 1;
   constexpr int64_t kStreamBytes = 32 << 20;
   job->stream = stream_ok && 2 * bytes >= kStreamBytes;
+  {
+    const CollectiveRow& row = *CollectiveRowOf(static_cast<int64_t>(job->meeting->plan->schedule.collective));
+    job->scratch_non_root = row.sharded && row.reduces;
+  }
   int64_t helpers = std::min<int64_t>({Pool::Get().size(), total - 1, bytes / kHelperBytes});
   for (int64_t i = 0; i < helpers; ++i) Pool::Get().Post([job] { Job::Work(job, -1); });
   Job::Work(job, caller_rank);

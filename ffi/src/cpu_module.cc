@@ -40,6 +40,25 @@ ffi::Future Ready() {
   return f;
 }
 
+// Operands equal to their results, or (all-gather, one leaf) the rank's shard: then the operand is the
+// shard r of a full buffer of nranks shards, and the leaf's input pointer is set as if it pointed at
+// the full buffer. The executor reads an all-gather rank's input only inside its own shard (the only
+// segments it roots), so no other address is formed for reading. Returns "" or the error.
+std::string ShardInputs(const ExecPlan& plan, int64_t rank, const std::vector<int64_t>& in_counts, size_t esize,
+                        std::vector<Leaf>* leaves) {
+  const Schedule& s = plan.schedule;
+  const CollectiveRow& row = *CollectiveRowOf(static_cast<int64_t>(s.collective));
+  for (size_t i = 0; i < leaves->size(); ++i) {
+    Leaf& l = (*leaves)[i];
+    if (in_counts[i] == l.nelems) continue;
+    if (!row.sharded || row.reduces || leaves->size() != 1 || in_counts[i] * s.nranks != l.nelems)
+      return "operand " + std::to_string(i) + " has " + std::to_string(in_counts[i]) + " elements and its result " +
+             std::to_string(l.nelems) + " (only a one-operand all-gather takes its shard: result = nranks x operand)";
+    l.in = static_cast<const char*>(l.in) - static_cast<ptrdiff_t>(rank * in_counts[i] * esize);
+  }
+  return "";
+}
+
 // One device's call over a bucket of leaves (operands i and results i of one dtype, same shapes;
 // XLA may alias result i to operand i). Registers the buffers at the meeting and returns a future; the
 // last arrival runs the schedule over the leaves' virtual concatenation for everyone (cpu_executor.cc)
@@ -55,6 +74,7 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args
           " results (expected as many of each, at least one)";
   }
   int64_t nelems = 0;
+  std::vector<int64_t> in_counts;  // per leaf: the operand's element count
   for (size_t i = 0; bad.empty() && i < args.size(); ++i) {
     auto x = args.get<ffi::AnyBuffer>(i);
     auto y = rets.get<ffi::AnyBuffer>(i);
@@ -63,16 +83,17 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args
       break;
     }
     auto t = DtypeFromXla(x->element_type());
-    if (!t || (dt && *t != *dt) || (*y)->element_type() != x->element_type() ||
-        (*y)->element_count() != x->element_count()) {
+    if (!t || (dt && *t != *dt) || (*y)->element_type() != x->element_type()) {
       bad = "operand " + std::to_string(i) + " has an unsupported dtype, another dtype than operand 0, or a "
             "result of another type";
       break;
     }
     dt = t;
-    const int64_t n = static_cast<int64_t>(x->element_count());
+    // The result may be larger than the operand only for an all-gather from the shard (checked below).
+    const int64_t n = static_cast<int64_t>((*y)->element_count());
     if (n == 0) continue;  // the same shapes on every device: zero-size leaves take no part
     leaves.push_back(Leaf{x->untyped_data(), (*y)->untyped_data(), n});
+    in_counts.push_back(static_cast<int64_t>(x->element_count()));
     nelems += n;
   }
   if (bad.empty() && nelems == 0) return Ready();  // nobody meets
@@ -92,6 +113,8 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args
   if (!err.empty()) return cannot_join(err);
   const DeviceTable::Entry* e = info->table.Find(device);
   if (!e) return cannot_join("it is not in the collective's device table");
+  err = ShardInputs(*info->plans[e->group], e->rank, in_counts, DtypeSize(*dt), &leaves);
+  if (!err.empty()) return cannot_join(err);
   ffi::Promise promise;
   ffi::Future future(promise);
   Arrival a;

@@ -50,13 +50,17 @@ void Fail(const std::string& trial, const std::string& what) {
 
 // ---- schedules in the wire format (docs/architecture.md "Schedule") ----------------------------
 // S segments, each cut into k chunks; even segments use a chain tree from their root, odd ones a
-// star. Allreduce roots rotate over the ranks; broadcast/reduce segments all root at `root`.
+// star. Allreduce roots rotate over the ranks; broadcast/reduce segments all root at `root`;
+// sharded collectives (all-gather, reduce-scatter) have one segment per shard, rooted at its owner.
 std::vector<int64_t> MakeSchedule(Collective coll, int nr, int64_t ne, int root, int S, int k) {
-  std::vector<int64_t> seg_root, seg_off, seg_len, rp(S * nr, -1), bp(S * nr, -1), cseg, coff, clen, tr;
+  const CollectiveRow& row = *CollectiveRowOf(static_cast<int64_t>(coll));
+  if (row.sharded) S = nr;  // ne is a multiple of nr
+  std::vector<int64_t> seg_root, seg_off, seg_len, seg_ph, rp(S * nr, -1), bp(S * nr, -1), cseg, coff, clen, tr;
   int64_t off = 0;
   for (int s = 0; s < S; ++s) {
     const int64_t len = ne / S + (s < ne % S ? 1 : 0);
-    const int r0 = coll == Collective::kAllReduce ? s % nr : root;
+    const int r0 = coll == Collective::kAllReduce || row.sharded ? s % nr : root;
+    seg_ph.push_back((row.reduces ? 1 : 0) | (row.broadcasts ? 2 : 0));
     seg_root.push_back(r0);
     seg_off.push_back(off);
     seg_len.push_back(len);
@@ -65,8 +69,8 @@ std::vector<int64_t> MakeSchedule(Collective coll, int nr, int64_t ne, int root,
     const bool chain = s % 2 == 0;
     auto parent = [&](int i) { return chain ? order[i - 1] : r0; };
     for (int i = 1; i < nr; ++i) {
-      if (coll != Collective::kBroadcast) rp[s * nr + order[i]] = parent(i);
-      if (coll != Collective::kReduce) bp[s * nr + order[i]] = parent(i);
+      if (row.reduces) rp[s * nr + order[i]] = parent(i);
+      if (row.broadcasts) bp[s * nr + order[i]] = parent(i);
     }
     for (int c = 0; c < k; ++c) {
       const int64_t clen_ = len / k + (c < len % k ? 1 : 0), cstart = off + c * (len / k) + std::min<int64_t>(c, len % k);
@@ -75,17 +79,17 @@ std::vector<int64_t> MakeSchedule(Collective coll, int nr, int64_t ne, int root,
       coff.push_back(cstart);
       clen.push_back(clen_);
       int64_t round = c;
-      auto row = [&](int64_t op, int src, int dst) { tr.insert(tr.end(), {round++, op, src, dst, chunk}); };
-      if (coll != Collective::kBroadcast)
-        for (int i = nr - 1; i >= 1; --i) row(0, order[i], parent(i));  // reduce up, leaves first
-      if (coll != Collective::kReduce)
-        for (int i = 1; i < nr; ++i) row(1, parent(i), order[i]);       // copy down
+      auto add = [&](int64_t op, int src, int dst) { tr.insert(tr.end(), {round++, op, src, dst, chunk}); };
+      if (row.reduces)
+        for (int i = nr - 1; i >= 1; --i) add(0, order[i], parent(i));  // reduce up, leaves first
+      if (row.broadcasts)
+        for (int i = 1; i < nr; ++i) add(1, parent(i), order[i]);       // copy down
     }
     off += len;
   }
   std::vector<int64_t> w = {kScheduleMagic, kScheduleVersion, static_cast<int64_t>(coll), nr, ne, S,
                             static_cast<int64_t>(coff.size()), static_cast<int64_t>(tr.size() / 5)};
-  for (auto* v : {&seg_root, &seg_off, &seg_len, &rp, &bp, &cseg, &coff, &clen, &tr}) w.insert(w.end(), v->begin(), v->end());
+  for (auto* v : {&seg_root, &seg_off, &seg_len, &seg_ph, &rp, &bp, &cseg, &coff, &clen, &tr}) w.insert(w.end(), v->begin(), v->end());
   return w;
 }
 
@@ -262,10 +266,14 @@ void RunTrial(const Trial& t) {
         return;
       }
       // Reference: plain sums over the group's ranks.
+      const CollectiveRow& crow = *CollectiveRowOf(static_cast<int64_t>(t.coll));
+      const int64_t shard = n / nr;
       for (int64_t i = 0; i < n; ++i) {
         int64_t want = 0;
         const int root = (t.root + g) % nr;
-        if (t.coll == Collective::kBroadcast) want = Value(g, root, it, i);
+        if (crow.sharded && crow.reduces && i / shard != r) continue;  // reduce-scatter: other shards are scratch
+        if (t.coll == Collective::kAllGather) want = Value(g, static_cast<int>(i / shard), it, i);
+        else if (t.coll == Collective::kBroadcast) want = Value(g, root, it, i);
         else if (t.coll == Collective::kReduce && r != root) want = 0;
         else for (int q = 0; q < nr; ++q) want += Value(g, q, it, i);
         const int64_t have = GetAny(dt, out.data(), i);
@@ -359,14 +367,15 @@ int main(int argc, char** argv) {
   for (int round = 0; round < rounds; ++round) {
     std::vector<Trial> trials;
     std::mt19937_64 rng(round + 1);
-    const Collective colls[] = {Collective::kAllReduce, Collective::kBroadcast, Collective::kReduce};
+    const Collective colls[] = {Collective::kAllReduce, Collective::kBroadcast, Collective::kReduce,
+                                Collective::kAllGather, Collective::kReduceScatter};
     const Dtype dtypes[] = {Dtype::kF32, Dtype::kF64, Dtype::kS32};
     // Several call sites of one run at once (same devices), each called `iters` times (generations);
     // round 1 reuses round 0's run id and call sites: generations continue.
     const int64_t shared_run = 7 + (round == 1 ? 0 : round);
     for (int i = 0; i < 6; ++i) {
       Trial t;
-      t.coll = colls[i % 3];
+      t.coll = colls[(i + round) % 5];
       t.dtype = dtypes[(i + round) % 3];
       t.nr = 2 + (i % 4) * 2;  // 2, 4, 6, 8
       t.groups = 1 + i % 2;
@@ -374,6 +383,7 @@ int main(int argc, char** argv) {
       t.segments = 1 + i % 3;
       t.chunks = 1 + (i * 2) % 5;
       t.nelems = i == 5 ? 100000 : 257 + 97 * i;  // one large enough for the executor's helpers
+      if (CollectiveRowOf(static_cast<int64_t>(t.coll))->sharded) t.nelems -= t.nelems % t.nr;
       t.iters = i == 0 ? 24 : 4;
       t.run_id = shared_run;
       t.call_site = 100 + i;  // the same sites every round
@@ -388,9 +398,10 @@ int main(int argc, char** argv) {
       for (int groups = 1; groups <= 2; ++groups) {
         Trial t;
         t.fault = f;
-        t.coll = colls[(static_cast<int>(f) + groups) % 3];
+        t.coll = colls[(static_cast<int>(f) + groups) % 5];
         t.dtype = f == Fault::kDtype ? Dtype::kF32 : dtypes[groups % 3];
         t.nr = 3 + groups;
+        if (CollectiveRowOf(static_cast<int64_t>(t.coll))->sharded) t.nelems -= t.nelems % t.nr;
         t.groups = groups;
         t.root = 1;
         t.fault_group = groups - 1;

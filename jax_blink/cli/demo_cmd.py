@@ -1,4 +1,6 @@
-"""``jax-blink demo``: plan the all-reduce for this machine, then train the digits CNN with it.
+"""``jax-blink demo``: plan the all-reduce for this machine, then train the digits CNN with it;
+``jax-blink demo --fsdp``: plan the all-gather, then train a fully sharded MLP (all-gather forward,
+reduce-scatter gradients; ``examples/flax_fsdp/train.py``).
 
 The training code is the example ``examples/flax_digits/train.py`` itself, loaded from the source
 checkout (the README's main command is ``pip install -e ".[examples]" && jax-blink demo`` in the
@@ -16,8 +18,9 @@ from ..errors import BlinkError
 from ._args import HOST_FLAG, force_host_devices, number_type, positive_int
 
 HOST_DEVICES = 8
-EXAMPLE = pathlib.Path("examples") / "flax_digits" / "train.py"
-_MODULE = "jax_blink_example_flax_digits"
+EXAMPLES = {"digits": pathlib.Path("examples") / "flax_digits" / "train.py",
+            "fsdp": pathlib.Path("examples") / "flax_fsdp" / "train.py"}
+EXAMPLE = EXAMPLES["digits"]
 
 
 def add_arguments(p) -> None:
@@ -36,28 +39,33 @@ def add_arguments(p) -> None:
     p.add_argument("--min-accuracy", type=number_type(float, low=0, high=1), default=0.95,
                    help="exit status 1 when the held-out accuracy ends below this (default 0.95)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--fsdp", action="store_true",
+                   help="train the fully sharded MLP instead (parameters all-gathered with jax_blink.all_gather, "
+                        "gradients reduce-scattered; --mode is ignored)")
 
 
-def load_example():
-    """Import ``examples/flax_digits/train.py`` from the source tree next to this package.
+def load_example(name: str = "digits"):
+    """Import ``examples/flax_digits/train.py`` ("digits") or ``examples/flax_fsdp/train.py``
+    ("fsdp") from the source tree next to this package.
 
     Raises BlinkError when the file is absent (a non-editable install) or the examples extra
     (flax, optax, scikit-learn) is missing, saying what to install.
     """
-    if _MODULE in sys.modules:
-        return sys.modules[_MODULE]
+    module_name, example = f"jax_blink_example_flax_{name}", EXAMPLES[name]
+    if module_name in sys.modules:
+        return sys.modules[module_name]
     root = pathlib.Path(__file__).resolve().parents[2]
-    path = root / EXAMPLE
+    path = root / example
     if not path.is_file():
-        raise BlinkError(f"the demo runs {EXAMPLE} from a source checkout, and {path} does not exist: "
+        raise BlinkError(f"the demo runs {example} from a source checkout, and {path} does not exist: "
                          "clone the jax_blink repository and run `pip install -e \".[examples]\"` in it")
-    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[_MODULE] = module  # dataclasses look their module up while the file executes
+    sys.modules[module_name] = module  # dataclasses look their module up while the file executes
     try:
         spec.loader.exec_module(module)
     except ModuleNotFoundError as err:
-        del sys.modules[_MODULE]
+        del sys.modules[module_name]
         raise BlinkError(f"{err} (install the examples extra: pip install -e \".[examples]\")") from None
     return module
 
@@ -108,12 +116,15 @@ def choose_devices(topology_source: str | None):
         f"(CPU device i plays GPU i); the plan is {name}'s, the timings are this CPU's")
 
 
-def _plan_lines(topo, ndevices: int) -> list[str]:
+def _plan_lines(topo, ndevices: int, collective: str = "allreduce") -> list[str]:
     from ..bounds import ring_rate
     from ..packing import plan
 
     gpus = tuple(topo.gpus[:ndevices])
-    pl = plan(topo, "allreduce", devices=gpus)
+    pl = plan(topo, collective, devices=gpus)
+    if collective != "allreduce":
+        return [pl.describe().rstrip(), f"plan ({collective}): {len(pl.trees)} trees, rate {pl.rate_gbps:.2f} GB/s, "
+                f"bound {pl.bound_gbps:.2f} GB/s ({pl.algorithm})"]
     lines = [pl.describe().rstrip()]
     ring = ring_rate(topo, gpus)
     n = len(gpus)
@@ -134,8 +145,36 @@ def _lowering_name(impl: str, platform: str) -> str:
     return f"{impl} ({what}) on {platform}"
 
 
+def run_fsdp(args) -> int:
+    """``--fsdp``: plan the all-gather, train the sharded MLP with jax_blink (lax in lockstep)."""
+    force_host_devices(HOST_DEVICES)
+    ex = load_example("fsdp")
+    if args.epochs < 1 or args.batch_size < 1 or args.lr <= 0:
+        raise BlinkError("--epochs, --batch-size and --lr must be positive")
+    devices, topo, why = choose_devices(args.topology)
+    if args.batch_size % len(devices):
+        raise BlinkError(f"--batch-size {args.batch_size} does not split over {len(devices)} devices: "
+                         f"use a multiple of {len(devices)}")
+    print(f"devices: {why}")
+    for line in _plan_lines(topo, len(devices), "allgather"):
+        print(line)
+    print(f"lowering: {_lowering_name(args.impl, devices[0].platform)}")
+    print(f"training: Flax MLP on scikit-learn digits, parameters sharded over {len(devices)} devices (FSDP), "
+          f"{args.epochs} epochs, global batch {args.batch_size}", flush=True)
+    config = ex.Config(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                       ndevices=len(devices))
+    res = ex.train(config, ex.blink_collectives(topo, args.impl), devices=devices, progress=not args.no_progress)
+    print(ex.report(res))
+    bad = ex.problems(res, args.min_accuracy)
+    for x in bad:
+        print(f"jax-blink demo --fsdp: {x}", file=sys.stderr)
+    return 1 if bad else 0
+
+
 def run(args) -> int:
     """Choose the topology, print the plan, train with jax_blink and lax, print the summary."""
+    if getattr(args, "fsdp", False):
+        return run_fsdp(args)
     force_host_devices(HOST_DEVICES)
     ex = load_example()
     try:

@@ -26,7 +26,8 @@ class LoweringRequest:
     """What a lowering needs to run one collective.
 
     Attributes:
-      collective: "allreduce" | "broadcast" | "reduce".
+      collective: a name of ``jax_blink.collectives`` ("allreduce", "broadcast", "reduce",
+        "allgather", "reducescatter"); sharded ones run on full buffers (``nelems`` = the full size).
       schedules: one ``jax_blink.schedule.Schedule`` per group, in group order.
       device_table: int64 array [ndevices, 3], rows (device_id, group, rank): which group and rank
         each participating JAX device (``device.id``) has. Built from the mesh, not from device ids.

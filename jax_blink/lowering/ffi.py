@@ -38,7 +38,7 @@ import numpy as np
 import jax
 from jax._src.lib.mlir import ir
 
-from .. import _native
+from .. import _native, collectives
 from ..errors import BlinkError
 from . import LoweringRequest, register_lowering
 
@@ -106,8 +106,12 @@ def timeout_ms(default_ms: int) -> int:
     return max(1, int(s * 1000))
 
 
-def _produced(x) -> bool:
-    """True when ``x`` is an op's result, not an argument of the function being lowered."""
+def _produced(x, through_reshapes: bool = False) -> bool:
+    """True when ``x`` is an op's result, not an argument of the function being lowered (with
+    ``through_reshapes``: nor a reshape of one, which XLA would also copy before aliasing)."""
+    while through_reshapes and not isinstance(x.owner, ir.Block) and \
+            getattr(x.owner, "operation", x.owner).name == "stablehlo.reshape":
+        x = x.owner.operands[0]
     return not isinstance(x.owner, ir.Block)
 
 
@@ -145,11 +149,13 @@ def cuda_device_table(table, devices, process_index: int) -> np.ndarray:
 
 def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool, table=None):
     avals = ctx.avals_in
+    sharded = collectives.get(request.collective).sharded
     table = np.asarray(request.device_table, np.int64).reshape(-1) if table is None else table
     # Alias only operands computed in this function (gradients, activations): they usually die at
     # the call, so the collective works in place on pages already touched. An argument (a jit
     # parameter, not donated) would make XLA copy it first: one more pass over fresh pages.
-    aliases = {i: i for i, x in enumerate(xs) if _produced(x)} if alias else {}
+    aliases = {i: i for i, x in enumerate(xs)
+               if _produced(x, sharded) and ctx.avals_out[i].shape == avals[i].shape} if alias else {}
     lower = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases or None)
     return list(lower(ctx, *xs,
                       schedule=schedule_attribute(request),
@@ -163,9 +169,13 @@ def _cpu_rule(ctx, xs, request_for):
     virtual concatenation. Results are aliased to operands so that the collective works in place
     (no fresh output pages) where an operand dies at the call; where it is still used, XLA copies it
     first. The executor reads a rank's input only before it first writes its output, so in == out is
-    safe (ffi/src/blink_core.h, Leaf)."""
-    request = request_for(sum(math.prod(a.shape) for a in ctx.avals_in))
+    safe (ffi/src/blink_core.h, Leaf). An all-gather may pass its shard as the one operand with the
+    full buffer as result (``shard_input``): the executor copies the shard straight into place."""
+    request = request_for(sum(math.prod(a.shape) for a in ctx.avals_out))
     return _call(CPU_TARGET, ctx, xs, request, _ALIAS)
+
+
+_cpu_rule.shard_input = True  # see _cpu_rule: all-gather operand = this rank's shard
 
 
 def _cuda_rule(ctx, xs, request_for):

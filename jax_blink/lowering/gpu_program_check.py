@@ -4,8 +4,8 @@ jax_blink.lowering.gpu_program_check`` (what ``scripts/gpu_sim_check.sh`` runs).
 The CUDA executor (``ffi/src/cuda_executor.cu``) only issues a *GPU program* built by plain C++
 (``ffi/src/gpu_program.cc``): streams, copies, fused reduces, zeroing, event records and waits. This
 module drives, through ``jax_blink._native._cpu.gpu_program_check``, for the plans of every preset and
-every topology file in ``tests/data/topologies`` (all-reduce, broadcast, reduce; odd sizes; every
-dtype across the set):
+every topology file in ``tests/data/topologies`` (every collective of ``jax_blink.collectives``:
+all-reduce, broadcast, reduce, all-gather, reduce-scatter; odd sizes; every dtype across the set):
 
 - the happens-before race checker over byte ranges (XLA's own stream per rank included: inputs are
   written before the call, outputs are read and both buffers reused after it);
@@ -31,7 +31,7 @@ import numpy as np
 
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8",
           "uint16", "uint32", "uint64", "complex64", "complex128")
-COLLECTIVES = ("allreduce", "broadcast", "reduce")
+COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reducescatter")  # = jax_blink.collectives
 LAYOUTS = ("peer", "one-gpu", "no-peer")
 TOPOLOGY_DIR = pathlib.Path(__file__).resolve().parents[2] / "tests" / "data" / "topologies"
 
@@ -108,15 +108,19 @@ def topologies():
 
 
 def cases(nelems: int = 1031, chunk_elems: int = 29):
-    """Every (topology, collective) schedule; broadcast/reduce rooted at the last GPU."""
+    """Every (topology, collective) schedule; broadcast/reduce rooted at the last GPU; sharded
+    collectives (all-gather, reduce-scatter) on ``nelems`` rounded down to a multiple of the GPUs."""
+    from jax_blink import collectives
     from jax_blink.packing import plan
     from jax_blink.schedule import build_schedule
     for name, topo in topologies():
         gpus = sorted(topo.gpus)
         for coll in COLLECTIVES:
-            root = None if coll == "allreduce" else gpus[-1]
+            row = collectives.get(coll)
+            root = gpus[-1] if row.rooted else None
             p = plan(topo, coll, root=root)
-            yield Case(name, coll, root, build_schedule(p, nelems, chunk_elems=chunk_elems))
+            ne = nelems - nelems % len(gpus) if row.sharded else nelems
+            yield Case(name, coll, root, build_schedule(p, ne, chunk_elems=chunk_elems))
 
 
 def run(seeds: int = 8, layouts=LAYOUTS, nelems: int = 1031, chunk_elems: int = 29, verbose: bool = True,

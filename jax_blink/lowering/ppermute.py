@@ -11,7 +11,8 @@ positions (partition ids), so groups may follow different trees. Per round each 
 
 The per-device offsets, lengths and ops come from constant tables indexed by the partition id, so
 the program is the same on every device (SPMD). For ``reduce`` the non-root devices zero their
-buffer at the end. Bitwise identity: every device's final all-reduce values are COPYs of the root's.
+buffer at the end. Sharded collectives (all-gather, reduce-scatter) run on full buffers: the
+primitive's lowering places the shard before and slices the own shard after. Bitwise identity: every device's final all-reduce values are COPYs of the root's.
 Works across processes wherever XLA's collective_permute does.
 """
 
@@ -27,6 +28,7 @@ from jax._src.lib.mlir.dialects import hlo
 from jax._src.lib.mlir import ir
 from jax._src.sharding_impls import SPMDAxisContext
 
+from .. import collectives
 from . import LoweringRequest, register_lowering
 
 # ----------------------------------------------------------------- tiny internal primitives
@@ -66,7 +68,8 @@ def round_tables(request: LoweringRequest, ndevices: int):
 
     Round r of every group's schedule goes into the same round (groups are disjoint device sets,
     so the union of their partial permutations is one). Also returns ``keep`` int32 [ndevices]: 1
-    where a device keeps its buffer at the end (0 on non-roots of a reduce).
+    where a device keeps its buffer at the end (0 on non-roots where the collective's row says
+    non-roots hold zeros: reduce).
     """
     nrounds = max((s.num_rounds for s in request.schedules), default=0)
     rounds = []
@@ -86,7 +89,7 @@ def round_tables(request: LoweringRequest, ndevices: int):
                 length = max(length, ln)
         rounds.append((tuple(pairs), table, length))
     keep = np.ones(ndevices, np.int32)
-    if request.collective == "reduce":
+    if collectives.get(request.collective).non_root == "zeros":
         for members, sched in zip(request.groups, request.schedules):
             if len(sched.seg_root):
                 root = int(sched.seg_root[0])
