@@ -38,11 +38,9 @@ from jax._src.lax import lax as _lax
 from jax._src.mesh import AbstractMesh
 from jax._src.sharding_impls import SPMDAxisContext
 
+from . import collectives, costmodel, mapping
 from . import lowering as _lowering
-from . import mapping
-from .errors import BlinkError, PlanError, ScheduleError
-from . import collectives, costmodel
-from .schedule import build_schedule
+from .errors import BlinkError
 
 # -------------------------------------------------------------------------------- helpers
 
@@ -314,31 +312,15 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
                                      groups=tuple(tuple(g) for g in groups), axis_names=tuple(axes))
 
 
-# What the cost model may not (yet) handle for a collective: then the packing plan and the schedule's
-# own chunk model are used.
-_COSTMODEL_GAPS = (PlanError, ScheduleError, ValueError, KeyError, NotImplementedError)
-
-
 def _candidates(topo, collective, gpus, root, algorithm, max_trees):
-    """The cost model's candidate plans; for a sharded collective it does not cover, the packing plan."""
-    if not collectives.get(collective).sharded:
-        return mapping.candidate_plans(topo, collective, gpus, root, algorithm, max_trees)
-    try:
-        return mapping.candidate_plans(topo, collective, gpus, root, algorithm, max_trees)
-    except _COSTMODEL_GAPS:
-        return [mapping.plan_group(topo, collective, gpus, root, algorithm, max_trees)]
+    """The cost model's candidate plans (every collective of ``collectives.COLLECTIVES``)."""
+    return mapping.candidate_plans(topo, collective, gpus, root, algorithm, max_trees)
 
 
 def _group_schedule(collective, plans, nelems, itemsize, impl, topo, chunk_elems):
-    """The least-predicted-time schedule (``costmodel.lowering_schedule``); for a sharded collective
-    the cost model does not cover, ``build_schedule`` of the first plan."""
-    try:
-        return costmodel.lowering_schedule(plans, nelems, itemsize=itemsize, impl=impl, topology=topo,
-                                           chunk_elems=chunk_elems)[1]
-    except _COSTMODEL_GAPS:
-        if not collectives.get(collective).sharded:
-            raise
-        return build_schedule(plans[0], nelems, itemsize=itemsize, chunk_elems=chunk_elems)
+    """The least-predicted-time schedule over ``plans`` (``costmodel.lowering_schedule``)."""
+    return costmodel.lowering_schedule(plans, nelems, itemsize=itemsize, impl=impl, topology=topo,
+                                       chunk_elems=chunk_elems)[1]
 
 
 def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=None, vma=None):
