@@ -27,7 +27,7 @@ from networkx.algorithms.flow import build_residual_network, edmonds_karp
 from scipy.optimize import linprog
 
 from .errors import PlanError
-from .routes import RouteTable, _pair_costs
+from .routes import RouteTable, _pricer
 from .topology import Topology
 
 EXACT_RING_MAX_GPUS = 9
@@ -230,14 +230,11 @@ def ring_packing(topology: Topology, devices, table: RouteTable | None = None):
     if n < 2:
         return float("inf"), []
     table = table or RouteTable.build(topology, devices)
-    pos = {d: i for i, d in enumerate(devices)}
     nl = len(table.links)
+    pricer = _pricer(table, "arborescence")
 
     def price(y):
-        costs = _pair_costs(table, y, "arborescence")
-        w = np.full((n, n), np.inf)
-        for (u, v), (c, _, _) in costs.items():
-            w[pos[u], pos[v]] = c
+        w, pick = pricer.costs(y)
         if n <= EXACT_RING_MAX_GPUS:
             cyc = _cycles(n)
             tot = w[cyc, np.roll(cyc, -1, axis=1)].sum(axis=1)
@@ -251,8 +248,8 @@ def ring_packing(topology: Topology, devices, table: RouteTable | None = None):
                 return None
         cycle = [devices[i] for i in tour]
         routes, usage = [], np.zeros(nl, dtype=np.int64)
-        for a, b in zip(cycle, cycle[1:] + cycle[:1]):
-            _, r, use = costs[a, b]
+        for a, b in zip(tour, tour[1:] + tour[:1]):
+            r, use = pricer.edge(a, b, pick)
             routes.append(r)
             usage += use
         return (tuple(cycle), tuple(routes)), usage
