@@ -25,12 +25,15 @@ import networkx as nx
 import numpy as np
 from networkx.algorithms.flow import build_residual_network, edmonds_karp
 from scipy.optimize import linprog
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import maximum_flow
 
 from .errors import PlanError
 from .routes import RouteTable, _pricer
 from .topology import Topology
 
 EXACT_RING_MAX_GPUS = 9
+FLOW_SCALE = 1000  # capacities in MB/s: integral for link rates given to 1e-3 GB/s (scipy's max-flow is integral)
 
 
 def _job_graph(topology: Topology, devices, relays=()) -> nx.DiGraph:
@@ -38,6 +41,26 @@ def _job_graph(topology: Topology, devices, relays=()) -> nx.DiGraph:
         return topology.subset(list(devices) + list(relays)).graph
     except Exception as err:  # TopologyError names the bad device
         raise PlanError(str(err)) from None
+
+
+def _max_flows(g: nx.DiGraph, pairs) -> list:
+    """Max-flow values (GB/s, capacities ``bandwidth_gbps``) of the (source, sink) ``pairs`` of ``g``.
+
+    scipy's Dinic max-flow (C, one sparse graph for all pairs) on capacities in MB/s when every
+    capacity is a whole number of MB/s (then exact); networkx's preflow-push on a reused residual
+    network otherwise."""
+    nodes = list(g)
+    idx = {v: i for i, v in enumerate(nodes)}
+    edges = list(g.edges(data="bandwidth_gbps"))
+    caps = np.array([c for _, _, c in edges], dtype=np.float64)
+    scaled = np.round(caps * FLOW_SCALE)
+    if np.all(np.abs(scaled - caps * FLOW_SCALE) <= 1e-6 * np.maximum(1.0, scaled)) \
+            and scaled.sum() < np.iinfo(np.int32).max:
+        m = csr_matrix((scaled.astype(np.int32), ([idx[u] for u, _, _ in edges], [idx[v] for _, v, _ in edges])),
+                       shape=(len(nodes), len(nodes)))
+        return [maximum_flow(m, idx[s], idx[t]).flow_value / FLOW_SCALE for s, t in pairs]
+    residual = build_residual_network(g, "bandwidth_gbps")
+    return [nx.maximum_flow_value(g, s, t, capacity="bandwidth_gbps", residual=residual) for s, t in pairs]
 
 
 def broadcast_bound(topology: Topology, devices, root: int, relays=()) -> float:
@@ -48,14 +71,14 @@ def broadcast_bound(topology: Topology, devices, root: int, relays=()) -> float:
     the job allowed to forward). inf for one device.
     """
     g = _job_graph(topology, devices, relays)
-    vals = [nx.maximum_flow_value(g, root, v, capacity="bandwidth_gbps") for v in devices if v != root]
+    vals = _max_flows(g, [(root, v) for v in devices if v != root])
     return float(min(vals)) if vals else float("inf")
 
 
 def reduce_bound(topology: Topology, devices, root: int, relays=()) -> float:
     """Reduce-to-``root`` rate bound, GB/s: :func:`broadcast_bound` on the reversed graph."""
     g = _job_graph(topology, devices, relays)
-    vals = [nx.maximum_flow_value(g, v, root, capacity="bandwidth_gbps") for v in devices if v != root]
+    vals = _max_flows(g, [(v, root) for v in devices if v != root])
     return float(min(vals)) if vals else float("inf")
 
 
@@ -66,8 +89,9 @@ def allreduce_bound(topology: Topology, devices, relays=()) -> float:
     devices = list(devices)
     if len(devices) < 2:
         return float("inf")
-    return min(broadcast_bound(topology, devices, devices[0], relays),
-               reduce_bound(topology, devices, devices[0], relays))
+    g = _job_graph(topology, devices, relays)
+    r = devices[0]
+    return float(min(_max_flows(g, [(r, v) for v in devices[1:]] + [(v, r) for v in devices[1:]])))
 
 
 def sharded_cut(topology: Topology, devices, *, reverse: bool = False, relays=()) -> tuple[float, frozenset]:

@@ -1045,13 +1045,17 @@ def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto",
         trees, rate, dual, table, notes, exact = [], 0.0, 0.0, RouteTable.build(topology, devices), [], math.inf
         table.check_connected("allreduce plan")
     else:
+        if collective == "allreduce":
+            # the min max-flow between GPUs bounds the tree packing too: column generation stops
+            # as soon as it is reached, without a last pricing round to prove optimality
+            bound = _bounds.allreduce_bound(topology, devices)
         trees, rate, dual, table, notes, exact = _tree_plan(topology, devices, collective, root, max_trees,
-                                                            target=None if collective == "allreduce" else bound,
-                                                            rate_tolerance=rate_tolerance)
+                                                            target=bound, rate_tolerance=rate_tolerance)
     if collective == "allreduce":
-        bound = dual
         # any ring crosses every directed cut between job GPUs, so B_ring <= min max-flow between GPUs
-        ring_cap = n * _bounds.allreduce_bound(topology, devices) / (2 * (n - 1))
+        ring_cap = n * (bound if algorithm != "ring" else _bounds.allreduce_bound(topology, devices)) \
+            / (2 * (n - 1))
+        bound = dual
         if algorithm == "auto" and ring_cap <= exact * (1 + 1e-6):
             notes.append(f"trees chosen: all-reduce rate {rate:.3f} GB/s >= any ring's n*B/(2(n-1)) <= "
                          f"{ring_cap:.3f} GB/s (B <= min max-flow between GPUs; ring packing not needed)")
