@@ -327,6 +327,23 @@ def _reoptimise(a: np.ndarray, cap: np.ndarray, keep, groups=None) -> np.ndarray
     return None if lp.status != 0 else np.asarray(lp.x, dtype=np.float64)
 
 
+def _fewest_possible(a: np.ndarray, cap: np.ndarray, rate: float, groups=None) -> int:
+    """A lower bound on the number of trees (columns of usage matrix ``a`` [L, T]) that carry
+    ``rate`` (1 - 1e-7) within the link capacities ``cap`` [L]: a tree weighs at most its bottleneck
+    min cap / usage, so per group (root; one group when ``groups`` is None) at least as many trees
+    as the heaviest bottlenecks needed to sum to the group's share. Lets the tree-count reduction
+    stop when a solution already has this many trees."""
+    with np.errstate(divide="ignore"):
+        bott = np.min(np.where(a > 0, cap[:, None] / np.maximum(a, 1), np.inf), axis=0)
+    g = np.zeros(a.shape[1], dtype=np.int64) if groups is None else np.asarray(groups)
+    ids = sorted(set(g.tolist()))
+    need = 0
+    for i in ids:
+        top = np.cumsum(np.sort(bott[g == i])[::-1])
+        need += min(int(np.searchsorted(top, rate / len(ids) * (1 - 1e-7))) + 1, len(top))
+    return need
+
+
 def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, lp_weights, groups=None):
     """Fewer trees over the generated columns (Blink's TreeGen ILP step).
 
@@ -349,6 +366,9 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
         share_rows = -(np.asarray(groups)[None, :] == np.array(ids)[:, None]).astype(np.float64)
         share = np.full(len(ids), -rate / len(ids) * (1 - 1e-7))
     if max_trees is None:
+        fewest = _fewest_possible(a, table.cap, rate, groups)
+        if np.count_nonzero(lp_weights > 1e-9) <= fewest:  # the LP's basic solution is already minimal
+            return np.where(lp_weights > 1e-9, lp_weights, 0.0)
         best = lp_weights
         w = lp_weights
         for _ in range(L1_ROUNDS):
@@ -363,7 +383,7 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
             else:  # no sparser support this round: the reweighting has settled
                 break
         chosen = np.flatnonzero(best > 1e-9)
-        if t <= MILP_MAX_COLUMNS and len(chosen) > 1:
+        if t <= MILP_MAX_COLUMNS and len(chosen) > fewest:
             # exact minimum count over the generated trees while the ILP is small (milliseconds)
             nl = a.shape[0]
             res = _quiet_milp(np.concatenate([np.zeros(t), np.ones(t)]),

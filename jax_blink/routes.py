@@ -250,23 +250,22 @@ def min_arborescence(w: np.ndarray, root: int):
     par = np.argmin(w, axis=0)
     if np.isinf(w[par, np.arange(n)])[np.arange(n) != root].any():
         return None
+    # pointer doubling: z[v] = par^(2^k)(v) with 2^k >= n lies on v's cycle (or is the root); the
+    # cycle reached from the lowest-numbered node is contracted (the one a walk in node order meets first)
+    z = par.copy()
+    z[root] = root
+    for _ in range(max(1, int(n - 1).bit_length())):
+        z = z[z]
     par[root] = -1
-    stamp = np.zeros(n, dtype=np.int64)
-    cyc = None
-    for s in range(n):
-        v = s
-        while v != -1 and stamp[v] == 0:
-            stamp[v] = s + 1
-            v = par[v]
-        if v != -1 and stamp[v] == s + 1:
-            cyc = [v]
-            u = par[v]
-            while u != v:
-                cyc.append(u)
-                u = par[u]
-            break
-    if cyc is None:
+    off = np.flatnonzero(z != root)
+    if not len(off):
         return par
+    v = int(z[off[0]])
+    cyc = [v]
+    u = int(par[v])
+    while u != v:
+        cyc.append(u)
+        u = int(par[u])
     cyc = np.array(sorted(cyc))
     incyc = np.zeros(n, dtype=bool)
     incyc[cyc] = True
