@@ -85,13 +85,19 @@ def reduce_bound(topology: Topology, devices, root: int, relays=()) -> float:
 def allreduce_bound(topology: Topology, devices, relays=()) -> float:
     """min over ordered GPU pairs of maxflow(u -> v), GB/s: bounds any all-reduce tree packing
     (each undirected tree is a broadcast arborescence from any of its GPUs). Uses 2(n-1) flows from a
-    fixed GPU (a minimum directed cut separates that GPU from some v, one way or the other)."""
+    fixed GPU (a minimum directed cut separates that GPU from some v, one way or the other); n-1
+    when every link has a reverse link of the same bandwidth (then every cut has equal capacity both
+    ways, so maxflow(u -> v) = maxflow(v -> u))."""
     devices = list(devices)
     if len(devices) < 2:
         return float("inf")
     g = _job_graph(topology, devices, relays)
     r = devices[0]
-    return float(min(_max_flows(g, [(r, v) for v in devices[1:]] + [(v, r) for v in devices[1:]])))
+    pairs = [(r, v) for v in devices[1:]]
+    bw = nx.get_edge_attributes(g, "bandwidth_gbps")
+    if any(bw.get((v, u)) != c for (u, v), c in bw.items()):
+        pairs += [(v, r) for v in devices[1:]]
+    return float(min(_max_flows(g, pairs)))
 
 
 def sharded_cut(topology: Topology, devices, *, reverse: bool = False, relays=()) -> tuple[float, frozenset]:

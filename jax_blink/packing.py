@@ -413,6 +413,8 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
         chosen = np.flatnonzero(res.x[t:] > 0.5)
     if not len(chosen):
         return None
+    if max_trees is None and np.array_equal(chosen, np.flatnonzero(lp_weights > 1e-9)):
+        return np.where(lp_weights > 1e-9, lp_weights, 0.0)  # no fewer trees: the LP's weights stand
     x = _reoptimise(a, table.cap, chosen, groups)
     if x is None:
         return None
