@@ -707,7 +707,7 @@ def _hierarchical(topology, devices, collective, root, groups, max_trees):
     is the optimum over three-phase trees. Partition sizes are the LP's weights per i, not equal
     shares as in the paper. The tree count is reduced like the flat packing (:func:`_fewest_trees`).
 
-    Returns (trees, notes). Raises PlanError when a node's GPUs or the partition leaders cannot
+    Returns (trees, notes, max-flow bound GB/s). Raises PlanError when a node's GPUs or the partition leaders cannot
     reach each other.
     """
     from types import SimpleNamespace
@@ -819,7 +819,7 @@ def _hierarchical(topology, devices, collective, root, groups, max_trees):
                     f"each node onto GPU i, exchanged among the GPU i's {leaders[0]}.. across the network, "
                     f"broadcast inside each node; {len(trees)} trees, {total:.3f} GB/s of the max-flow bound "
                     f"{bound:.3f} (LP over three-phase trees: {it} rounds, dual bound {dual:.3f})")
-    return trees, notes
+    return trees, notes, bound
 
 
 def _rooted_hops(edges, mode: str, root) -> tuple:
@@ -1040,9 +1040,8 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm="au
         flat = _flat_plan(topology, collective, devices, root, max_trees, algorithm, rate_tolerance)
         if len(groups) == 1 or algorithm != "auto":
             return flat
-    trees, notes = _hierarchical(topology, devices, collective, root, groups, max_trees)
+    trees, notes, bound = _hierarchical(topology, devices, collective, root, groups, max_trees)
     rate = _round(sum(t.weight_gbps for t in trees))
-    bound = _bound(topology, collective, devices, root)
     hier = Plan(collective, root, devices, tuple(trees), rate, _round(bound), "hierarchical", tuple(notes))
     if algorithm == "hierarchical":
         return dataclasses.replace(hier, notes=hier.notes + ("three-phase plan forced (algorithm='hierarchical')",))
