@@ -1,7 +1,11 @@
 """Planner benchmark: rate vs certificate, tree counts, planning time, ring comparison.
 
-Run: ``python benchmarks/planner.py [--quick]``. Prints rich tables; every number comes from this run.
-Plan times are first calls (plan cache cleared), wall-clock on this machine.
+Run: ``python benchmarks/planner.py [--quick] [--targets-only] [--reps N]``. Prints rich tables; every
+number comes from this run. Plan times are first calls (``jax_blink.clear_caches()`` before each plan),
+wall-clock on this machine. The first table times the planner against its targets: median over N
+interleaved rounds (every case once per round, so load from other processes hits all cases alike) of
+the uncached plan time; "3 GPUs" is the median over every 3-GPU dgx1v allocation whose GPUs share
+NVLink, each timed N times.
 
 Columns: trees @1% tol = tree count with plan(rate_tolerance=0.01) (its rate over the exact rate in
 brackets); rate/bound = plan rate over its certificate (Edmonds max-flow bound for broadcast; LP dual
@@ -36,6 +40,43 @@ def timed_plan(t, coll, **kw):
     s = time.perf_counter()
     p = packing.plan(t, coll, **kw)
     return p, (time.perf_counter() - s) * 1e3
+
+
+TARGETS = (  # (label, preset, allocations (None: every GPU), target ms); planning-time targets
+    ("dgx1v, 3 GPUs (NVLink-connected allocations)", "dgx1v", "3", 2.0),
+    ("dgx1v (NVLink + PCIe tree)", "dgx1v", None, 30.0),
+    ("dgx2", "dgx2", None, 300.0),
+    ("dgx1v-4node", "dgx1v-4node", None, 2000.0),
+)
+
+
+def timing_targets(console, reps: int, colls=("allreduce", "broadcast", "allgather")):
+    """Median uncached plan time per target case and collective over ``reps`` interleaved rounds."""
+    cases = []
+    for label, preset, alloc, target in TARGETS:
+        t = PRESETS[preset]()
+        if alloc == "3":
+            nvlink = nx.Graph([(u, v) for u, v, k in t.graph.edges(data="kind") if k == "nvlink"])
+            devs = [d for d in itertools.combinations(t.gpus, 3)
+                    if all(g in nvlink for g in d) and nx.is_connected(nvlink.subgraph(d))]
+        else:
+            devs = [None]
+        for coll in colls:
+            cases.append((label, t, devs, coll, target))
+    times = {i: [] for i in range(len(cases))}
+    for _ in range(reps):
+        for i, (_, t, devs, coll, _) in enumerate(cases):
+            times[i].append([timed_plan(t, coll, devices=d)[1] for d in devs])
+    tab = Table(title=f"planning time against the targets: uncached, median of {reps} interleaved rounds")
+    for c in ("topology", "GPUs", "collective", "median ms", "target ms", "pass"):
+        tab.add_column(c, justify="right")
+    for i, (label, t, devs, coll, target) in enumerate(cases):
+        per_alloc = [statistics.median(r[k] for r in times[i]) for k in range(len(devs))]
+        med = statistics.median(per_alloc)
+        n = len(devs[0]) if devs[0] is not None else len(t.gpus)
+        tab.add_row(label, f"{n}" + (f" ({len(devs)} allocations)" if len(devs) > 1 else ""), coll, f"{med:.1f}",
+                    f"{target:g}", "pass" if med < target else "FAIL")
+    console.print(tab)
 
 
 def ring_equiv(t, devs, coll):
@@ -120,9 +161,14 @@ def relay_rows(console):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one root per allocation (faster)")
+    ap.add_argument("--targets-only", action="store_true", help="only the planning-time target table")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved rounds of the target table (default 5)")
     args = ap.parse_args()
     console = Console(width=170)
     t0 = time.perf_counter()
+    timing_targets(console, args.reps)
+    if args.targets_only:
+        return
     entries = [(n, PRESETS[n]()) for n in ("dgx1p", "dgx1p-nvlink", "dgx1v", "dgx1v-nvlink", "dgx2", "dgx-a100",
                                            "dgx-h100", "pcie-2socket")]
     try:

@@ -25,12 +25,15 @@ import networkx as nx
 import numpy as np
 from networkx.algorithms.flow import build_residual_network, edmonds_karp
 from scipy.optimize import linprog
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import maximum_flow
 
 from .errors import PlanError
-from .routes import RouteTable, _pair_costs
+from .routes import RouteTable, _pricer
 from .topology import Topology
 
 EXACT_RING_MAX_GPUS = 9
+FLOW_SCALE = 1000  # capacities in MB/s: integral for link rates given to 1e-3 GB/s (scipy's max-flow is integral)
 
 
 def _job_graph(topology: Topology, devices, relays=()) -> nx.DiGraph:
@@ -38,6 +41,26 @@ def _job_graph(topology: Topology, devices, relays=()) -> nx.DiGraph:
         return topology.subset(list(devices) + list(relays)).graph
     except Exception as err:  # TopologyError names the bad device
         raise PlanError(str(err)) from None
+
+
+def _max_flows(g: nx.DiGraph, pairs) -> list:
+    """Max-flow values (GB/s, capacities ``bandwidth_gbps``) of the (source, sink) ``pairs`` of ``g``.
+
+    scipy's Dinic max-flow (C, one sparse graph for all pairs) on capacities in MB/s when every
+    capacity is a whole number of MB/s (then exact); networkx's preflow-push on a reused residual
+    network otherwise."""
+    nodes = list(g)
+    idx = {v: i for i, v in enumerate(nodes)}
+    edges = list(g.edges(data="bandwidth_gbps"))
+    caps = np.array([c for _, _, c in edges], dtype=np.float64)
+    scaled = np.round(caps * FLOW_SCALE)
+    if np.all(np.abs(scaled - caps * FLOW_SCALE) <= 1e-6 * np.maximum(1.0, scaled)) \
+            and scaled.sum() < np.iinfo(np.int32).max:
+        m = csr_matrix((scaled.astype(np.int32), ([idx[u] for u, _, _ in edges], [idx[v] for _, v, _ in edges])),
+                       shape=(len(nodes), len(nodes)))
+        return [maximum_flow(m, idx[s], idx[t]).flow_value / FLOW_SCALE for s, t in pairs]
+    residual = build_residual_network(g, "bandwidth_gbps")
+    return [nx.maximum_flow_value(g, s, t, capacity="bandwidth_gbps", residual=residual) for s, t in pairs]
 
 
 def broadcast_bound(topology: Topology, devices, root: int, relays=()) -> float:
@@ -48,26 +71,33 @@ def broadcast_bound(topology: Topology, devices, root: int, relays=()) -> float:
     the job allowed to forward). inf for one device.
     """
     g = _job_graph(topology, devices, relays)
-    vals = [nx.maximum_flow_value(g, root, v, capacity="bandwidth_gbps") for v in devices if v != root]
+    vals = _max_flows(g, [(root, v) for v in devices if v != root])
     return float(min(vals)) if vals else float("inf")
 
 
 def reduce_bound(topology: Topology, devices, root: int, relays=()) -> float:
     """Reduce-to-``root`` rate bound, GB/s: :func:`broadcast_bound` on the reversed graph."""
     g = _job_graph(topology, devices, relays)
-    vals = [nx.maximum_flow_value(g, v, root, capacity="bandwidth_gbps") for v in devices if v != root]
+    vals = _max_flows(g, [(v, root) for v in devices if v != root])
     return float(min(vals)) if vals else float("inf")
 
 
 def allreduce_bound(topology: Topology, devices, relays=()) -> float:
     """min over ordered GPU pairs of maxflow(u -> v), GB/s: bounds any all-reduce tree packing
     (each undirected tree is a broadcast arborescence from any of its GPUs). Uses 2(n-1) flows from a
-    fixed GPU (a minimum directed cut separates that GPU from some v, one way or the other)."""
+    fixed GPU (a minimum directed cut separates that GPU from some v, one way or the other); n-1
+    when every link has a reverse link of the same bandwidth (then every cut has equal capacity both
+    ways, so maxflow(u -> v) = maxflow(v -> u))."""
     devices = list(devices)
     if len(devices) < 2:
         return float("inf")
-    return min(broadcast_bound(topology, devices, devices[0], relays),
-               reduce_bound(topology, devices, devices[0], relays))
+    g = _job_graph(topology, devices, relays)
+    r = devices[0]
+    pairs = [(r, v) for v in devices[1:]]
+    bw = nx.get_edge_attributes(g, "bandwidth_gbps")
+    if any(bw.get((v, u)) != c for (u, v), c in bw.items()):
+        pairs += [(v, r) for v in devices[1:]]
+    return float(min(_max_flows(g, pairs)))
 
 
 def sharded_cut(topology: Topology, devices, *, reverse: bool = False, relays=()) -> tuple[float, frozenset]:
@@ -230,14 +260,11 @@ def ring_packing(topology: Topology, devices, table: RouteTable | None = None):
     if n < 2:
         return float("inf"), []
     table = table or RouteTable.build(topology, devices)
-    pos = {d: i for i, d in enumerate(devices)}
     nl = len(table.links)
+    pricer = _pricer(table, "arborescence")
 
     def price(y):
-        costs = _pair_costs(table, y, "arborescence")
-        w = np.full((n, n), np.inf)
-        for (u, v), (c, _, _) in costs.items():
-            w[pos[u], pos[v]] = c
+        w, pick = pricer.costs(y)
         if n <= EXACT_RING_MAX_GPUS:
             cyc = _cycles(n)
             tot = w[cyc, np.roll(cyc, -1, axis=1)].sum(axis=1)
@@ -251,8 +278,8 @@ def ring_packing(topology: Topology, devices, table: RouteTable | None = None):
                 return None
         cycle = [devices[i] for i in tour]
         routes, usage = [], np.zeros(nl, dtype=np.int64)
-        for a, b in zip(cycle, cycle[1:] + cycle[:1]):
-            _, r, use = costs[a, b]
+        for a, b in zip(tour, tour[1:] + tour[:1]):
+            r, use = pricer.edge(a, b, pick)
             routes.append(r)
             usage += use
         return (tuple(cycle), tuple(routes)), usage

@@ -327,6 +327,23 @@ def _reoptimise(a: np.ndarray, cap: np.ndarray, keep, groups=None) -> np.ndarray
     return None if lp.status != 0 else np.asarray(lp.x, dtype=np.float64)
 
 
+def _fewest_possible(a: np.ndarray, cap: np.ndarray, rate: float, groups=None) -> int:
+    """A lower bound on the number of trees (columns of usage matrix ``a`` [L, T]) that carry
+    ``rate`` (1 - 1e-7) within the link capacities ``cap`` [L]: a tree weighs at most its bottleneck
+    min cap / usage, so per group (root; one group when ``groups`` is None) at least as many trees
+    as the heaviest bottlenecks needed to sum to the group's share. Lets the tree-count reduction
+    stop when a solution already has this many trees."""
+    with np.errstate(divide="ignore"):
+        bott = np.min(np.where(a > 0, cap[:, None] / np.maximum(a, 1), np.inf), axis=0)
+    g = np.zeros(a.shape[1], dtype=np.int64) if groups is None else np.asarray(groups)
+    ids = sorted(set(g.tolist()))
+    need = 0
+    for i in ids:
+        top = np.cumsum(np.sort(bott[g == i])[::-1])
+        need += min(int(np.searchsorted(top, rate / len(ids) * (1 - 1e-7))) + 1, len(top))
+    return need
+
+
 def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, lp_weights, groups=None):
     """Fewer trees over the generated columns (Blink's TreeGen ILP step).
 
@@ -349,6 +366,9 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
         share_rows = -(np.asarray(groups)[None, :] == np.array(ids)[:, None]).astype(np.float64)
         share = np.full(len(ids), -rate / len(ids) * (1 - 1e-7))
     if max_trees is None:
+        fewest = _fewest_possible(a, table.cap, rate, groups)
+        if np.count_nonzero(lp_weights > 1e-9) <= fewest:  # the LP's basic solution is already minimal
+            return np.where(lp_weights > 1e-9, lp_weights, 0.0)
         best = lp_weights
         w = lp_weights
         for _ in range(L1_ROUNDS):
@@ -363,7 +383,7 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
             else:  # no sparser support this round: the reweighting has settled
                 break
         chosen = np.flatnonzero(best > 1e-9)
-        if t <= MILP_MAX_COLUMNS and len(chosen) > 1:
+        if t <= MILP_MAX_COLUMNS and len(chosen) > fewest:
             # exact minimum count over the generated trees while the ILP is small (milliseconds)
             nl = a.shape[0]
             res = _quiet_milp(np.concatenate([np.zeros(t), np.ones(t)]),
@@ -393,6 +413,8 @@ def _fewest_trees(table: RouteTable, cols, rate: float, max_trees: int | None, l
         chosen = np.flatnonzero(res.x[t:] > 0.5)
     if not len(chosen):
         return None
+    if max_trees is None and np.array_equal(chosen, np.flatnonzero(lp_weights > 1e-9)):
+        return np.where(lp_weights > 1e-9, lp_weights, 0.0)  # no fewer trees: the LP's weights stand
     x = _reoptimise(a, table.cap, chosen, groups)
     if x is None:
         return None
@@ -685,7 +707,7 @@ def _hierarchical(topology, devices, collective, root, groups, max_trees):
     is the optimum over three-phase trees. Partition sizes are the LP's weights per i, not equal
     shares as in the paper. The tree count is reduced like the flat packing (:func:`_fewest_trees`).
 
-    Returns (trees, notes). Raises PlanError when a node's GPUs or the partition leaders cannot
+    Returns (trees, notes, max-flow bound GB/s). Raises PlanError when a node's GPUs or the partition leaders cannot
     reach each other.
     """
     from types import SimpleNamespace
@@ -797,7 +819,7 @@ def _hierarchical(topology, devices, collective, root, groups, max_trees):
                     f"each node onto GPU i, exchanged among the GPU i's {leaders[0]}.. across the network, "
                     f"broadcast inside each node; {len(trees)} trees, {total:.3f} GB/s of the max-flow bound "
                     f"{bound:.3f} (LP over three-phase trees: {it} rounds, dual bound {dual:.3f})")
-    return trees, notes
+    return trees, notes, bound
 
 
 def _rooted_hops(edges, mode: str, root) -> tuple:
@@ -1018,9 +1040,8 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm="au
         flat = _flat_plan(topology, collective, devices, root, max_trees, algorithm, rate_tolerance)
         if len(groups) == 1 or algorithm != "auto":
             return flat
-    trees, notes = _hierarchical(topology, devices, collective, root, groups, max_trees)
+    trees, notes, bound = _hierarchical(topology, devices, collective, root, groups, max_trees)
     rate = _round(sum(t.weight_gbps for t in trees))
-    bound = _bound(topology, collective, devices, root)
     hier = Plan(collective, root, devices, tuple(trees), rate, _round(bound), "hierarchical", tuple(notes))
     if algorithm == "hierarchical":
         return dataclasses.replace(hier, notes=hier.notes + ("three-phase plan forced (algorithm='hierarchical')",))
@@ -1045,13 +1066,17 @@ def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto",
         trees, rate, dual, table, notes, exact = [], 0.0, 0.0, RouteTable.build(topology, devices), [], math.inf
         table.check_connected("allreduce plan")
     else:
+        if collective == "allreduce":
+            # the min max-flow between GPUs bounds the tree packing too: column generation stops
+            # as soon as it is reached, without a last pricing round to prove optimality
+            bound = _bounds.allreduce_bound(topology, devices)
         trees, rate, dual, table, notes, exact = _tree_plan(topology, devices, collective, root, max_trees,
-                                                            target=None if collective == "allreduce" else bound,
-                                                            rate_tolerance=rate_tolerance)
+                                                            target=bound, rate_tolerance=rate_tolerance)
     if collective == "allreduce":
-        bound = dual
         # any ring crosses every directed cut between job GPUs, so B_ring <= min max-flow between GPUs
-        ring_cap = n * _bounds.allreduce_bound(topology, devices) / (2 * (n - 1))
+        ring_cap = n * (bound if algorithm != "ring" else _bounds.allreduce_bound(topology, devices)) \
+            / (2 * (n - 1))
+        bound = dual
         if algorithm == "auto" and ring_cap <= exact * (1 + 1e-6):
             notes.append(f"trees chosen: all-reduce rate {rate:.3f} GB/s >= any ring's n*B/(2(n-1)) <= "
                          f"{ring_cap:.3f} GB/s (B <= min max-flow between GPUs; ring packing not needed)")

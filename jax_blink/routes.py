@@ -158,39 +158,81 @@ class PackingResult:
     roots: list | None = None  # root of each column (solve_rooted_packing); None: one root for all
 
 
-def _pair_costs(table: RouteTable, y: np.ndarray, mode: str):
-    """Cheapest route cost per GPU-level edge under link prices ``y``.
+class _Pricer:
+    """Route-cost arrays of one RouteTable for one LP ``mode``, built once per table and mode.
 
-    Returns {(parent, child): (cost, route, usage)}. In "spanning" mode the key is (u, v) with
-    u before v in ``table.devices`` and the cost is route u->v plus its reverse v->u.
-    """
-    out = {}
-    pos = {d: i for i, d in enumerate(table.devices)}
-    for (u, v), m in table.inc.items():
-        if not len(m):
-            continue
-        if mode == "spanning":
-            if pos[u] > pos[v]:
+    Every GPU-level edge (parent, child) with at least one route is one row of a padded incidence
+    tensor [P, R, L] (R = most routes of a pair; padding costs inf), so one batched matrix product
+    prices every route under link prices y. "spanning" rows are a route u->v plus its reverse
+    v->u (u before v in ``table.devices``); "in-arborescence" rows are the route child -> parent."""
+
+    def __init__(self, table: "RouteTable", mode: str):
+        pos = {d: i for i, d in enumerate(table.devices)}
+        n = len(pos)
+        self.n, self.mode = n, mode
+        pairs, routes, rows = [], [], []
+        for (u, v), m in table.inc.items():
+            if not len(m):
                 continue
-            rev = {r: i for i, r in enumerate(table.routes[v, u])}
-            best = None
-            for i, r in enumerate(table.routes[u, v]):
-                j = rev.get(r[::-1])
-                if j is None:
+            if mode == "spanning":
+                if pos[u] > pos[v]:
                     continue
-                use = m[i] + table.inc[v, u][j]
-                c = float(use @ y)
-                if best is None or c < best[0] - 1e-15:
-                    best = (c, r, use)
-            if best is not None:
-                out[u, v] = best
-        else:
-            costs = m @ y
-            i = int(np.argmin(costs))
-            # reduce: tree edge (parent=v, child=u) uses the route u -> v
-            key = (u, v) if mode == "arborescence" else (v, u)
-            out[key] = (float(costs[i]), table.routes[u, v][i], m[i])
-    return out
+                rev = {r: i for i, r in enumerate(table.routes[v, u])}
+                keep = [(i, rev[r[::-1]]) for i, r in enumerate(table.routes[u, v]) if r[::-1] in rev]
+                if not keep:
+                    continue
+                pairs.append((pos[u], pos[v]))
+                routes.append([table.routes[u, v][i] for i, _ in keep])
+                rows.append(np.stack([m[i] + table.inc[v, u][j] for i, j in keep]))
+            else:
+                # reduce: tree edge (parent=v, child=u) uses the route u -> v
+                pairs.append((pos[u], pos[v]) if mode == "arborescence" else (pos[v], pos[u]))
+                routes.append(table.routes[u, v])
+                rows.append(m)
+        nr = max((len(r) for r in rows), default=1)
+        self.inc = np.zeros((len(rows), nr, len(table.links)))
+        self.pad = np.full((len(rows), nr), np.inf)
+        for k, m in enumerate(rows):
+            self.inc[k, :len(m)] = m
+            self.pad[k, :len(m)] = 0.0
+        self.rows, self.routes = rows, routes
+        self.par = np.array([p for p, _ in pairs], dtype=np.int64)
+        self.kid = np.array([c for _, c in pairs], dtype=np.int64)
+        self.index = np.full((n, n), -1, dtype=np.int64)
+        if len(pairs):
+            self.index[self.par, self.kid] = np.arange(len(pairs))
+            if mode == "spanning":
+                self.index[self.kid, self.par] = np.arange(len(pairs))
+
+    def costs(self, y: np.ndarray):
+        """Cheapest route per GPU-level edge under link prices ``y`` [L]: (matrix [n, n] of costs,
+        inf where no route, rows parents; pick [P], the chosen route of each edge: the first within
+        1e-15 of the cheapest, as the loop over routes did)."""
+        c = self.inc @ y + self.pad
+        best = c.min(axis=1)
+        pick = np.argmax(c <= best[:, None] + 1e-15, axis=1)
+        w = np.full((self.n, self.n), np.inf)
+        w[self.par, self.kid] = best
+        if self.mode == "spanning":
+            w[self.kid, self.par] = best
+        return w, pick
+
+    def edge(self, p: int, c: int, pick: np.ndarray):
+        """(route in the Column's direction, usage [L]) of GPU-level tree edge p -> c (positions)."""
+        k = int(self.index[p, c])
+        i = int(pick[k])
+        r = self.routes[k][i]
+        if self.mode == "spanning" and self.par[k] != p:
+            r = r[::-1]
+        return r, self.rows[k][i]
+
+
+def _pricer(table: "RouteTable", mode: str) -> _Pricer:
+    """The table's :class:`_Pricer` for ``mode`` (kept on the table: a replaced table gets its own)."""
+    cache = table.__dict__.setdefault("_pricers", {})
+    if mode not in cache:
+        cache[mode] = _Pricer(table, mode)
+    return cache[mode]
 
 
 def min_arborescence(w: np.ndarray, root: int):
@@ -208,23 +250,22 @@ def min_arborescence(w: np.ndarray, root: int):
     par = np.argmin(w, axis=0)
     if np.isinf(w[par, np.arange(n)])[np.arange(n) != root].any():
         return None
+    # pointer doubling: z[v] = par^(2^k)(v) with 2^k >= n lies on v's cycle (or is the root); the
+    # cycle reached from the lowest-numbered node is contracted (the one a walk in node order meets first)
+    z = par.copy()
+    z[root] = root
+    for _ in range(max(1, int(n - 1).bit_length())):
+        z = z[z]
     par[root] = -1
-    stamp = np.zeros(n, dtype=np.int64)
-    cyc = None
-    for s in range(n):
-        v = s
-        while v != -1 and stamp[v] == 0:
-            stamp[v] = s + 1
-            v = par[v]
-        if v != -1 and stamp[v] == s + 1:
-            cyc = [v]
-            u = par[v]
-            while u != v:
-                cyc.append(u)
-                u = par[u]
-            break
-    if cyc is None:
+    off = np.flatnonzero(z != root)
+    if not len(off):
         return par
+    v = int(z[off[0]])
+    cyc = [v]
+    u = int(par[v])
+    while u != v:
+        cyc.append(u)
+        u = int(par[u])
     cyc = np.array(sorted(cyc))
     incyc = np.zeros(n, dtype=bool)
     incyc[cyc] = True
@@ -252,54 +293,85 @@ def min_arborescence(w: np.ndarray, root: int):
 
 def _price(table: RouteTable, y: np.ndarray, mode: str, root) -> Column | None:
     """The minimum-price tree under link prices ``y`` (None if no spanning tree exists)."""
-    return _tree_from_costs(table, _pair_costs(table, y, mode), mode, root)
+    pr = _pricer(table, mode)
+    w, pick = pr.costs(y)
+    return _tree_from_costs(table, pr, w, pick, root)
 
 
-def _cost_matrix(table: RouteTable, costs: dict) -> np.ndarray:
-    """Dense [n, n] matrix of GPU-level edge costs (rows parents, in ``table.devices`` order; inf: no route)."""
-    pos = {d: i for i, d in enumerate(table.devices)}
-    w = np.full((len(pos), len(pos)), np.inf)
-    for (p, c), (cost, _, _) in costs.items():
-        w[pos[p], pos[c]] = cost
-    return w
+def _spanning_parents(w: np.ndarray, root: int, rank):
+    """Minimum spanning tree (Kruskal over the pairs i < j in order, stable by weight: the tree
+    networkx's kruskal gives on the same graph) of symmetric ``w`` [n, n] (inf: no edge), as
+    breadth-first (parent, child) position pairs from ``root``, children by ``rank`` (position ->
+    sort key); None when disconnected."""
+    n = len(w)
+    ii, jj = np.triu_indices(n, 1)
+    ww = w[ii, jj]
+    ok = np.isfinite(ww)
+    ii, jj, ww = ii[ok], jj[ok], ww[ok]
+    comp = list(range(n))
+
+    def find(a):
+        while comp[a] != a:
+            comp[a] = comp[comp[a]]
+            a = comp[a]
+        return a
+
+    adj = [[] for _ in range(n)]
+    left = n - 1
+    for k in np.argsort(ww, kind="stable").tolist():
+        a, b = int(ii[k]), int(jj[k])
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            comp[ra] = rb
+            adj[a].append(b)
+            adj[b].append(a)
+            left -= 1
+            if not left:
+                break
+    if left:
+        return None
+    out, queue, seen = [], [root], {root}
+    while queue:
+        p = queue.pop(0)
+        for c in sorted(adj[p], key=rank.get):
+            if c not in seen:
+                seen.add(c)
+                queue.append(c)
+                out.append((p, c))
+    return out
 
 
-def _tree_from_costs(table: RouteTable, costs: dict, mode: str, root, matrix=None) -> Column | None:
-    """The minimum-price tree rooted at ``root`` over GPU-level edge costs from :func:`_pair_costs`
-    (one cost table, and its :func:`_cost_matrix` ``matrix``, serve every root of a pricing round)."""
-    if mode == "spanning":
-        h = nx.Graph()
-        h.add_nodes_from(table.devices)
-        for (u, v), (c, _, _) in costs.items():
-            h.add_edge(u, v, weight=c)
-        if not nx.is_connected(h):
+def _tree_from_costs(table: RouteTable, pricer: _Pricer, w: np.ndarray, pick: np.ndarray, root) -> Column | None:
+    """The minimum-price tree rooted at ``root`` over GPU-level edge costs ``w`` [n, n] and route
+    choices ``pick`` from :meth:`_Pricer.costs` (one pricing serves every root of a round)."""
+    devs = table.devices
+    order = sorted(range(len(devs)), key=lambda i: _key(devs[i]))
+    rank = {i: k for k, i in enumerate(order)}
+    r = devs.index(root)
+    if pricer.mode == "spanning":
+        pairs = _spanning_parents(w, r, rank)
+        if pairs is None:
             return None
-        t = nx.minimum_spanning_tree(h, weight="weight", algorithm="kruskal")
-        # orient away from root so (parent, child) pairs are meaningful
-        edges = []
-        for p, c in nx.bfs_edges(t, root, sort_neighbors=lambda ns: sorted(ns, key=_key)):
-            key = (p, c) if (p, c) in costs else (c, p)
-            cost, r, use = costs[key]
-            edges.append((p, c, r if key == (p, c) else r[::-1], use))
     else:
-        devs = table.devices
-        par = min_arborescence(_cost_matrix(table, costs) if matrix is None else matrix, devs.index(root))
+        par = min_arborescence(w, r)
         if par is None:
             return None
-        kids: dict = {}
-        for i, d in enumerate(devs):
+        kids = [[] for _ in devs]
+        for i in range(len(devs)):
             if par[i] >= 0:
-                kids.setdefault(devs[par[i]], []).append(d)
-        edges, queue = [], [root]
+                kids[par[i]].append(i)
+        pairs, queue = [], [r]
         while queue:  # breadth-first, children in node order (deterministic hop order)
             p = queue.pop(0)
-            for c in sorted(kids.get(p, ()), key=_key):
+            for c in sorted(kids[p], key=rank.get):
                 queue.append(c)
-                edges.append((p, c) + costs[p, c][1:])
-    usage = np.zeros(len(table.links), dtype=np.int64)
-    for e in edges:
-        usage += e[3]
-    return Column(tuple((p, c, r) for p, c, r, _ in edges), usage)
+                pairs.append((p, c))
+    edges, usage = [], np.zeros(len(table.links), dtype=np.int64)
+    for p, c in pairs:
+        route, use = pricer.edge(p, c, pick)
+        edges.append((devs[p], devs[c], route))
+        usage += use
+    return Column(tuple(edges), usage)
 
 
 def _more_columns(table: RouteTable, y: np.ndarray, mode: str, root, col: Column, k: int) -> list:
@@ -404,12 +476,13 @@ def solve_rooted_packing(table: RouteTable, mode: str, target: float | None = No
             return True
         return False
 
+    pricer = _pricer(table, mode)
+
     def price(y):
-        costs = _pair_costs(table, y, mode)
-        matrix = _cost_matrix(table, costs)
+        w, pick = pricer.costs(y)
         out = []
         for r in roots:
-            col = _tree_from_costs(table, costs, mode, r, matrix)
+            col = _tree_from_costs(table, pricer, w, pick, r)
             if col is None:
                 raise PlanError(f"no spanning tree over devices {list(table.devices)} rooted at {r}: "
                                 f"some GPUs cannot reach each other over the job's links")
