@@ -55,3 +55,13 @@ def test_env_rsag_runs_broadcast_and_reduce(monkeypatch):
         rd = lambda v: jax_blink.reduce(v, "i", root=0, topology="dgx1v")
         got = jax.jit(jax.shard_map(rd, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
         np.testing.assert_allclose(np.asarray(got)[0], x.sum(0))
+
+
+def test_topology_help_gives_achieved_default_rates(capsys):
+    from jax_blink.cli import main
+    from jax_blink.presets import nvlink_gbps, pcie_gen_gbps
+    with pytest.raises(SystemExit) as e:
+        main(["topology", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and "default 25" not in out and "default 12)" not in out
+    assert f"NVLink2 {nvlink_gbps(2):.1f} = 25 line rate" in out and f"gen3 x16 {pcie_gen_gbps(3):.1f}" in out
