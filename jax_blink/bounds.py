@@ -26,17 +26,34 @@ import numpy as np
 from networkx.algorithms.flow import build_residual_network, edmonds_karp
 from scipy.optimize import linprog
 
-from .errors import PlanError
+from .errors import PlanError, TopologyError
 from .routes import RouteTable, _pair_costs
 from .topology import Topology
 
 EXACT_RING_MAX_GPUS = 9
 
 
-def _job_graph(topology: Topology, devices, relays=()) -> nx.DiGraph:
+def _checked(topology: Topology, devices) -> list:
+    """``devices`` as a list of GPU ids of ``topology`` (a string like "0,1" or "0-3" is parsed);
+    PlanError for a non-Topology, ids that are not its GPUs, non-integers or duplicates."""
+    if not isinstance(topology, Topology):
+        raise PlanError(f"expected a jax_blink.Topology (e.g. jax_blink.load_topology('dgx1v')), got "
+                        f"{type(topology).__name__}")
     try:
-        return topology.subset(list(devices) + list(relays)).graph
-    except Exception as err:  # TopologyError names the bad device
+        return topology.check_devices(devices)
+    except TopologyError as err:  # names the bad device
+        raise PlanError(str(err)) from None
+
+
+def _job_graph(topology: Topology, devices, relays=(), root=None) -> nx.DiGraph:
+    """The job's physical graph (devices checked by :func:`_checked`); PlanError for a ``root``
+    that is not one of the devices."""
+    devices = _checked(topology, devices)
+    if root is not None and (isinstance(root, bool) or root not in devices):
+        raise PlanError(f"root {root!r} is not among devices {devices}; pass one of them")
+    try:
+        return topology.subset(devices + list(relays)).graph
+    except TopologyError as err:  # bad relays
         raise PlanError(str(err)) from None
 
 
@@ -47,14 +64,16 @@ def broadcast_bound(topology: Topology, devices, root: int, relays=()) -> float:
     (``topology.subset(devices + relays)``; capacities ``bandwidth_gbps``; ``relays``: GPUs outside
     the job allowed to forward). inf for one device.
     """
-    g = _job_graph(topology, devices, relays)
+    devices = _checked(topology, devices)
+    g = _job_graph(topology, devices, relays, root)
     vals = [nx.maximum_flow_value(g, root, v, capacity="bandwidth_gbps") for v in devices if v != root]
     return float(min(vals)) if vals else float("inf")
 
 
 def reduce_bound(topology: Topology, devices, root: int, relays=()) -> float:
     """Reduce-to-``root`` rate bound, GB/s: :func:`broadcast_bound` on the reversed graph."""
-    g = _job_graph(topology, devices, relays)
+    devices = _checked(topology, devices)
+    g = _job_graph(topology, devices, relays, root)
     vals = [nx.maximum_flow_value(g, v, root, capacity="bandwidth_gbps") for v in devices if v != root]
     return float(min(vals)) if vals else float("inf")
 
@@ -63,7 +82,7 @@ def allreduce_bound(topology: Topology, devices, relays=()) -> float:
     """min over ordered GPU pairs of maxflow(u -> v), GB/s: bounds any all-reduce tree packing
     (each undirected tree is a broadcast arborescence from any of its GPUs). Uses 2(n-1) flows from a
     fixed GPU (a minimum directed cut separates that GPU from some v, one way or the other)."""
-    devices = list(devices)
+    devices = _checked(topology, devices)
     if len(devices) < 2:
         return float("inf")
     return min(broadcast_bound(topology, devices, devices[0], relays),
@@ -154,9 +173,10 @@ def nash_williams_value(topology: Topology, devices) -> float:
     min over partitions P of ``devices`` with |P| >= 2 of sum of min(cap(u->v), cap(v->u)) over direct
     links crossing P, divided by |P| - 1 (Nash-Williams 1961, Tutte 1961; each all-reduce tree uses
     both directions of a link). Ignores switch nodes: it is the all-reduce optimum on direct-link
-    topologies only. Brute force over Bell(n) partitions: raises PlanError above 10 devices.
+    topologies only. Brute force over Bell(n) partitions: raises PlanError above 10 devices or for
+    devices that are not GPUs of ``topology``.
     """
-    devices = list(devices)
+    devices = _checked(topology, devices)
     if len(devices) > 10:
         raise PlanError(f"nash_williams_value is brute force; {len(devices)} devices is too many (max 10)")
     if len(devices) < 2:
@@ -283,9 +303,4 @@ def ring_rate(topology: Topology, devices) -> float:
     if not isinstance(topology, Topology):
         raise PlanError(f"ring_rate needs a jax_blink.Topology, got {type(topology).__name__}; load one with "
                         "jax_blink.load_topology(...)")
-    devices = list(devices)
-    try:
-        topology.check_devices(devices)
-    except Exception as err:
-        raise PlanError(str(err)) from None
-    return ring_packing(topology, devices)[0]
+    return ring_packing(topology, _checked(topology, devices))[0]

@@ -220,7 +220,11 @@ def simulated_time(plan, nbytes: float, topology, latency_us: float = DEFAULT_LA
 
 
 def fastest(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US):
-    """(plan, seconds) with the least :func:`simulated_time` among ``plans`` (earlier wins ties)."""
+    """(plan, seconds) with the least :func:`simulated_time` among ``plans`` (earlier wins ties).
+    Raises PlanError for no plans."""
+    plans = list(plans)
+    if not plans:
+        raise PlanError("fastest needs at least one plan (e.g. from candidate_plans)")
     timed = [(p, simulated_time(p, nbytes, topology, latency_us)) for p in plans]
     return min(timed, key=lambda pt: pt[1])
 

@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import json
 import math
+import numbers
 import os
 import sys
 
@@ -49,6 +50,8 @@ from .routes import RouteTable, solve_packing, solve_rooted_packing
 from .topology import Topology, _key
 
 COLLECTIVES = ("broadcast", "reduce", "allreduce", "allgather", "reducescatter")
+#: The fields of a plan JSON (:meth:`Plan.to_dict`); "relays" is optional.
+PLAN_FIELDS = ("collective", "root", "devices", "rate_gbps", "bound_gbps", "algorithm", "trees")
 MILP_NODE_LIMIT = 200
 L1_ROUNDS = 6            # most reweighted-L1 LPs in the tree-count reduction
 MILP_MAX_COLUMNS = 24    # exact min-count ILP only over at most this many generated trees (its root LP
@@ -239,7 +242,16 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        """Inverse of :meth:`to_dict`. Raises PlanError on a malformed dict."""
+        """Inverse of :meth:`to_dict`. Raises PlanError on a malformed dict, naming the missing or bad
+        field and what a plan holds (:data:`PLAN_FIELDS`)."""
+        if not isinstance(d, dict):
+            raise PlanError(f"a plan JSON is an object with {PLAN_FIELDS}, got {type(d).__name__}")
+        missing = [k for k in PLAN_FIELDS if k not in d]
+        if missing:
+            raise PlanError(f"plan JSON lacks {', '.join(map(repr, missing))}: a plan holds {PLAN_FIELDS} "
+                            f"(as Plan.to_json writes; make one with jax-blink plan --json)")
+        if d["collective"] not in COLLECTIVES:
+            raise PlanError(f"plan JSON: unknown collective {d['collective']!r}; expected one of {COLLECTIVES}")
         try:
             inf = lambda x: float("inf") if x is None else float(x)  # noqa: E731
             hop = lambda e: (e[0], e[1])  # noqa: E731
@@ -250,8 +262,11 @@ class Plan:
             return cls(d["collective"], d["root"], tuple(d["devices"]), trees, inf(d["rate_gbps"]),
                        inf(d["bound_gbps"]), d["algorithm"], tuple(d.get("notes", ())),
                        tuple(d.get("relays", ())))
-        except (KeyError, TypeError, IndexError, ValueError) as err:
-            raise PlanError(f"malformed plan JSON: {err!r}") from None
+        except KeyError as err:
+            raise PlanError(f"plan JSON: a tree lacks {err.args[0]!r}; every tree holds root, weight_gbps, "
+                            f"edges and reduce_edges (null or a list)") from None
+        except (TypeError, IndexError, ValueError) as err:
+            raise PlanError(f"malformed plan JSON: {err!r}; see Plan.to_dict for the format") from None
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -839,13 +854,17 @@ def _quiet_milp(*args, **kw):
 
 
 def job_devices(topology: Topology, devices=None) -> tuple:
-    """The job's GPU ids as a tuple (default: every GPU of ``topology``), validated.
+    """The job's GPU ids as a tuple of ints (default: every GPU of ``topology``), validated.
 
-    Raises PlanError naming the devices that are not GPUs of the topology, duplicates, or an empty list.
+    ``devices``: GPU ids, or a string like the CLI's ``--devices`` ("0,1,4", "0-3"). Raises
+    PlanError for a ``topology`` that is not a Topology, and naming the devices that are not GPUs
+    of the topology, non-integer ids, duplicates, or an empty list.
     """
-    devices = tuple(topology.gpus if devices is None else devices)
+    if not isinstance(topology, Topology):
+        raise PlanError(f"expected a jax_blink.Topology (e.g. jax_blink.load_topology('dgx1v')), got "
+                        f"{type(topology).__name__}")
     try:
-        topology.check_devices(devices)
+        devices = tuple(int(d) for d in (topology.gpus if devices is None else topology.check_devices(devices)))
     except TopologyError as err:
         raise PlanError(str(err)) from None
     if not devices:
@@ -862,7 +881,8 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
       topology: the machine (``jax_blink.Topology``).
       collective: "broadcast" | "reduce" | "allreduce" | "allgather" | "reducescatter".
       devices: GPU ids of the job (rank r <-> devices[r]; all-gather / reduce-scatter: rank r owns
-        shard r); default all GPUs of the topology.
+        shard r), or a string like the CLI's ``--devices`` ("0,1,4", "0-3"); default all GPUs of
+        the topology.
       root: GPU id (broadcast/reduce; default ``devices[0]``); must be None or ignored for all-reduce;
         must be None for all-gather / reduce-scatter (every rank roots the trees of its shard).
       max_trees: at most this many trees (rate may drop; the loss is in ``notes``); all-gather /
@@ -903,8 +923,12 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
     if collective not in COLLECTIVES:
         raise PlanError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
     if not isinstance(topology, Topology):
-        raise PlanError(f"plan needs a jax_blink.Topology, got {type(topology).__name__}")
+        raise PlanError(f"plan needs a jax_blink.Topology (e.g. jax_blink.load_topology('dgx1v')), got "
+                        f"{type(topology).__name__}")
     devices = job_devices(topology, devices)
+    if isinstance(root, bool) or not (root is None or isinstance(root, numbers.Integral)):
+        raise PlanError(f"root must be a GPU id (int) among devices {list(devices)} or None, got {root!r}")
+    root = None if root is None else int(root)
     row = _collectives.get(collective)
     if collective == "allreduce":
         if root is not None and root not in devices:
