@@ -65,3 +65,78 @@ def test_topology_help_gives_achieved_default_rates(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert e.value.code == 0 and "default 25" not in out and "default 12)" not in out
     assert f"NVLink2 {nvlink_gbps(2):.1f} = 25 line rate" in out and f"gen3 x16 {pcie_gen_gbps(3):.1f}" in out
+
+
+# ------------------------------------------------------------------ public-function sweep
+from jax_blink import bounds, costmodel, schedule, simulate  # noqa: E402
+from jax_blink.errors import BlinkError, PlanError, ScheduleError, TopologyError  # noqa: E402
+
+DGX = load_topology("dgx1v")
+
+
+def test_devices_string_is_parsed_like_the_cli():
+    assert jax_blink.plan(DGX, devices="0,1").devices == (0, 1)
+    assert jax_blink.plan(DGX, devices="0-3").devices == (0, 1, 2, 3)
+    assert jax_blink.plan(DGX, devices=np.arange(3)).devices == (0, 1, 2)  # numpy ids become ints
+    assert bounds.allreduce_bound(DGX, "0-3") == bounds.allreduce_bound(DGX, [0, 1, 2, 3])
+    assert DGX.check_devices("0-2,5") == [0, 1, 2, 5]
+
+
+@pytest.mark.parametrize("devices,match", [
+    ("0,,1", "has an empty item"), ("0-x", "is not a GPU id or a range"), ("3-1", "ends below its start"),
+    (3, "devices must be a list of GPU ids or a string like '0,1'"), ([0, True], "integer GPU ids, got \\[True\\]"),
+    ([0, 1.0], "integer GPU ids"), ([0, 0], "duplicate devices"), ([0, 99], "\\[99\\] are not GPUs of topology 'dgx1v'"),
+    ([], "at least one device")])
+def test_bad_devices_fail_early(devices, match):
+    with pytest.raises(PlanError, match=match):
+        jax_blink.plan(DGX, devices=devices)
+
+
+@pytest.mark.parametrize("root", [True, 1.5, "1", 9])
+def test_bad_root(root):
+    with pytest.raises(PlanError, match="root"):
+        jax_blink.plan(DGX, "broadcast", root=root)
+    with pytest.raises(PlanError, match="root"):
+        bounds.broadcast_bound(DGX, [0, 1], root if root != 9 else 5)
+
+
+def test_plan_json_names_the_missing_field():
+    with pytest.raises(PlanError, match="plan JSON lacks 'collective', .*'trees': a plan holds"):
+        jax_blink.Plan.from_json("{}")
+    good = jax_blink.plan(DGX, devices=[0, 1]).to_dict()
+    with pytest.raises(PlanError, match="plan JSON lacks 'trees'"):
+        jax_blink.Plan.from_dict({k: v for k, v in good.items() if k != "trees"})
+    with pytest.raises(PlanError, match="a plan JSON is an object"):
+        jax_blink.Plan.from_json("[]")
+    with pytest.raises(PlanError, match="unknown collective 'allredux'"):
+        jax_blink.Plan.from_dict({**good, "collective": "allredux"})
+    good["trees"][0].pop("edges")
+    with pytest.raises(PlanError, match="a tree lacks 'edges'"):
+        jax_blink.Plan.from_dict(good)
+
+
+def test_wrong_argument_types_name_what_is_expected():
+    p = jax_blink.plan(DGX, devices=[0, 1, 2])
+    with pytest.raises(PlanError, match=r"Topology \(e.g. jax_blink.load_topology\('dgx1v'\)\), got str"):
+        jax_blink.plan("dgx1v")
+    with pytest.raises(PlanError, match="expected a jax_blink.Topology"):
+        bounds.allreduce_bound("dgx1v", [0, 1])
+    with pytest.raises(BlinkError, match="simulate needs a jax_blink.Plan or a Schedule, got str"):
+        simulate.simulate("x", 100, topology=DGX)
+    with pytest.raises(BlinkError, match="topology must be a jax_blink.Topology"):
+        simulate.simulate(p, 100, topology="dgx1v")
+    with pytest.raises(BlinkError, match="nbytes must be a positive number of bytes, got True"):
+        simulate.simulate(p, True, topology=DGX)
+    with pytest.raises(ScheduleError, match="build_schedule needs a jax_blink.Plan"):
+        schedule.build_schedule("x", 10)
+    with pytest.raises(ScheduleError, match="nelems must be a non-negative int, got True"):
+        schedule.build_schedule(p, True)
+    with pytest.raises(ScheduleError, match="execute needs a Schedule"):
+        schedule.execute("x", np.zeros((3, 4)))
+    with pytest.raises(PlanError, match="fastest needs at least one plan"):
+        costmodel.fastest([], 100, DGX)
+    with pytest.raises(PlanError, match=r"devices \[9\] are not GPUs"):
+        bounds.nash_williams_value(DGX, [0, 9])
+    for n in (True, float("nan"), "4"):
+        with pytest.raises(TopologyError, match="Topology.host needs n >= 1 devices"):
+            Topology.host(n)
