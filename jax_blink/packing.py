@@ -116,6 +116,19 @@ class Tree:
     reduce_edges: tuple | None = None
     relays: tuple = ()
 
+    def __post_init__(self):
+        # cheap checks: a wrong type here would otherwise fail deep in the simulator or the LP
+        if isinstance(self.root, bool) or not isinstance(self.root, numbers.Integral):
+            raise PlanError(f"Tree root must be a GPU id (int), got {self.root!r}")
+        w = self.weight_gbps
+        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not (0 <= w < math.inf):
+            raise PlanError(f"Tree weight_gbps must be a finite number >= 0 (GB/s), got {w!r}")
+        for name in ("edges", "reduce_edges"):
+            hops = getattr(self, name)
+            if hops is not None and (isinstance(hops, str) or any(len(h) != 2 for h in hops)):
+                raise PlanError(f"Tree {name} must be (parent, child) hops like ((0, 'sw'), ('sw', 1)), "
+                                f"got {hops!r}")
+
     def routes(self, reduce: bool = False) -> list:
         """GPU-level routes as node paths (parent first, switch or relay-GPU hops, child last)."""
         return _parse_routes(self.reduce_edges if (reduce and self.reduce_edges is not None) else self.edges,

@@ -140,3 +140,12 @@ def test_wrong_argument_types_name_what_is_expected():
     for n in (True, float("nan"), "4"):
         with pytest.raises(TopologyError, match="Topology.host needs n >= 1 devices"):
             Topology.host(n)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((0, -1.0, ((0, 1),)), "weight_gbps must be a finite number >= 0"), ((0, float("nan"), ((0, 1),)), "weight_gbps"),
+    ((True, 1.0, ((1, 0),)), "root must be a GPU id"), ((0, 1.0, "ab"), "edges must be \\(parent, child\\) hops"),
+    ((0, 1.0, ((0, 1),), ((0, 1, 2),)), "reduce_edges must be")])
+def test_bad_tree(args, match):
+    with pytest.raises(PlanError, match=match):
+        jax_blink.Tree(*args)
