@@ -30,7 +30,7 @@ import networkx as nx
 from . import bounds as _bounds
 from . import collectives
 from .errors import PlanError
-from .packing import Plan, Tree, _hops, job_devices, plan, ring_paths
+from .packing import Plan, Tree, _bound, _hops, job_devices, plan, ring_paths
 from .simulate import route
 from .topology import Topology
 
@@ -122,11 +122,26 @@ def _nccl_note(plan_: Plan, level: str, what: str) -> Plan:
     return dataclasses.replace(plan_, notes=(f"NCCL {what} on {level} links ({why})",) + plan_.notes)
 
 
+def _ring_family_bound(topology: Topology, p: Plan) -> float:
+    """Upper bound on any ring plan's rate for ``p``'s collective over all links of ``topology``:
+    all-reduce n B / (2(n-1)) with B <= the min max-flow between GPUs; all-gather / reduce-scatter
+    the cut bound; broadcast / reduce the max-flow bound from / to the root."""
+    n = len(p.devices)
+    if p.collective == "allreduce":
+        return max(p.rate_gbps, n * _bounds.allreduce_bound(topology, p.devices) / (2 * (n - 1)))
+    return max(p.rate_gbps, _bound(topology, p.collective, p.devices, p.root))
+
+
 def nccl_ring_plan(topology, collective: str = "allreduce", *, devices=None, root=None) -> Plan:
     """NCCL's rings: :func:`ring_plan` over the links of :func:`nccl_links` (the LP packing on those
-    links, so at least as fast as NCCL's own equal-speed channels on them). Raises like ring_plan."""
+    links, so at least as fast as NCCL's own equal-speed channels on them). ``bound_gbps`` is the
+    bound for rings over all links of ``topology`` (:func:`_ring_family_bound`), not the rate of
+    the rings NCCL's restricted search finds. Raises like ring_plan."""
     links, level = nccl_links(topology, devices)
-    return _nccl_note(ring_plan(links, collective, devices=devices, root=root), level, "rings")
+    p = ring_plan(links, collective, devices=devices, root=root)
+    if links is not topology and p.trees:
+        p = dataclasses.replace(p, bound_gbps=_ring_family_bound(topology, p))
+    return _nccl_note(p, level, "rings")
 
 
 def nccl_tree_plan(topology, *, devices=None) -> Plan:
@@ -134,8 +149,10 @@ def nccl_tree_plan(topology, *, devices=None) -> Plan:
     except that at the "nvlink" level a pair of ranks without an NVLink route goes over PCIe (NCCL's
     tree sends between ranks over their best path). Raises PlanError like double_binary_tree_plan."""
     links, level = nccl_links(topology, devices)
-    return _nccl_note(double_binary_tree_plan(topology if level == "nvlink" else links, devices=devices),
-                      level, "double binary tree")
+    p = double_binary_tree_plan(topology if level == "nvlink" else links, devices=devices)
+    if level == "pcie" and p.trees:  # the bound is over all links, not NCCL's PCIe subset
+        p = dataclasses.replace(p, bound_gbps=max(p.rate_gbps, _bounds.allreduce_bound(topology, p.devices)))
+    return _nccl_note(p, level, "double binary tree")
 
 
 def btree_parents(nranks: int) -> list[int]:
@@ -178,8 +195,9 @@ def double_binary_tree_plan(topology, *, devices=None) -> Plan:
 
     Two trees (:func:`dtree_parents`), each carrying half the data: reduce up, broadcast down.
     Tree weights are equal and as large as the links allow when both trees run at once
-    (``rate_gbps`` = 2 w with w = min over links of capacity / uses). Raises PlanError on bad devices
-    or a pair of GPUs with no route.
+    (``rate_gbps`` = 2 w with w = min over links of capacity / uses); ``bound_gbps`` is the bound
+    on any all-reduce tree packing (:func:`jax_blink.bounds.allreduce_bound`). Raises PlanError on
+    bad devices or a pair of GPUs with no route.
     """
     devices = job_devices(topology, devices)
     n = len(devices)
@@ -202,5 +220,7 @@ def double_binary_tree_plan(topology, *, devices=None) -> Plan:
             use[e] = use.get(e, 0) + k
     w = min(topology.graph.edges[e]["bandwidth_gbps"] / k for e, k in use.items())
     trees = tuple(Tree(t.root, w, t.edges) for t in trees)
-    return Plan("allreduce", None, devices, trees, 2 * w, 2 * w, "double-binary-tree",
+    # certificate of the family (any all-reduce tree packing), not these two trees' own rate
+    return Plan("allreduce", None, devices, trees, 2 * w,
+                max(2 * w, _bounds.allreduce_bound(topology, devices)), "double-binary-tree",
                 ("NCCL double binary tree: two complementary binary trees, half the data each",))

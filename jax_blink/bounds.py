@@ -28,7 +28,7 @@ from scipy.optimize import linprog
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_flow
 
-from .errors import PlanError
+from .errors import PlanError, TopologyError
 from .routes import RouteTable, _pricer
 from .topology import Topology
 
@@ -36,10 +36,27 @@ EXACT_RING_MAX_GPUS = 9
 FLOW_SCALE = 1000  # capacities in MB/s: integral for link rates given to 1e-3 GB/s (scipy's max-flow is integral)
 
 
-def _job_graph(topology: Topology, devices, relays=()) -> nx.DiGraph:
+def _checked(topology: Topology, devices) -> list:
+    """``devices`` as a list of GPU ids of ``topology`` (a string like "0,1" or "0-3" is parsed);
+    PlanError for a non-Topology, ids that are not its GPUs, non-integers or duplicates."""
+    if not isinstance(topology, Topology):
+        raise PlanError(f"expected a jax_blink.Topology (e.g. jax_blink.load_topology('dgx1v')), got "
+                        f"{type(topology).__name__}")
     try:
-        return topology.subset(list(devices) + list(relays)).graph
-    except Exception as err:  # TopologyError names the bad device
+        return topology.check_devices(devices)
+    except TopologyError as err:  # names the bad device
+        raise PlanError(str(err)) from None
+
+
+def _job_graph(topology: Topology, devices, relays=(), root=None) -> nx.DiGraph:
+    """The job's physical graph (devices checked by :func:`_checked`); PlanError for a ``root``
+    that is not one of the devices."""
+    devices = _checked(topology, devices)
+    if root is not None and (isinstance(root, bool) or root not in devices):
+        raise PlanError(f"root {root!r} is not among devices {devices}; pass one of them")
+    try:
+        return topology.subset(devices + list(relays)).graph
+    except TopologyError as err:  # bad relays
         raise PlanError(str(err)) from None
 
 
@@ -70,14 +87,16 @@ def broadcast_bound(topology: Topology, devices, root: int, relays=()) -> float:
     (``topology.subset(devices + relays)``; capacities ``bandwidth_gbps``; ``relays``: GPUs outside
     the job allowed to forward). inf for one device.
     """
-    g = _job_graph(topology, devices, relays)
+    devices = _checked(topology, devices)
+    g = _job_graph(topology, devices, relays, root)
     vals = _max_flows(g, [(root, v) for v in devices if v != root])
     return float(min(vals)) if vals else float("inf")
 
 
 def reduce_bound(topology: Topology, devices, root: int, relays=()) -> float:
     """Reduce-to-``root`` rate bound, GB/s: :func:`broadcast_bound` on the reversed graph."""
-    g = _job_graph(topology, devices, relays)
+    devices = _checked(topology, devices)
+    g = _job_graph(topology, devices, relays, root)
     vals = _max_flows(g, [(v, root) for v in devices if v != root])
     return float(min(vals)) if vals else float("inf")
 
@@ -88,7 +107,7 @@ def allreduce_bound(topology: Topology, devices, relays=()) -> float:
     fixed GPU (a minimum directed cut separates that GPU from some v, one way or the other); n-1
     when every link has a reverse link of the same bandwidth (then every cut has equal capacity both
     ways, so maxflow(u -> v) = maxflow(v -> u))."""
-    devices = list(devices)
+    devices = _checked(topology, devices)
     if len(devices) < 2:
         return float("inf")
     g = _job_graph(topology, devices, relays)
@@ -184,9 +203,10 @@ def nash_williams_value(topology: Topology, devices) -> float:
     min over partitions P of ``devices`` with |P| >= 2 of sum of min(cap(u->v), cap(v->u)) over direct
     links crossing P, divided by |P| - 1 (Nash-Williams 1961, Tutte 1961; each all-reduce tree uses
     both directions of a link). Ignores switch nodes: it is the all-reduce optimum on direct-link
-    topologies only. Brute force over Bell(n) partitions: raises PlanError above 10 devices.
+    topologies only. Brute force over Bell(n) partitions: raises PlanError above 10 devices or for
+    devices that are not GPUs of ``topology``.
     """
-    devices = list(devices)
+    devices = _checked(topology, devices)
     if len(devices) > 10:
         raise PlanError(f"nash_williams_value is brute force; {len(devices)} devices is too many (max 10)")
     if len(devices) < 2:
@@ -310,9 +330,4 @@ def ring_rate(topology: Topology, devices) -> float:
     if not isinstance(topology, Topology):
         raise PlanError(f"ring_rate needs a jax_blink.Topology, got {type(topology).__name__}; load one with "
                         "jax_blink.load_topology(...)")
-    devices = list(devices)
-    try:
-        topology.check_devices(devices)
-    except Exception as err:
-        raise PlanError(str(err)) from None
-    return ring_packing(topology, devices)[0]
+    return ring_packing(topology, _checked(topology, devices))[0]

@@ -220,7 +220,11 @@ def simulated_time(plan, nbytes: float, topology, latency_us: float = DEFAULT_LA
 
 
 def fastest(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US):
-    """(plan, seconds) with the least :func:`simulated_time` among ``plans`` (earlier wins ties)."""
+    """(plan, seconds) with the least :func:`simulated_time` among ``plans`` (earlier wins ties).
+    Raises PlanError for no plans."""
+    plans = list(plans)
+    if not plans:
+        raise PlanError("fastest needs at least one plan (e.g. from candidate_plans)")
     timed = [(p, simulated_time(p, nbytes, topology, latency_us)) for p in plans]
     return min(timed, key=lambda pt: pt[1])
 
@@ -230,25 +234,27 @@ def choose_plan(topology, collective: str, nbytes: float, *, devices=None, root=
                 latency_us: float = DEFAULT_LATENCY_US):
     """The fastest of :func:`candidate_plans` at ``nbytes`` bytes per GPU, by the simulator.
 
-    Returns the Plan with a note naming its simulated time and the runner-up (cached: the same
-    inputs give the same object). Raises PlanError like ``packing.plan``.
+    Returns the Plan with a note saying that ``auto`` chose it, its simulated time and the runner-up
+    (cached: the same inputs give the same object). Raises PlanError like ``packing.plan``.
     """
     key = (topology.fingerprint(), collective, devices if devices is None else tuple(devices), root,
            algorithm, max_trees, float(nbytes), float(latency_us))
     return _cached(_CHOICES, key, lambda: _choose_plan(
         topology, candidate_plans(topology, collective, devices=devices, root=root, algorithm=algorithm,
-                                  max_trees=max_trees), nbytes, latency_us))
+                                  max_trees=max_trees), nbytes, latency_us, algorithm))
 
 
-def _choose_plan(topology, plans, nbytes, latency_us):
+def _choose_plan(topology, plans, nbytes, latency_us, algorithm="auto"):
     best, t = fastest(plans, nbytes, topology, latency_us)
     if len(plans) == 1:
         return best
     others = sorted((simulated_time(p, nbytes, topology, latency_us), i) for i, p in enumerate(plans)
                     if p is not best)
     second = plans[others[0][1]]
-    note = (f"chosen for {nbytes:.0f} B per GPU: simulated {t * 1e6:.1f} us, fastest of {len(plans)} "
-            f"candidates (next: {second.shape()}, {others[0][0] * 1e6:.1f} us)")
+    who = "auto" if algorithm == "auto" else f"algorithm={algorithm!r}"
+    note = (f"{who}: chosen for {nbytes:.0f} B per GPU by the cost model (link-level simulator): "
+            f"{t * 1e6:.1f} us, the least of {len(plans)} candidates (next: {second.shape()}, "
+            f"{others[0][0] * 1e6:.1f} us)")
     return dataclasses.replace(best, notes=best.notes + (note,))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -204,18 +205,33 @@ def device_table(devices_flat, groups) -> np.ndarray:
     return np.asarray(rows, np.int64).reshape(-1, 3)
 
 
+#: Collectives each forced algorithm plans (``packing.plan`` raises PlanError for the others).
+_APPLIES = {"ring": ("allreduce", "allgather", "reducescatter"), "rsag": ("allreduce",),
+            "hierarchical": ("allreduce", "broadcast", "reduce")}
+_WARNED: set = set()
+
+
 def effective_algorithm(key: PlanKey, topology: Topology, collective: str, gpu_ids) -> str:
     """``key.algorithm``, except that a preference from ``JAX_BLINK_ALGORITHM`` falls back to "auto"
-    where it does not apply: "ring" for broadcast/reduce, "hierarchical" for a group on one node.
-    An explicit ``algorithm=`` argument is used as given (the planner raises if it cannot apply)."""
+    where it does not apply: "ring" for broadcast / reduce, "rsag" for anything but all-reduce,
+    "hierarchical" for all-gather / reduce-scatter or a group on one node. Each fallback warns once
+    per (algorithm, collective, reason) in the process (RuntimeWarning). An explicit ``algorithm=``
+    argument is used as given (the planner raises PlanError if it cannot apply)."""
     from . import packing
     if key.algorithm_strict or key.algorithm == "auto":
         return key.algorithm
-    if key.algorithm == "ring" and collective != "allreduce":
-        return "auto"
-    if key.algorithm == "hierarchical" and len(packing._node_groups(topology, list(gpu_ids))) < 2:
-        return "auto"
-    return key.algorithm
+    why = None
+    if collective not in _APPLIES.get(key.algorithm, (collective,)):
+        why = f"it does not apply to {collective}"
+    elif key.algorithm == "hierarchical" and len(packing._node_groups(topology, list(gpu_ids))) < 2:
+        why = "the group's GPUs are on one node"
+    if why is None:
+        return key.algorithm
+    if (key.algorithm, collective, why) not in _WARNED:
+        _WARNED.add((key.algorithm, collective, why))
+        warnings.warn(f"{ENV_ALGORITHM}={key.algorithm}: {why}; planning {collective} with 'auto' "
+                      f"(pass algorithm= to a call to require it)", RuntimeWarning, stacklevel=2)
+    return "auto"
 
 
 def plan_group(topology: Topology, collective: str, gpu_ids: list[int], root_rank: int | None,

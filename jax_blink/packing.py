@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import json
 import math
+import numbers
 import os
 import sys
 
@@ -49,6 +50,8 @@ from .routes import RouteTable, solve_packing, solve_rooted_packing
 from .topology import Topology, _key
 
 COLLECTIVES = ("broadcast", "reduce", "allreduce", "allgather", "reducescatter")
+#: The fields of a plan JSON (:meth:`Plan.to_dict`); "relays" is optional.
+PLAN_FIELDS = ("collective", "root", "devices", "rate_gbps", "bound_gbps", "algorithm", "trees")
 MILP_NODE_LIMIT = 200
 L1_ROUNDS = 6            # most reweighted-L1 LPs in the tree-count reduction
 MILP_MAX_COLUMNS = 24    # exact min-count ILP only over at most this many generated trees (its root LP
@@ -113,6 +116,19 @@ class Tree:
     reduce_edges: tuple | None = None
     relays: tuple = ()
 
+    def __post_init__(self):
+        # cheap checks: a wrong type here would otherwise fail deep in the simulator or the LP
+        if isinstance(self.root, bool) or not isinstance(self.root, numbers.Integral):
+            raise PlanError(f"Tree root must be a GPU id (int), got {self.root!r}")
+        w = self.weight_gbps
+        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not (0 <= w < math.inf):
+            raise PlanError(f"Tree weight_gbps must be a finite number >= 0 (GB/s), got {w!r}")
+        for name in ("edges", "reduce_edges"):
+            hops = getattr(self, name)
+            if hops is not None and (isinstance(hops, str) or any(len(h) != 2 for h in hops)):
+                raise PlanError(f"Tree {name} must be (parent, child) hops like ((0, 'sw'), ('sw', 1)), "
+                                f"got {hops!r}")
+
     def routes(self, reduce: bool = False) -> list:
         """GPU-level routes as node paths (parent first, switch or relay-GPU hops, child last)."""
         return _parse_routes(self.reduce_edges if (reduce and self.reduce_edges is not None) else self.edges,
@@ -161,7 +177,9 @@ class Plan:
       bound_gbps: certificate: an upper bound on the rate of the chosen algorithm family (Edmonds
         max-flow bound for broadcast/reduce; LP dual bound for all-reduce trees and rings; max-flow
         orientation bound for hierarchical all-reduce; the cut bound for all-gather / reduce-scatter
-        (trees and rings); 1 / (1/B_rs + 1/B_ag) of the two cut bounds for "rsag").
+        (trees and rings); 1 / (1/B_rs + 1/B_ag) of the two cut bounds for "rsag"; for NCCL's
+        baselines the bound of their family over all links: rings; for the double binary tree, the
+        min max-flow between GPUs, which no all-reduce tree packing exceeds).
       algorithm: "trees" | "ring" | "hierarchical" | "rsag" (all-reduce as reduce-scatter + all-gather
         forests) | "double-binary-tree" (NCCL's, from ``plan(nbytes=...)`` or ``baselines``) | "trivial".
       notes: why this algorithm, alternatives' rates, losses from ``max_trees``.
@@ -237,7 +255,16 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        """Inverse of :meth:`to_dict`. Raises PlanError on a malformed dict."""
+        """Inverse of :meth:`to_dict`. Raises PlanError on a malformed dict, naming the missing or bad
+        field and what a plan holds (:data:`PLAN_FIELDS`)."""
+        if not isinstance(d, dict):
+            raise PlanError(f"a plan JSON is an object with {PLAN_FIELDS}, got {type(d).__name__}")
+        missing = [k for k in PLAN_FIELDS if k not in d]
+        if missing:
+            raise PlanError(f"plan JSON lacks {', '.join(map(repr, missing))}: a plan holds {PLAN_FIELDS} "
+                            f"(as Plan.to_json writes; make one with jax-blink plan --json)")
+        if d["collective"] not in COLLECTIVES:
+            raise PlanError(f"plan JSON: unknown collective {d['collective']!r}; expected one of {COLLECTIVES}")
         try:
             inf = lambda x: float("inf") if x is None else float(x)  # noqa: E731
             hop = lambda e: (e[0], e[1])  # noqa: E731
@@ -248,8 +275,11 @@ class Plan:
             return cls(d["collective"], d["root"], tuple(d["devices"]), trees, inf(d["rate_gbps"]),
                        inf(d["bound_gbps"]), d["algorithm"], tuple(d.get("notes", ())),
                        tuple(d.get("relays", ())))
-        except (KeyError, TypeError, IndexError, ValueError) as err:
-            raise PlanError(f"malformed plan JSON: {err!r}") from None
+        except KeyError as err:
+            raise PlanError(f"plan JSON: a tree lacks {err.args[0]!r}; every tree holds root, weight_gbps, "
+                            f"edges and reduce_edges (null or a list)") from None
+        except (TypeError, IndexError, ValueError) as err:
+            raise PlanError(f"malformed plan JSON: {err!r}; see Plan.to_dict for the format") from None
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -607,7 +637,7 @@ def _sharded_ring_plan(topology, collective, devices, max_trees, bound) -> Plan:
     trees = _sharded_ring_trees(rings, n, _collectives.get(collective).reduces)
     rate = _round(sum(t.weight_gbps for t in trees))
     note = (f"ring: {len(rings)} ring(s) of {b_ring:.3f} GB/s in total; each shard travels n-1 = {n - 1} hops, "
-            f"rate n*B/(n-1) = {rate:.3f} GB/s of the cut bound {bound:.3f} GB/s",)
+            f"rate n*B/(n-1) = {rate:.3f} GB/s; cut bound on the links of {topology.name!r}: {bound:.3f} GB/s",)
     return Plan(collective, None, devices, tuple(trees), rate, _round(bound), "ring", note)
 
 
@@ -859,13 +889,17 @@ def _quiet_milp(*args, **kw):
 
 
 def job_devices(topology: Topology, devices=None) -> tuple:
-    """The job's GPU ids as a tuple (default: every GPU of ``topology``), validated.
+    """The job's GPU ids as a tuple of ints (default: every GPU of ``topology``), validated.
 
-    Raises PlanError naming the devices that are not GPUs of the topology, duplicates, or an empty list.
+    ``devices``: GPU ids, or a string like the CLI's ``--devices`` ("0,1,4", "0-3"). Raises
+    PlanError for a ``topology`` that is not a Topology, and naming the devices that are not GPUs
+    of the topology, non-integer ids, duplicates, or an empty list.
     """
-    devices = tuple(topology.gpus if devices is None else devices)
+    if not isinstance(topology, Topology):
+        raise PlanError(f"expected a jax_blink.Topology (e.g. jax_blink.load_topology('dgx1v')), got "
+                        f"{type(topology).__name__}")
     try:
-        topology.check_devices(devices)
+        devices = tuple(int(d) for d in (topology.gpus if devices is None else topology.check_devices(devices)))
     except TopologyError as err:
         raise PlanError(str(err)) from None
     if not devices:
@@ -882,7 +916,8 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
       topology: the machine (``jax_blink.Topology``).
       collective: "broadcast" | "reduce" | "allreduce" | "allgather" | "reducescatter".
       devices: GPU ids of the job (rank r <-> devices[r]; all-gather / reduce-scatter: rank r owns
-        shard r); default all GPUs of the topology.
+        shard r), or a string like the CLI's ``--devices`` ("0,1,4", "0-3"); default all GPUs of
+        the topology.
       root: GPU id (broadcast/reduce; default ``devices[0]``); must be None or ignored for all-reduce;
         must be None for all-gather / reduce-scatter (every rank roots the trees of its shard).
       max_trees: at most this many trees (rate may drop; the loss is in ``notes``); all-gather /
@@ -923,8 +958,12 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
     if collective not in COLLECTIVES:
         raise PlanError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
     if not isinstance(topology, Topology):
-        raise PlanError(f"plan needs a jax_blink.Topology, got {type(topology).__name__}")
+        raise PlanError(f"plan needs a jax_blink.Topology (e.g. jax_blink.load_topology('dgx1v')), got "
+                        f"{type(topology).__name__}")
     devices = job_devices(topology, devices)
+    if isinstance(root, bool) or not (root is None or isinstance(root, numbers.Integral)):
+        raise PlanError(f"root must be a GPU id (int) among devices {list(devices)} or None, got {root!r}")
+    root = None if root is None else int(root)
     row = _collectives.get(collective)
     if collective == "allreduce":
         if root is not None and root not in devices:
@@ -1044,7 +1083,8 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm="au
     rate = _round(sum(t.weight_gbps for t in trees))
     hier = Plan(collective, root, devices, tuple(trees), rate, _round(bound), "hierarchical", tuple(notes))
     if algorithm == "hierarchical":
-        return dataclasses.replace(hier, notes=hier.notes + ("three-phase plan forced (algorithm='hierarchical')",))
+        return dataclasses.replace(hier, notes=hier.notes + (
+            "three-phase plan (algorithm='hierarchical'; the flat packing was not compared)",))
     if hier.rate_gbps > flat.rate_gbps * (1 + 1e-6):
         return dataclasses.replace(hier, notes=hier.notes + (
             f"three-phase plan {hier.rate_gbps:.3f} GB/s beats the flat packing over all nodes "
@@ -1095,9 +1135,12 @@ def _flat_plan(topology, collective, devices, root, max_trees, algorithm="auto",
             notes.append(f"a ring packing would reach {ring_rate:.3f} GB/s but needs {n * len(rings)} trees "
                          f"> max_trees={max_trees}")
         elif algorithm == "ring" or (algorithm == "auto" and ring_rate > exact * (1 + 1e-6)):
-            why = "forced (algorithm='ring')" if algorithm == "ring" else f"> trees {rate:.3f} GB/s"
-            notes.append(f"ring chosen: rings of {b_ring:.3f} GB/s give all-reduce rate n*B/(2(n-1)) = "
-                         f"{ring_rate:.3f} GB/s {why}")
+            # algorithm="ring" is also how the cost model and the baselines build their ring
+            # candidate: describe the packing, never claim the user asked for it
+            what = ("ring packing (algorithm='ring')" if algorithm == "ring"
+                    else f"ring chosen over trees ({rate:.3f} GB/s)")
+            notes.append(f"{what}: rings of {b_ring:.3f} GB/s give all-reduce rate n*B/(2(n-1)) = "
+                         f"{ring_rate:.3f} GB/s")
             rtrees = _ring_trees(rings, n)
             # bound in all-reduce rate units, n B / (2(n-1)) with B <= min max-flow: no ring packing beats it
             return Plan(collective, None, devices, tuple(rtrees), _round(sum(t.weight_gbps for t in rtrees)),

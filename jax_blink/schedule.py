@@ -240,11 +240,13 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
     divisible by the rank count for a sharded collective, or a plan whose trees do not span its
     devices (or, sharded, a rank that roots no tree).
     """
+    if not all(hasattr(plan, a) for a in ("collective", "devices", "trees")):
+        raise ScheduleError(f"build_schedule needs a jax_blink.Plan (from jax_blink.plan), got {type(plan).__name__}")
     collective = plan.collective
     if collective not in COLLECTIVES:
         raise ScheduleError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
     row = _coll.get(collective)
-    if int(nelems) != nelems or nelems < 0:
+    if isinstance(nelems, bool) or not isinstance(nelems, (int, np.integer)) or nelems < 0:
         raise ScheduleError(f"nelems must be a non-negative int, got {nelems!r}")
     if chunk_elems is not None and (int(chunk_elems) != chunk_elems or chunk_elems < 1):
         raise ScheduleError(f"chunk_elems must be a positive int, got {chunk_elems!r}")
@@ -416,6 +418,8 @@ def execute(schedule: Schedule, inputs: np.ndarray) -> np.ndarray:
     rank ends with the gathered buffer; for reduce-scatter rank r's shard r ends with the sum over
     ranks of shard r, and its other positions are scratch (partial sums or its input).
     """
+    if not isinstance(schedule, Schedule):
+        raise ScheduleError(f"execute needs a Schedule (from build_schedule), got {type(schedule).__name__}")
     x = np.array(inputs, copy=True)
     if x.shape[:1] != (schedule.nranks,) or x.reshape(schedule.nranks, -1).shape[1] != schedule.nelems:
         raise ScheduleError(f"inputs must be [{schedule.nranks}, {schedule.nelems}], got {x.shape}")

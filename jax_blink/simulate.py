@@ -148,7 +148,10 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
     al., MLSys 2020) sections 4.1-4.2 for splitting and pipelining; host staging and the protocol
     latency as in the module docstring.
     """
-    if not (isinstance(nbytes, (int, float)) and math.isfinite(nbytes) and nbytes > 0):
+    if not all(hasattr(plan_or_schedule, a) for a in ("collective", "devices", "trees")) \
+            and not isinstance(plan_or_schedule, Schedule):
+        raise BlinkError(f"simulate needs a jax_blink.Plan or a Schedule, got {type(plan_or_schedule).__name__}")
+    if isinstance(nbytes, bool) or not (isinstance(nbytes, (int, float)) and math.isfinite(nbytes) and nbytes > 0):
         raise BlinkError(f"nbytes must be a positive number of bytes, got {nbytes!r}")
     if not (isinstance(latency_us, (int, float)) and math.isfinite(latency_us) and latency_us >= 0):
         raise BlinkError(f"latency_us must be >= 0, got {latency_us!r}")
@@ -161,6 +164,9 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
         topology = getattr(plan_or_schedule, "topology", None)
     if topology is None:
         raise BlinkError("simulate needs the topology whose links carry the data: pass topology=...")
+    if not hasattr(topology, "check_devices"):
+        raise BlinkError(f"topology must be a jax_blink.Topology (e.g. jax_blink.load_topology('dgx1v')), "
+                         f"got {type(topology).__name__}")
     latency_s = latency_us * 1e-6
     if isinstance(plan_or_schedule, Schedule):
         sched = plan_or_schedule

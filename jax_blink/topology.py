@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import math
 import json
+import numbers
+import re
 from typing import Iterable
 
 import networkx as nx
@@ -25,6 +27,36 @@ from .errors import TopologyError
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "host", "net")
 MAX_HOST_DEVICES = 4096
 NODE_KINDS = ("gpu", "nvswitch", "pcie-switch", "cpu", "nic", "host", "network")
+_GPU_ITEM = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def parse_gpu_ids(text: str, option: str = "devices") -> list[int]:
+    """GPU ids from ``"0,1,4"``, ``"0-3"`` or mixes like ``"0-2,5"`` (ranges include both ends).
+
+    Raises TopologyError naming the bad item: an empty list or item (``"0,,1"``),
+    a negative id, a non-integer, a range whose end is below its start, or a repeated id.
+    """
+    if not str(text).strip():
+        raise TopologyError(f"{option} is empty: give GPU ids like 0,1,4 or 0-3")
+    out: list[int] = []
+    for item in str(text).split(","):
+        item = item.strip()
+        if not item:
+            raise TopologyError(f"{option} {text!r} has an empty item: give GPU ids like 0,1,4 or 0-3")
+        if item.startswith("-"):
+            raise TopologyError(f"{option} {text!r}: {item!r} is negative; GPU ids are 0, 1, 2, ...")
+        m = _GPU_ITEM.fullmatch(item)
+        if not m:
+            raise TopologyError(f"{option} {text!r}: {item!r} is not a GPU id or a range; "
+                                f"expected ids like 0,1,4 or ranges like 0-3")
+        a, b = int(m.group(1)), int(m.group(2) or m.group(1))
+        if b < a:
+            raise TopologyError(f"{option} {text!r}: range {item!r} ends below its start; write {b}-{a}")
+        out.extend(range(a, b + 1))
+    dup = sorted({d for d in out if out.count(d) > 1})
+    if dup:
+        raise TopologyError(f"{option} {text!r} names GPU {', '.join(map(str, dup))} more than once")
+    return out
 
 
 class Topology:
@@ -116,9 +148,23 @@ class Topology:
         out = [(u, v, d["bandwidth_gbps"], d["kind"], d["links"]) for u, v, d in self.graph.edges(data=True)]
         return sorted(out, key=lambda e: (_key(e[0]), _key(e[1])))
 
-    def check_devices(self, devices: Iterable[int]) -> list[int]:
-        """Validate a device list: ints, unique, all GPUs of this topology. Returns it as a list."""
-        devices = list(devices)
+    def check_devices(self, devices: Iterable[int] | str) -> list[int]:
+        """Validate a device list: ints, unique, all GPUs of this topology. Returns it as a list.
+
+        ``devices``: an iterable of GPU ids, or a string like the CLI's ``--devices`` ("0,1,4",
+        "0-3", :func:`parse_gpu_ids`). Raises TopologyError for anything else, non-integer ids
+        (bools included), ids that are not GPUs of this topology, or duplicates.
+        """
+        if isinstance(devices, str):
+            devices = parse_gpu_ids(devices)
+        try:
+            devices = list(devices)
+        except TypeError:
+            raise TopologyError(f"devices must be a list of GPU ids or a string like '0,1' or '0-3', got "
+                                f"{type(devices).__name__} {devices!r}") from None
+        odd = [d for d in devices if isinstance(d, bool) or not isinstance(d, numbers.Integral)]
+        if odd:
+            raise TopologyError(f"devices must be integer GPU ids, got {odd!r} in {devices!r}")
         gpus = set(self.gpus)
         bad = [d for d in devices if d not in gpus]
         if bad:
@@ -238,7 +284,7 @@ class Topology:
 
         The embedded default on machines without GPUs (``--xla_force_host_platform_device_count``).
         """
-        if int(n) != n or n < 1:
+        if isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n) or int(n) != n or n < 1:
             raise TopologyError(f"Topology.host needs n >= 1 devices, got {n!r}")
         if n > MAX_HOST_DEVICES:  # planning is polynomial in n: refuse before minutes of work
             raise TopologyError(f"host{n}: at most {MAX_HOST_DEVICES} devices (a job's host CPU devices); "

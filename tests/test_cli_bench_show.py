@@ -233,7 +233,7 @@ def test_bench_json_one_object_per_size(capsys):
 def test_plan_ring_reports_the_collective_bound_and_rings(capsys):
     assert main(["plan", "--topology", "dgx1v", "--algorithm", "ring"]) == 0
     out = capsys.readouterr().out
-    assert "ring, 36 rings" in out and "rate 85.371 GB/s, bound 85.371 GB/s (1.000 of bound)" in out
+    assert "ring, 36 rings" in out and "rate 85.371 GB/s, ring bound 85.371 GB/s (1.000 of bound)" in out
     assert main(["plan", "--topology", "dgx1v", "--size", "1M"]) == 0
     out = capsys.readouterr().out
     assert "chosen for 1048576 B per GPU" in out and "ring, " in out.splitlines()[0]

@@ -70,3 +70,36 @@ def test_planning_prints_nothing_to_stdout(capfd):
     for devs in itertools.combinations(range(8), 6):
         plan(t, "allreduce", devices=list(devs))
     assert capfd.readouterr().out == ""
+
+
+def test_auto_ring_choice_is_explained_and_bounded_by_the_ring_family(capsys):
+    # at 1 MiB on dgx1v auto picks NCCL's NVLink rings by simulated time: the notes say auto chose
+    # them (the cost model's time) and nobody forced them; the bound is that of any ring over all
+    # links, n B / (2(n-1)) with B the min max-flow between GPUs, not the NVLink rings' own rate
+    from jax_blink.bounds import allreduce_bound
+    from jax_blink.discovery import load_topology
+    t = load_topology("dgx1v")
+    ring_cap = 8 * allreduce_bound(t, t.gpus) / (2 * 7)
+    assert main(["plan", "--topology", "dgx1v", "--size", "1M", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["algorithm"] == "ring" and d["notes"][0].startswith("NCCL rings on nvlink links")
+    assert d["bound_gbps"] == pytest.approx(ring_cap, rel=1e-9) and d["rate_gbps"] < 0.95 * d["bound_gbps"]
+    assert d["notes"][-1].startswith("auto: chosen for 1048576 B per GPU by the cost model")
+    assert not any("forced" in n for n in d["notes"])
+    assert main(["plan", "--topology", "dgx1v", "--size", "1M"]) == 0
+    out = capsys.readouterr().out
+    assert f"ring bound {ring_cap:.3f} GB/s ({d['rate_gbps'] / ring_cap:.3f} of bound)" in out
+    assert "forced" not in out and "asked for" not in out
+    assert main(["plan", "--topology", "dgx1v", "--algorithm", "ring"]) == 0
+    out = capsys.readouterr().out
+    assert "--algorithm ring: the family you asked for" in out and "forced" not in out
+
+
+def test_double_binary_tree_bound_is_the_max_flow_not_its_own_rate(capsys):
+    from jax_blink.bounds import allreduce_bound
+    from jax_blink.discovery import load_topology
+    t = load_topology("dgx1v")
+    assert main(["plan", "--topology", "dgx1v", "--size", "4K", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["algorithm"] == "double-binary-tree"
+    assert d["bound_gbps"] == pytest.approx(allreduce_bound(t, t.gpus)) and d["rate_gbps"] < d["bound_gbps"]

@@ -15,10 +15,10 @@ import re
 from .. import collectives
 from ..errors import BlinkError, PlanError
 from ..packing import COLLECTIVES
+from ..topology import parse_gpu_ids
 
 TOPOLOGY_HELP = ("preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, NCCL topology XML file, "
                  "JSON file, 'detect', or 'probe' (measure this job's devices)")
-_ITEM = re.compile(r"(\d+)(?:-(\d+))?")
 HOST_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -37,32 +37,11 @@ def force_host_devices(n: int) -> None:
 def parse_devices(text: str | None, option: str = "--devices") -> list[int] | None:
     """GPU ids from ``"0,1,4"``, ``"0-3"`` or mixes like ``"0-2,5"`` (ranges include both ends).
 
-    None stays None. Raises BlinkError naming the bad item: an empty list or item (``"0,,1"``),
-    a negative id, a non-integer, a range whose end is below its start, or a repeated id.
+    None stays None. Raises BlinkError (TopologyError) naming the bad item: an empty list or item
+    (``"0,,1"``), a negative id, a non-integer, a range whose end is below its start, or a repeated
+    id (:func:`jax_blink.topology.parse_gpu_ids`, which the Python API uses for strings too).
     """
-    if text is None:
-        return None
-    if not str(text).strip():
-        raise BlinkError(f"{option} is empty: give GPU ids like 0,1,4 or 0-3")
-    out: list[int] = []
-    for item in str(text).split(","):
-        item = item.strip()
-        if not item:
-            raise BlinkError(f"{option} {text!r} has an empty item: give GPU ids like 0,1,4 or 0-3")
-        if item.startswith("-"):
-            raise BlinkError(f"{option} {text!r}: {item!r} is negative; GPU ids are 0, 1, 2, ...")
-        m = _ITEM.fullmatch(item)
-        if not m:
-            raise BlinkError(f"{option} {text!r}: {item!r} is not a GPU id or a range; "
-                             f"expected ids like 0,1,4 or ranges like 0-3")
-        a, b = int(m.group(1)), int(m.group(2) or m.group(1))
-        if b < a:
-            raise BlinkError(f"{option} {text!r}: range {item!r} ends below its start; write {b}-{a}")
-        out.extend(range(a, b + 1))
-    dup = sorted({d for d in out if out.count(d) > 1})
-    if dup:
-        raise BlinkError(f"{option} {text!r} names GPU {', '.join(map(str, dup))} more than once")
-    return out
+    return None if text is None else parse_gpu_ids(text, option)
 
 
 def devices_type(text: str) -> list[int]:

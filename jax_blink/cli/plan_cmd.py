@@ -73,12 +73,17 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"[bold]{p.collective}[/bold]{root} on {t.name} GPUs {list(p.devices)}: "
                   f"[bold]{p.shape()}[/bold]")
     ratio = "" if math.isinf(p.rate_gbps) or p.bound_gbps == 0 else f" ({p.rate_gbps / p.bound_gbps:.3f} of bound)"
-    bound = "cut bound" if row.sharded else "bound"
+    # whose upper bound bound_gbps is: NCCL's rings and tree are compared with their whole family
+    bound = {"ring": "ring bound", "double-binary-tree": "max-flow bound",
+             "rsag": "RS+AG bound"}.get(p.algorithm, "cut bound" if row.sharded else "bound")
     console.print(f"rate {fmt(p.rate_gbps)} GB/s, {bound} {fmt(p.bound_gbps)} GB/s{ratio}; "
                   f"rings at most {fmt(ring_eff)} GB/s (the best ring packing, rings of {fmt(b_ring)} GB/s in "
                   "total: no ring schedule, NCCL's included, exceeds it)")
     for note in p.notes:
         console.print(f"  note: {note}")
+    if args.algorithm != "auto":
+        console.print(f"  note: --algorithm {args.algorithm}: the family you asked for (without it, auto picks "
+                      "the fastest)")
     if nbytes is None and args.algorithm == "auto" and n > 1:
         console.print("  note: no --size: the highest-rate plan (large operands); --size BYTES gives the plan "
                       "auto runs at that size (fewer trees, rings or NCCL's double binary tree may be faster)")

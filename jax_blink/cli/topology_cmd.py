@@ -9,7 +9,7 @@ import sys
 
 from ..discovery import load_topology
 from ..errors import BlinkError
-from ..presets import is_preset
+from ..presets import NVLINK_EFFICIENCY, NVLINK_LINE_GBPS, PCIE_EFFICIENCY, is_preset, nvlink_gbps, pcie_gen_gbps
 from ..topology import Topology
 from ._args import HOST_FLAG, PROBE_HOST_DEVICES, TOPOLOGY_HELP, force_host_devices, positive_gbps, positive_int
 
@@ -18,12 +18,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register SOURCE, --json and the parser's bandwidth options."""
     p.add_argument("source", metavar="SOURCE", help=TOPOLOGY_HELP)
     p.add_argument("--json", action="store_true", help="print the model as JSON (Topology.to_json)")
+    # defaults are achieved rates (line rate x efficiency), derived here from the presets' constants
+    nv2, line2 = nvlink_gbps(2), NVLINK_LINE_GBPS[2]
     p.add_argument("--nvlink-gbps", type=positive_gbps, default=None,
-                   help="GB/s per NVLink per direction when parsing a topo -m file (default 25) or an "
-                        "NCCL XML file (default: from each GPU's sm)")
+                   help=f"GB/s per NVLink per direction when parsing a topo -m file (default: the achieved "
+                        f"rate of the NVLink generation inferred from the links per GPU, e.g. NVLink2 "
+                        f"{nv2:.1f} = {line2:g} line rate x {NVLINK_EFFICIENCY[2]:.3f}) or an NCCL XML file "
+                        f"(default: from each GPU's sm)")
     p.add_argument("--pcie-gbps", type=positive_gbps, default=None,
-                   help="GB/s per PCIe hop per direction when parsing a topo -m file (default 12) or an "
-                        "NCCL XML file (default: from each link's link_speed and link_width)")
+                   help=f"GB/s per PCIe hop per direction when parsing a topo -m file (default: the achieved "
+                        f"rate of the PCIe generation that goes with the NVLink one, e.g. gen3 x16 "
+                        f"{pcie_gen_gbps(3):.1f} = {PCIE_EFFICIENCY:.3f} of the encoded line rate) or an NCCL "
+                        f"XML file (default: from each link's link_speed and link_width)")
     p.add_argument("--probe-sizes", default=None, metavar="SIZES",
                    help="with SOURCE 'probe': bytes per timed transfer, e.g. 1M,16M (default 1M,16M; "
                         "the largest gives the capacities)")
