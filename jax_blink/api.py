@@ -14,6 +14,7 @@ collective per dtype and no concatenate / slice copies.
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -323,6 +324,14 @@ def _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_
     return leaves, treedef, params
 
 
+def _static_int(value, name, api) -> int:
+    """``value`` as a Python int (an operator.index-able static value, not a bool); TypeError naming
+    ``name`` otherwise (lax's shape arguments are static ints too)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{api}: {name} must be a static int, got {value!r} of type {type(value).__name__}")
+    return operator.index(value)
+
+
 def _sharded_leaves(x, axes, api):
     """Leaves as arrays (bool kept, marked), dtypes checked, pvaried over ``axes`` under check_vma."""
     leaves, treedef = jax.tree_util.tree_flatten(x)
@@ -362,6 +371,8 @@ def all_gather(x, axis_name, *, axis=0, tiled=False, axis_index_groups=None, top
     api = "jax_blink.all_gather"
     leaves, treedef, params = _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_map,
                                              chunk_elems, algorithm, max_trees)
+
+    axis = _static_int(axis, "axis", api)
 
     def one(leaf):
         nd = leaf.ndim if tiled else leaf.ndim + 1
@@ -404,6 +415,8 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False, axis_index_g
     api = "jax_blink.psum_scatter"
     leaves, treedef, params = _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_map,
                                              chunk_elems, algorithm, max_trees)
+
+    scatter_dimension = _static_int(scatter_dimension, "scatter_dimension", api)
 
     def one(leaf):
         if leaf.dtype == np.bool_:

@@ -390,6 +390,9 @@ def reduce_scatter_shape(shape, dim: int, n: int, tiled: bool, api: str = "jax_b
     Raises ValueError (as lax) for ``dim`` out of range, a tiled dimension not divisible by ``n`` or
     an untiled dimension whose size is not ``n``."""
     shape = list(shape)
+    if not shape:
+        raise ValueError(f"{api}: a scalar operand has no dimension to scatter; pass an array with a "
+                         f"dimension of the axis size {n} (or divisible by it with tiled=True)")
     if not 0 <= dim < len(shape):
         raise ValueError(f"{api}: scatter_dimension must be in [0, {len(shape)}) for an operand of shape "
                          f"{tuple(shape)}, got {dim}")

@@ -206,3 +206,14 @@ def test_vmap_axis_is_not_counted_as_devices():
     """A vmap axis of 16 with topology host4: no devices to count, the sum is lax's."""
     out = jax.vmap(lambda v: jax_blink.psum(v, "v", topology="host4"), axis_name="v")(jnp.arange(16.0))
     np.testing.assert_array_equal(np.asarray(out), np.full(16, 120.0))
+
+
+def test_sharded_collectives_static_arguments_and_scalars():
+    """all_gather's axis and psum_scatter's scatter_dimension are static ints (as lax), named in the
+    error; a scalar has no dimension to scatter."""
+    with pytest.raises(TypeError, match=r"jax_blink.all_gather: axis must be a static int, got 1.0"):
+        traced(lambda v: jax_blink.all_gather(v, "d", axis=1.0))
+    with pytest.raises(TypeError, match=r"scatter_dimension must be a static int, got True"):
+        traced(lambda v: jax_blink.psum_scatter(v, "d", scatter_dimension=True))
+    with pytest.raises(ValueError, match="a scalar operand has no dimension to scatter"):
+        traced(lambda v: jax_blink.psum_scatter(v[0], "d"))
