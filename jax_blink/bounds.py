@@ -23,7 +23,7 @@ import itertools
 
 import networkx as nx
 import numpy as np
-from networkx.algorithms.flow import build_residual_network, edmonds_karp
+from networkx.algorithms.flow import build_residual_network, edmonds_karp, preflow_push
 from scipy.optimize import linprog
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_flow
@@ -77,7 +77,8 @@ def _max_flows(g: nx.DiGraph, pairs) -> list:
                        shape=(len(nodes), len(nodes)))
         return [maximum_flow(m, idx[s], idx[t]).flow_value / FLOW_SCALE for s, t in pairs]
     residual = build_residual_network(g, "bandwidth_gbps")
-    return [nx.maximum_flow_value(g, s, t, capacity="bandwidth_gbps", residual=residual) for s, t in pairs]
+    return [nx.maximum_flow_value(g, s, t, capacity="bandwidth_gbps", flow_func=preflow_push, residual=residual)
+            for s, t in pairs]
 
 
 def broadcast_bound(topology: Topology, devices, root: int, relays=()) -> float:

@@ -419,3 +419,22 @@ def test_rate_tolerance_drops_light_trees_within_tolerance():
     check_plan(t, loose)
     with pytest.raises(PlanError, match="rate_tolerance"):
         plan(t, "broadcast", rate_tolerance=1.0)
+
+
+def test_bounds_with_fractional_rates_use_the_exact_networkx_max_flow():
+    """Rates that are not whole MB/s (a probed topology) take networkx's max-flow path, not scipy's
+    integral one; the values equal a direct networkx max-flow."""
+    import networkx as nx
+
+    from jax_blink import bounds
+    t = Topology("fractional")
+    for g in range(3):
+        t.add_gpu(g)
+    t.add_link(0, 1, 1.23456789, "nvlink")
+    t.add_link(1, 2, 2.3456789, "nvlink")
+    t.add_link(0, 2, 0.3456789, "pcie")
+    g = t.subset([0, 1, 2]).graph
+    flow = lambda s, d: nx.maximum_flow_value(g, s, d, capacity="bandwidth_gbps")  # noqa: E731
+    assert bounds.broadcast_bound(t, [0, 1, 2], 0) == pytest.approx(min(flow(0, 1), flow(0, 2)), rel=1e-12)
+    assert bounds.allreduce_bound(t, [0, 1, 2]) == pytest.approx(
+        min(flow(u, v) for u in range(3) for v in range(3) if u != v), rel=1e-12)
