@@ -48,9 +48,8 @@ def ring_plan(topology, collective: str = "allreduce", *, devices=None, root=Non
     ring, a chain of weight b from / to ``root`` along the ring, ``rate_gbps`` = B.
     Raises PlanError: unknown collective, bad devices or root, GPUs with no ring between them.
     """
-    if collective not in ("allreduce", "broadcast", "reduce", "allgather", "reducescatter"):
-        raise PlanError(f"unknown collective {collective!r}; expected allreduce, broadcast, reduce, "
-                        f"allgather or reducescatter")
+    if collective not in collectives.COLLECTIVES:
+        raise PlanError(f"unknown collective {collective!r}; expected one of {tuple(collectives.COLLECTIVES)}")
     sharded = collectives.get(collective).sharded
     if sharded and root is not None:
         raise PlanError(f"{collective} has no root (every rank owns one shard); got root={root!r}")

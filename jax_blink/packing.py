@@ -49,7 +49,7 @@ from .errors import PlanError, TopologyError
 from .routes import RouteTable, solve_packing, solve_rooted_packing
 from .topology import Topology, _key
 
-COLLECTIVES = ("broadcast", "reduce", "allreduce", "allgather", "reducescatter")
+COLLECTIVES = tuple(_collectives.COLLECTIVES)
 #: The fields of a plan JSON (:meth:`Plan.to_dict`); "relays" is optional.
 PLAN_FIELDS = ("collective", "root", "devices", "rate_gbps", "bound_gbps", "algorithm", "trees")
 MILP_NODE_LIMIT = 200

@@ -297,7 +297,7 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
         gpus = tuple(all_ids[p] for p in members)
         if gpus not in cache:
             algorithm = mapping.effective_algorithm(key, topo, collective, gpus)
-            plans = _candidates(topo, collective, list(gpus), root, algorithm, key.max_trees)
+            plans = mapping.candidate_plans(topo, collective, list(gpus), root, algorithm, key.max_trees)
             if impl == "ffi" and platform == "cpu":
                 # The CPU executor walks each tile through the whole schedule while it is in cache, so
                 # its cost is memory passes, which the link simulator does not model: the packing
@@ -306,21 +306,11 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
                 plans = plans[:1]
                 if collectives.get(collective).sharded:
                     plans = [_shared_memory_stars(plans[0])]
-            cache[gpus] = _group_schedule(collective, plans, nelems, itemsize, impl, topo, key.chunk_elems)
+            _, cache[gpus], _ = costmodel.lowering_schedule(
+                plans, nelems, itemsize=itemsize, impl=impl, topology=topo, chunk_elems=key.chunk_elems)
         schedules.append(cache[gpus])
     return _lowering.LoweringRequest(collective=collective, schedules=tuple(schedules), device_table=table,
                                      groups=tuple(tuple(g) for g in groups), axis_names=tuple(axes))
-
-
-def _candidates(topo, collective, gpus, root, algorithm, max_trees):
-    """The cost model's candidate plans (every collective of ``collectives.COLLECTIVES``)."""
-    return mapping.candidate_plans(topo, collective, gpus, root, algorithm, max_trees)
-
-
-def _group_schedule(collective, plans, nelems, itemsize, impl, topo, chunk_elems):
-    """The least-predicted-time schedule over ``plans`` (``costmodel.lowering_schedule``)."""
-    return costmodel.lowering_schedule(plans, nelems, itemsize=itemsize, impl=impl, topology=topo,
-                                       chunk_elems=chunk_elems)[1]
 
 
 def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=None, vma=None):

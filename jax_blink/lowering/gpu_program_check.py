@@ -29,9 +29,11 @@ import time
 
 import numpy as np
 
+from .. import collectives as _collectives
+
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8",
           "uint16", "uint32", "uint64", "complex64", "complex128")
-COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reducescatter")  # = jax_blink.collectives
+COLLECTIVES = tuple(_collectives.COLLECTIVES)
 LAYOUTS = ("peer", "one-gpu", "no-peer")
 TOPOLOGY_DIR = pathlib.Path(__file__).resolve().parents[2] / "tests" / "data" / "topologies"
 
