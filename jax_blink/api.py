@@ -21,24 +21,17 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config, core, dtypes
-from jax._src.lax import lax as _lax
-from jax._src.lax import parallel as _parallel
 
-from . import collectives, mapping
+from . import collectives, lowering, mapping
+from ._jax_compat import abstract_mesh, check_vma, core, dtypes, lax_const, skip_one_sized_axes
+from ._jax_compat import validate_axis_index_groups
 from .errors import TopologyError
 from .topology import Topology
-from . import primitives as P
-from .lowering import LOWERINGS
-from .lowering import ppermute as _ppermute  # noqa: F401  (registers impl "ppermute")
-from .lowering import ffi as _ffi  # noqa: F401  (registers impl "ffi" where the native targets exist)
+from . import primitives as P  # registers the lowerings (ppermute, ffi where built)
 
 _SUPPORTED = {np.dtype(t) for t in (
     np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
     np.float16, np.float32, np.float64, np.complex64, np.complex128)} | {np.dtype(dtypes.bfloat16)}
-
-IMPLS = ("auto", "ppermute", "ffi")
-
 
 def _axes(axis_name) -> tuple:
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
@@ -47,10 +40,16 @@ def _axes(axis_name) -> tuple:
     return axes
 
 
+def impls() -> list[str]:
+    """The ``impl`` values the collectives take: "auto" and every lowering name of the registry
+    (``jax_blink.lowering``; a name whose native target is missing here fails at lowering, saying why)."""
+    return sorted({"auto", *lowering.names()})
+
+
 def _impl(impl) -> str:
     impl = "auto" if impl is None else impl
-    if impl not in IMPLS and impl not in LOWERINGS:
-        raise ValueError(f"impl must be one of {sorted(set(IMPLS) | set(LOWERINGS))} or None, got {impl!r}")
+    if impl not in impls():
+        raise ValueError(f"impl must be one of {impls()} or None, got {impl!r}")
     return impl
 
 
@@ -76,7 +75,7 @@ def _prepare(x, axes, api):
 
 def _vary(leaf, axes):
     """Under check_vma, make ``leaf`` varying over ``axes`` (lax.psum does the same via pvary)."""
-    if not config._check_vma.value:
+    if not check_vma():
         return leaf
     missing = tuple(a for a in axes if a not in core.typeof(leaf).mat.varying)
     return core.pvary(leaf, axis_name=missing) if missing else leaf
@@ -122,7 +121,7 @@ def _check_topology(key, axes, api) -> None:
         topo = spec if isinstance(spec, Topology) else mapping._load(spec)
     except TopologyError as err:
         raise TopologyError(f"{api}: topology={spec!r}: {err}") from None
-    mesh = _abstract_mesh()
+    mesh = abstract_mesh()
     if mesh is None or not set(axes) <= set(mesh.axis_names):
         return  # a vmap axis is not devices: nothing to count
     sizes = {"axes " + ", ".join(map(repr, axes)): math.prod(P.axis_sizes(axes)),
@@ -135,16 +134,6 @@ def _check_topology(key, axes, api) -> None:
             f"needs its own GPU of the topology; pass a topology with >= {n} GPUs (e.g. topology='host{n}' "
             "on CPU devices, or a machine preset / file of this machine), or leave topology unset to use "
             "the detected one")
-
-
-def _abstract_mesh():
-    """The mesh being traced under (shard_map, pmap), or None (vmap alone, or a jax without it)."""
-    try:
-        from jax._src.mesh import get_abstract_mesh
-        mesh = get_abstract_mesh()
-    except (ImportError, AttributeError):
-        return None
-    return None if mesh is None or getattr(mesh, "empty", True) else mesh
 
 
 def _check_root(root, size, axes, api) -> int:
@@ -164,7 +153,7 @@ def _check_root(root, size, axes, api) -> int:
 def _groups(axis_index_groups):
     if axis_index_groups is None:
         return None
-    _parallel._validate_reduce_axis_index_groups(axis_index_groups)
+    validate_axis_index_groups(axis_index_groups)
     return tuple(tuple(int(i) for i in g) for g in axis_index_groups)
 
 
@@ -204,7 +193,7 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
     onto the topology's GPUs.
     """
     _check_operand(x, "jax_blink.psum")
-    axes = _parallel._maybe_skip_one_sized_axes(_axes(axis_name))
+    axes = skip_one_sized_axes(_axes(axis_name))
     if not axes:
         return x
     P.check_axis_names(axes, "jax_blink.psum")
@@ -219,8 +208,8 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
     leaves, treedef, constant = _prepare(x, axes, "jax_blink.psum")
     if constant:
         size = len(groups[0]) if groups is not None else size
-        return jax.tree_util.tree_unflatten(treedef, [_lax._const(leaf, size) * leaf for leaf in leaves])
-    if config._check_vma.value:
+        return jax.tree_util.tree_unflatten(treedef, [lax_const(leaf, size) * leaf for leaf in leaves])
+    if check_vma():
         if groups is not None:
             raise NotImplementedError("axis_index_groups is not supported with shard_map(check_vma=True) "
                                       "(as lax.psum); use check_vma=False")
@@ -247,7 +236,7 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
             max_trees=None):
     api = f"jax_blink.{prim_name}"
     _check_operand(x, api)
-    axes = _parallel._maybe_skip_one_sized_axes(_axes(axis_name))
+    axes = skip_one_sized_axes(_axes(axis_name))
     if not axes:
         return x
     P.check_axis_names(axes, api)
@@ -261,7 +250,7 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
     leaves, treedef, constant = _prepare(x, axes, api)
     prim = {"broadcast": P.blink_broadcast_p, "reduce": P.blink_reduce_p}[prim_name]
     copies_only = not collectives.get(prim_name).reduces
-    vma = bool(config._check_vma.value)
+    vma = bool(check_vma())
     if copies_only:
         # broadcast moves values without adding: a bool operand stays bool (prepared as int32).
         was_bool = [dtypes.dtype(leaf) == np.bool_ for leaf in jax.tree_util.tree_leaves(x)]
@@ -312,7 +301,7 @@ def _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_
         if sorted(i for g in groups for i in g) != list(range(size)):
             raise ValueError(f"{api}: axis_index_groups {[list(g) for g in groups]} must cover every index of "
                              f"axes {axes} (size {size}) exactly once")
-        if config._check_vma.value:
+        if check_vma():
             raise NotImplementedError(f"axis_index_groups is not supported with shard_map(check_vma=True) "
                                       f"({api}, as lax); use check_vma=False")
         size = len(groups[0])
@@ -320,7 +309,7 @@ def _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_
     _check_topology(key, axes, api)
     leaves, treedef = _sharded_leaves(x, axes, api)
     params = dict(axes=axes, impl=_impl(impl), key=key, axis_index_groups=groups, axis_size=size,
-                  vma=bool(config._check_vma.value))
+                  vma=bool(check_vma()))
     return leaves, treedef, params
 
 

@@ -13,12 +13,14 @@ Users: ``packing.plan(nbytes=...)`` and ``jax-blink plan --size`` (:func:`choose
 (:func:`lowering_schedule`, from ``primitives.build_request``).
 
 Predicted time of a plan (:func:`simulated_time`): the link-level simulator
-(:func:`jax_blink.simulate.simulate`, per-send latency ``latency_us``). Native lowerings (FFI,
-per-tree pipelines with no global barrier) use it with their step latency as the per-send latency.
-The round-synchronous "ppermute" lowering pays a barrier per schedule round, which the simulator
-does not model; it uses the round model below over the same candidates.
+(:func:`jax_blink.simulate.simulate`, per-send latency ``latency_us``). Lowerings without a global
+barrier (native per-tree pipelines) use it with their step latency as the per-send latency. A
+round-synchronous lowering (such as "ppermute") pays a barrier per schedule round, which the
+simulator does not model; it uses the round model below over the same candidates. The step latency
+and the round-synchronous flag are properties of the lowering (its ``jax_blink.lowering.Lowering``
+record); this module takes them as arguments and knows no lowering by name.
 
-Round model (the "ppermute" lowering):
+Round model (round-synchronous lowerings):
 
 The bandwidth-optimal packing (Blink section 4.1) often has many trees (8 on ``Topology.host(8)``,
 17 for a dgx1v all-reduce), and every round of a :class:`~jax_blink.schedule.Schedule` is one
@@ -51,25 +53,12 @@ from .errors import PlanError, ScheduleError
 from .schedule import DEFAULT_MAX_TOTAL_CHUNKS, DEFAULT_STEP_LATENCY_S, Schedule, _depth, build_schedule
 from .simulate import DEFAULT_LATENCY_US, simulate
 
-#: Fixed cost of one schedule round per lowering, seconds. "ppermute": measured on 8 host CPU devices
-#: (jax 0.10.2, 2 cores): 20 chained jitted ``lax.ppermute`` of 16 bytes cost 97 us each over the
-#: empty program. "ffi": an in-process barrier between the device threads, a few us (estimate).
-STEP_LATENCY_S = {"ppermute": 100e-6, "ffi": 5e-6}
-
 #: ``packing.plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
 CANDIDATE_MAX_TREES = (None, 4, 2, 1)
-
-#: Lowerings with a barrier per schedule round (ranked by the round model, not the simulator).
-ROUND_SYNCHRONOUS = frozenset({"ppermute"})
 
 _CHOICES: "collections.OrderedDict" = collections.OrderedDict()
 _TIMES: "collections.OrderedDict" = collections.OrderedDict()
 _CACHE_SIZE = 4096
-
-
-def step_latency(impl: str) -> float:
-    """Per-round cost in seconds of lowering ``impl`` (unknown impls: the schedule's default)."""
-    return STEP_LATENCY_S.get(impl, DEFAULT_STEP_LATENCY_S)
 
 
 def plan_rate_gbps(plan) -> float:
@@ -258,19 +247,26 @@ def _choose_plan(topology, plans, nbytes, latency_us, algorithm="auto"):
     return dataclasses.replace(best, notes=best.notes + (note,))
 
 
-def lowering_schedule(plans, nelems: int, *, itemsize: int, impl: str, topology,
-                      chunk_elems: int | None = None):
-    """(plan, schedule, predicted seconds) a lowering ``impl`` runs, among ``plans`` (candidates).
+def lowering_schedule(plans, nelems: int, *, itemsize: int, step_latency_s: float, round_synchronous: bool,
+                      topology, chunk_elems: int | None = None):
+    """(plan, schedule, predicted seconds) a lowering runs, among ``plans`` (candidates).
 
-    Round-synchronous lowerings (ROUND_SYNCHRONOUS): :func:`choose_schedule` (round model) over all
-    plans and chunk counts. Others: the plan :func:`fastest` by the simulator with the lowering's
-    step latency as per-send latency, then its chunk count by :func:`choose_schedule`. Plans the
-    schedule cannot run (relays) are skipped.
+    Args:
+      plans: candidate ``packing.Plan`` objects (e.g. ``candidate_plans``), preferred first.
+      nelems: elements per rank; itemsize: bytes per element.
+      step_latency_s: the lowering's seconds per schedule step (> 0).
+      round_synchronous: the lowering pays a barrier per round: :func:`choose_schedule` (round
+        model) over all plans and chunk counts. Otherwise the plan :func:`fastest` by the simulator
+        with ``step_latency_s`` as per-send latency, then its chunk count by :func:`choose_schedule`.
+      topology: the ``Topology`` the plans were made on (for the simulator).
+      chunk_elems: fixed chunk size in elements, or None (chosen).
+
+    Plans the schedule cannot run (relays) are skipped; raises ScheduleError when none is left.
     """
     plans = [p for p in plans if not p.relays]
     if not plans:
         raise ScheduleError("no candidate plan can be scheduled on the job's devices")
-    lat = step_latency(impl)
-    if impl not in ROUND_SYNCHRONOUS and len(plans) > 1:
-        plans = [fastest(plans, nelems * itemsize, topology, lat * 1e6)[0]]
-    return choose_schedule(plans, nelems, itemsize=itemsize, step_latency_s=lat, chunk_elems=chunk_elems)
+    if not round_synchronous and len(plans) > 1:
+        plans = [fastest(plans, nelems * itemsize, topology, step_latency_s * 1e6)[0]]
+    return choose_schedule(plans, nelems, itemsize=itemsize, step_latency_s=step_latency_s,
+                           chunk_elems=chunk_elems)

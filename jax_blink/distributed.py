@@ -157,9 +157,10 @@ def exchange(value: str, *, timeout_s: float = 60.0) -> list[str]:
     """
     global _exchange_generation
     import jax
-    from jax._src import distributed as jd
 
-    client = jd.global_state.client
+    from ._jax_compat import distributed_client
+
+    client = distributed_client()
     if client is None:
         raise DistributedError("jax.distributed is not initialised: call jax_blink.distributed.initialize() "
                                "first (one process per node)")

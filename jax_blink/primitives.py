@@ -1,6 +1,11 @@
-"""JAX primitives for tree all-reduce, broadcast and reduce, with rules written like ``lax.psum``'s.
+"""JAX primitives for tree all-reduce, broadcast, reduce, all-gather and reduce-scatter, with rules
+written like ``lax.psum``'s.
 
-Modelled on ``jax/_src/lax/parallel.py`` (jax 0.10):
+Laid out as ``jax/_src/lax/parallel.py`` (jax 0.10) lays out ``psum_p`` / ``pmax_p``: the helpers the
+rules share first (axis checks, varying-axes typing, batching helpers, the choice of lowering,
+:func:`build_request`, the two lowering rules), then one block per primitive: its abstract eval,
+transpose, batcher and lowering, ending in one :func:`_define` call that creates the primitive and
+registers them all. Rules shared by primitives are one function bound with ``functools.partial``.
 
 - ``blink_psum_p``: ``psum_p`` semantics (``shard_map(check_vma=False)`` and ``pmap``): each
   device's output cotangent is its own, so the transpose is again a psum.
@@ -11,16 +16,19 @@ Modelled on ``jax/_src/lax/parallel.py`` (jax 0.10):
   transpose is a reduce to the root.
 - ``blink_reduce_p``: sum on the root, zeros elsewhere (output keeps the operand's vma); transpose is
   a broadcast from the root.
+- ``blink_all_gather_p`` / ``blink_reduce_scatter_p``: ``lax.all_gather`` / ``lax.psum_scatter``
+  (one operand per bind), each the other's transpose.
 
-Each takes a bucket of leaves of one dtype (``bind(*leaves)``, one result per leaf): the public API
-binds once per (dtype, varying axes) bucket, and the lowering runs one schedule over the bucket's
-total element count with the leaves where they are (no concatenate, no slices).
+The first four take a bucket of leaves of one dtype (``bind(*leaves)``, one result per leaf): the
+public API binds once per (dtype, varying axes) bucket, and the lowering runs one schedule over the
+bucket's total element count with the leaves where they are (no concatenate, no slices).
 All are linear (JVP applies the primitive to the tangents). Batching: a vmapped axis named in
 ``axes`` is reduced / selected locally on the batch dimension and the rest runs as a collective.
-Lowering: the schedule for each group (``jax_blink.schedule``) through the registry
+Lowering: the schedule for each group (``jax_blink.schedule``) through a record of the registry
 ``jax_blink.lowering`` (``impl``: "auto" | "ppermute" | "ffi" | any registered name).
 Params: ``axes`` (tuple of mesh axis names), ``impl`` (str), ``key`` (:class:`mapping.PlanKey`),
-``root`` (rank over ``axes``, broadcast/reduce), ``axis_index_groups`` (``blink_psum_p`` only).
+``root`` (rank over ``axes``, broadcast/reduce), ``axis_index_groups`` (``blink_psum_p`` and the
+sharded ones), ``vma`` (broadcast/reduce/sharded: check_vma on).
 """
 
 from __future__ import annotations
@@ -32,17 +40,16 @@ import numpy as np
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config, core, dispatch
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.lax import lax as _lax
-from jax._src.mesh import AbstractMesh
-from jax._src.sharding_impls import SPMDAxisContext
 
 from . import collectives, costmodel, mapping
 from . import lowering as _lowering
+from ._jax_compat import AbstractMesh, SPMDAxisContext, ad, batching, core, dispatch, lax_const, mlir
 from .errors import BlinkError
+from .lowering import ffi as _ffi  # noqa: F401  (registers the "ffi" records)
+from .lowering import ppermute as _ppermute  # registers the "ppermute" record
 
-# -------------------------------------------------------------------------------- helpers
+# ================================================================================ shared helpers
+# -------------------------------------------------------------------------------- axes
 
 
 def check_axis_names(axes, api_name: str) -> None:
@@ -64,6 +71,7 @@ def _effects(axes):
     return {core.NamedAxisEffect(a) for a in axes}
 
 
+# -------------------------------------------------------------------------------- varying-axes typing
 def _plain(aval):
     # check_vma off: no varying-axes typing (as lax's _allreduce_effectful_abstract_eval).
     return core.ShapedArray(aval.shape, aval.dtype, sharding=aval.sharding)
@@ -80,69 +88,20 @@ def _require_varying(aval, axes, name):
                          f"varying={set(aval.mat.varying)} (jax_blink's public API inserts pvary)")
 
 
-# -------------------------------------------------------------------------------- primitives
-
-blink_psum_p = core.Primitive("blink_psum")
-blink_psum_invariant_p = core.Primitive("blink_psum_invariant")
-blink_broadcast_p = core.Primitive("blink_broadcast")
-blink_reduce_p = core.Primitive("blink_reduce")
-
-# Each primitive takes a bucket of leaves (one dtype) and returns one result per leaf: one call site,
-# one schedule over the bucket's total size, no concatenate (the lowering passes the leaves as they are).
-for _p in (blink_psum_p, blink_psum_invariant_p, blink_broadcast_p, blink_reduce_p):
-    _p.multiple_results = True
-    _p.def_impl(functools.partial(dispatch.apply_primitive, _p))
-
-
-def _psum_abstract(*avals, axes, impl, key, axis_index_groups):
-    check_axis_names(axes, "jax_blink.psum")
-    return [_plain(a) for a in avals], _effects(axes)
-
-
-def _psum_invariant_abstract(*avals, axes, impl, key):
-    check_axis_names(axes, "jax_blink.psum")
+def _typed_avals(avals, axes, api, *, vma: bool, invariant: bool) -> list:
+    """Output avals of a bucket collective: plain ones with check_vma off; with it on, operands must
+    vary over ``axes`` and the outputs are invariant over them (``invariant``) or keep their vma."""
+    if not vma:
+        return [_plain(a) for a in avals]
     for a in avals:
-        _require_varying(a, axes, "jax_blink.psum")
-    return [_drop_vma(a, axes) for a in avals], _effects(axes)
+        _require_varying(a, axes, api)
+    return [_drop_vma(a, axes) for a in avals] if invariant else list(avals)
 
 
-def _broadcast_abstract(*avals, axes, root, impl, key, vma):
-    check_axis_names(axes, "jax_blink.broadcast")
-    if vma:
-        for a in avals:
-            _require_varying(a, axes, "jax_blink.broadcast")
-        return [_drop_vma(a, axes) for a in avals], _effects(axes)
-    return [_plain(a) for a in avals], _effects(axes)
-
-
-def _reduce_abstract(*avals, axes, root, impl, key, vma):
-    check_axis_names(axes, "jax_blink.reduce")
-    if vma:
-        for a in avals:
-            _require_varying(a, axes, "jax_blink.reduce")
-        return list(avals), _effects(axes)
-    return [_plain(a) for a in avals], _effects(axes)
-
-
-blink_psum_p.def_effectful_abstract_eval(_psum_abstract)
-blink_psum_invariant_p.def_effectful_abstract_eval(_psum_invariant_abstract)
-blink_broadcast_p.def_effectful_abstract_eval(_broadcast_abstract)
-blink_reduce_p.def_effectful_abstract_eval(_reduce_abstract)
-
-
-# -------------------------------------------------------------------------------- transposes
+# -------------------------------------------------------------------------------- AD and batching
 def _cts(cts, xs):
     # symbolic-zero cotangents become zeros: the bucket's call needs every operand
     return [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct for ct in cts]
-
-
-def _psum_transpose(cts, *xs, axes, impl, key, axis_index_groups):
-    # psum = psum + pbroadcast (lax's view), so its transpose sums the cotangents again.
-    return blink_psum_p.bind(*_cts(cts, xs), axes=axes, impl=impl, key=key, axis_index_groups=axis_index_groups)
-
-
-def _psum_invariant_transpose(cts, *xs, axes, impl, key):
-    return [core.pvary(ct, axis_name=axes) for ct in _cts(cts, xs)]
 
 
 def _root_mask(v, axes, root):
@@ -150,25 +109,11 @@ def _root_mask(v, axes, root):
     return jnp.where(lax.axis_index(axes) == root, v, jnp.zeros_like(v))
 
 
-def _broadcast_transpose(cts, *xs, axes, root, impl, key, vma):
-    cts = _cts(cts, xs)
-    if vma:  # one invariant cotangent: it flows to the root's operand only
-        return [_root_mask(core.pvary(ct, axis_name=axes), axes, root) for ct in cts]
-    return blink_reduce_p.bind(*cts, axes=axes, root=root, impl=impl, key=key, vma=False)
+def _local_sum(v, d, size: int):
+    """Sum of ``v`` over its batch dimension ``d`` (None: ``v`` is the same on all ``size`` entries)."""
+    return lax_const(v, size) * v if d is None else lax.reduce_sum(v, (d,))
 
 
-def _reduce_transpose(cts, *xs, axes, root, impl, key, vma):
-    out = blink_broadcast_p.bind(*_cts(cts, xs), axes=axes, root=root, impl=impl, key=key, vma=vma)
-    return [core.pvary(o, axis_name=axes) for o in out] if vma else out
-
-
-ad.deflinear2(blink_psum_p, _psum_transpose)
-ad.deflinear2(blink_psum_invariant_p, _psum_invariant_transpose)
-ad.deflinear2(blink_broadcast_p, _broadcast_transpose)
-ad.deflinear2(blink_reduce_p, _reduce_transpose)
-
-
-# -------------------------------------------------------------------------------- batching
 def _split_root(axes, root, name, size):
     """(batch index of the root, remaining axes, root rank over them) when ``name`` is vmapped."""
     sizes = [size if a == name else s for a, s in zip(axes, axis_sizes(axes))]
@@ -181,189 +126,26 @@ def _split_root(axes, root, name, size):
     return int(coords[k]), rest, rest_root
 
 
-def _psum_batcher(prim, axis_data, vals_in, dims_in, **params):
-    axes = params["axes"]
-    if axis_data.name not in axes:
-        return prim.bind(*vals_in, **params), list(dims_in)
-    if params.get("axis_index_groups") is not None:
-        raise NotImplementedError("axis_index_groups not supported in vmap collectives (as lax.psum)")
-    rest = tuple(a for a in axes if a != axis_data.name)
-    vs = [_lax._const(v, axis_data.size) * v if d is None else lax.reduce_sum(v, (d,))
-          for v, d in zip(vals_in, dims_in)]
-    if rest:
-        vs = prim.bind(*vs, **{**params, "axes": rest})
-    return list(vs), [None] * len(vs)
+def _only_axis(axis_data, params, api):
+    """lax's limits for vmap over a collective axis of a sharded collective."""
+    if params["axis_index_groups"] is not None:
+        raise NotImplementedError(f"{api}: axis_index_groups not supported in vmap (as lax)")
+    if len(params["axes"]) > 1:
+        raise NotImplementedError(f"{api} over several axes where one is a vmap axis is not supported (as lax)")
 
 
-def _broadcast_batcher(axis_data, vals_in, dims_in, *, axes, root, **params):
-    if axis_data.name not in axes:
-        return blink_broadcast_p.bind(*vals_in, axes=axes, root=root, **params), list(dims_in)
-    b, rest, rest_root = _split_root(axes, root, axis_data.name, axis_data.size)
-    vs = [v if d is None else lax.index_in_dim(v, b, d, keepdims=False) for v, d in zip(vals_in, dims_in)]
-    if rest:
-        vs = blink_broadcast_p.bind(*vs, axes=rest, root=rest_root, **params)
-    return list(vs), [None] * len(vs)
+def _batch_dims(dim, d, tiled, shift):
+    """A batch dimension ``d`` outside the collective's axes (lax's rule): (collective dimension,
+    output batch dimension). ``shift``: how the untiled collective changes the rank (+1 gather, -1
+    scatter), moving a batch dimension after it."""
+    if d is None:
+        return dim, d
+    if d <= dim:
+        return dim + 1, d
+    return dim, d if tiled else d + shift
 
 
-def _reduce_batcher(axis_data, vals_in, dims_in, *, axes, root, **params):
-    if axis_data.name not in axes:
-        return blink_reduce_p.bind(*vals_in, axes=axes, root=root, **params), list(dims_in)
-    b, rest, rest_root = _split_root(axes, root, axis_data.name, axis_data.size)
-    ss = [_lax._const(v, axis_data.size) * v if d is None else lax.reduce_sum(v, (d,))
-          for v, d in zip(vals_in, dims_in)]
-    if rest:
-        ss = blink_reduce_p.bind(*ss, axes=rest, root=rest_root, **params)
-    out = []
-    for s in ss:
-        here = (lax.iota(np.int32, axis_data.size) == b).reshape((axis_data.size,) + (1,) * s.ndim)
-        out.append(jnp.where(here, s[None], jnp.zeros_like(s)[None]))
-    return out, [0] * len(out)
-
-
-batching.fancy_primitive_batchers[blink_psum_p] = functools.partial(_psum_batcher, blink_psum_p)
-batching.fancy_primitive_batchers[blink_psum_invariant_p] = functools.partial(_psum_batcher, blink_psum_invariant_p)
-batching.fancy_primitive_batchers[blink_broadcast_p] = _broadcast_batcher
-batching.fancy_primitive_batchers[blink_reduce_p] = _reduce_batcher
-
-
-# -------------------------------------------------------------------------------- lowering
-def _native_auto_allowed(platform: str) -> bool:
-    from .lowering import ffi as _ffi  # registers the ffi lowerings; imported late (it imports jax)
-    return _ffi.native_auto_allowed(platform)
-
-
-def choose_lowering(impl: str, platforms, processes: int = 1) -> tuple[str, object]:
-    """(impl name, rule) for ``impl`` on the module's platforms. Raises BlinkError if unavailable.
-
-    "auto" = "ffi" when registered for every platform of the module, the mesh lies in one process
-    (``processes == 1``; the custom call meets its peers in process memory) and, on GPUs, the native
-    executor passed ``jax_blink.selftest()`` here (``lowering.ffi.native_auto_allowed``), else "ppermute".
-    """
-    platforms = list(platforms)
-    if impl == "auto":
-        rules = [_lowering.find_lowering("ffi", p) for p in platforms]
-        if (processes == 1 and all(r is not None for r in rules) and len(set(rules)) == 1
-                and all(_native_auto_allowed(p) for p in platforms)):
-            return "ffi", rules[0]
-        impl = "ppermute"
-    if impl == "ffi" and processes > 1:
-        raise BlinkError(f"jax_blink impl='ffi' runs inside one process, but this mesh spans {processes} "
-                         "processes (jax.distributed); use impl='auto' or impl='ppermute', which lower to "
-                         "collective_permute across processes")
-    rules = [_lowering.find_lowering(impl, p) for p in platforms]
-    if any(r is None for r in rules) or len(set(rules)) != 1:
-        have = sorted(_lowering.LOWERINGS)
-        raise BlinkError(f"jax_blink impl={impl!r} has no lowering registered for platform(s) {platforms} "
-                         f"(registered impls: {have}). Build/install the native extension for the "
-                         "'ffi' impl, or use impl='ppermute' (portable) or impl='auto'")
-    return impl, rules[0]
-
-
-def _shared_memory_stars(plan):
-    """For the CPU executor: the sharded ``plan`` as one star per owner (owner -> every other rank
-    directly), each with the owner's total weight.
-
-    In host memory a tree hop is a pass over the chunk, not a link: a star makes every shard one
-    fused copy (all-gather: owner -> n - 1 outputs) or one fused sum (reduce-scatter: n - 1 inputs
-    added into the owner's output), the fewest memory passes, where a deeper packed tree would
-    materialise a partial result at every interior rank. Data flow and results are those of any
-    valid per-owner packing; only the shape of the trees differs."""
-    from .packing import Plan, Tree
-    weight = {}
-    for t in plan.trees:
-        weight[t.root] = weight.get(t.root, 0.0) + t.weight_gbps
-    trees = tuple(Tree(d, weight.get(d, 0.0), tuple((d, c) for c in plan.devices if c != d))
-                  for d in plan.devices)
-    return Plan(plan.collective, None, tuple(plan.devices), trees, plan.rate_gbps, plan.bound_gbps, plan.algorithm,
-                plan.notes + ("executed as one star per owner by the CPU executor (host memory)",))
-
-
-@functools.lru_cache(maxsize=256)
-def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, key,
-                  nelems: int, itemsize: int, platform: str, impl: str = "ppermute") -> _lowering.LoweringRequest:
-    """The LoweringRequest for one call site: groups, device table, one schedule per group.
-
-    Each group's schedule is the least predicted time over ``mapping.candidate_plans`` and chunk
-    counts (:func:`jax_blink.costmodel.lowering_schedule`, step latency of lowering ``impl``); the CPU
-    "ffi" executor keeps the first candidate (the packing) and chooses only its chunks."""
-    groups = mapping.mesh_groups(tuple(mesh.devices.shape), tuple(mesh.axis_names), axes,
-                                 axis_index_groups)
-    flat = list(mesh.devices.flat)
-    table = mapping.device_table(flat, groups)
-    all_ids = mapping.map_devices(flat, key)
-    topo = mapping.resolve_topology(key.topology, platform, all_ids)
-    schedules, cache = [], {}
-    for members in groups:
-        gpus = tuple(all_ids[p] for p in members)
-        if gpus not in cache:
-            algorithm = mapping.effective_algorithm(key, topo, collective, gpus)
-            plans = mapping.candidate_plans(topo, collective, list(gpus), root, algorithm, key.max_trees)
-            if impl == "ffi" and platform == "cpu":
-                # The CPU executor walks each tile through the whole schedule while it is in cache, so
-                # its cost is memory passes, which the link simulator does not model: the packing
-                # (first candidate) reads every input once and writes every output once, a ring writes
-                # every rank twice (measured 1.6-1.7x slower at 1-16 MiB per device on 8 devices).
-                plans = plans[:1]
-                if collectives.get(collective).sharded:
-                    plans = [_shared_memory_stars(plans[0])]
-            _, cache[gpus], _ = costmodel.lowering_schedule(
-                plans, nelems, itemsize=itemsize, impl=impl, topology=topo, chunk_elems=key.chunk_elems)
-        schedules.append(cache[gpus])
-    return _lowering.LoweringRequest(collective=collective, schedules=tuple(schedules), device_table=table,
-                                     groups=tuple(tuple(g) for g in groups), axis_names=tuple(axes))
-
-
-def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=None, vma=None):
-    axis_ctx = ctx.module_context.axis_context
-    if not isinstance(axis_ctx, SPMDAxisContext) or isinstance(axis_ctx.mesh, AbstractMesh):
-        raise BlinkError(f"jax_blink.{collective} needs a concrete device mesh at lowering (jax.pmap or "
-                         f"jax.shard_map with a jax.sharding.Mesh); got axis context {type(axis_ctx).__name__}")
-    platforms = ctx.module_context.platforms
-    nproc = len({d.process_index for d in axis_ctx.mesh.devices.flat})
-    impl_name, rule = choose_lowering(impl, platforms, nproc)
-    # Zero-size leaves take no part (their results are themselves); the rest go to the rule as they are.
-    live = [i for i, a in enumerate(ctx.avals_in) if math.prod(a.shape) > 0]
-    outs = list(xs)
-    if not live:
-        return outs
-    avals = [ctx.avals_in[i] for i in live]
-    dtype = avals[0].dtype
-    if any(a.dtype != dtype for a in avals):
-        raise BlinkError(f"jax_blink.{collective}: one call takes leaves of one dtype, got "
-                         f"{sorted({str(a.dtype) for a in avals})} (the public API buckets by dtype)")
-    def request_for(n: int) -> _lowering.LoweringRequest:
-        return build_request(collective, axis_ctx.mesh, tuple(axes), axis_index_groups, root, key,
-                             n, np.dtype(dtype).itemsize, platforms[0], impl_name)
-
-    sub = ctx.replace(avals_in=avals, avals_out=[ctx.avals_out[i] for i in live])
-    for i, o in zip(live, rule(sub, [xs[i] for i in live], request_for)):
-        outs[i] = o
-    return outs
-
-
-# cacheable=False: every call site gets its own lowering (the ffi lowering numbers call sites, so two
-# identical psums in one program never share a meeting).
-mlir.register_lowering(blink_psum_p, functools.partial(_lower, "allreduce"), cacheable=False)
-mlir.register_lowering(blink_psum_invariant_p, functools.partial(_lower, "allreduce"), cacheable=False)
-mlir.register_lowering(blink_broadcast_p, functools.partial(_lower, "broadcast"), cacheable=False)
-mlir.register_lowering(blink_reduce_p, functools.partial(_lower, "reduce"), cacheable=False)
-
-
-# ================================================================================ sharded collectives
-# All-gather and reduce-scatter (ForestColl, Zhao et al. 2024, section 3: each shard broadcast from /
-# reduced to its owner along its own trees), with ``lax.all_gather`` / ``lax.psum_scatter``'s rules
-# (jax/_src/lax/parallel.py: all_gather_p, reduce_scatter_p): one operand per bind, output keeps the
-# operand's varying axes (check_vma on; the public API pvaries the operand first), transpose of one is
-# the other, vmap over a collective axis is local (stack / sum-and-split).
-# Params: axes, impl, key, axis_index_groups, axis_size (ranks per group), tiled, vma, and
-# all_gather_dimension / scatter_dimension.
-
-blink_all_gather_p = core.Primitive("blink_all_gather")
-blink_reduce_scatter_p = core.Primitive("blink_reduce_scatter")
-for _p in (blink_all_gather_p, blink_reduce_scatter_p):
-    _p.def_impl(functools.partial(dispatch.apply_primitive, _p))
-
-
+# -------------------------------------------------------------------------------- sharded shapes
 def all_gather_shape(shape, dim: int, n: int, tiled: bool) -> tuple:
     """Output shape of all-gathering a ``shape`` shard over ``n`` ranks at ``dim`` (lax.all_gather)."""
     shape = list(shape)
@@ -406,94 +188,152 @@ def _sharded_out(aval, shape, axes, vma):
     return core.ShapedArray(shape, aval.dtype, sharding=aval.sharding)
 
 
-def _all_gather_abstract(x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma, all_gather_dimension):
-    check_axis_names(axes, "jax_blink.all_gather")
-    shape = all_gather_shape(x.shape, all_gather_dimension, axis_size, tiled)
-    return _sharded_out(x, shape, axes, vma), _effects(axes)
+# -------------------------------------------------------------------------------- choice of lowering
+def _auto_candidates(platforms) -> list:
+    """Records ``impl="auto"`` may take on every one of ``platforms`` (one record for all), by priority."""
+    out = []
+    for name in _lowering.names():
+        recs = [_lowering.find_lowering(name, p) for p in platforms]
+        if recs and all(r is not None for r in recs) and len(set(recs)) == 1 and recs[0].auto_priority is not None:
+            out.append(recs[0])
+    return sorted(out, key=lambda r: r.auto_priority)
 
 
-def _reduce_scatter_abstract(x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma, scatter_dimension):
-    check_axis_names(axes, "jax_blink.psum_scatter")
-    shape = reduce_scatter_shape(x.shape, scatter_dimension, axis_size, tiled)
-    return _sharded_out(x, shape, axes, vma), _effects(axes)
+def choose_lowering(impl: str, platforms, processes: int = 1) -> _lowering.Lowering:
+    """The lowering record for ``impl`` on the module's platforms. Raises BlinkError if unavailable.
+
+    "auto" = the usable record with the lowest ``auto_priority`` that is registered for every platform
+    of the module, runs on ``processes`` processes (``multi_process`` when more than one) and whose
+    ``auto_allowed`` predicate agrees: "ffi" (on GPUs only once the native executor passed
+    ``jax_blink.selftest()`` here, ``lowering.ffi.native_auto_allowed``) when the mesh lies in one
+    process, else "ppermute". An explicit ``impl`` must be usable on every platform, and
+    multi-process capable when ``processes > 1``.
+    """
+    platforms = list(platforms)
+    if impl == "auto":
+        for rec in _auto_candidates(platforms):
+            if ((processes == 1 or rec.multi_process)
+                    and all(rec.auto_allowed is None or rec.auto_allowed(p) for p in platforms)):
+                return rec
+        raise BlinkError(f"jax_blink impl='auto': no registered lowering runs on platform(s) {platforms} over "
+                         f"{processes} process(es) (registered impls: {_lowering.usable_names()})")
+    known = _lowering.LOWERINGS.get(impl, {}).values()
+    if processes > 1 and known and not any(r.multi_process for r in known):
+        others = " or ".join(f"impl={r.name!r} ({r.description})" for r in _auto_candidates(platforms)
+                             if r.multi_process)
+        raise BlinkError(f"jax_blink impl={impl!r} runs inside one process, but this mesh spans {processes} "
+                         f"processes (jax.distributed); use impl='auto' or {others}, which run across processes")
+    recs = [_lowering.find_lowering(impl, p) for p in platforms]
+    if any(r is None for r in recs) or len(set(recs)) != 1:
+        why = [f"{impl!r} on {p}: {r.unavailable}" for p in platforms
+               if (r := _lowering.record(impl, p)) is not None and r.unavailable]
+        raise BlinkError(f"jax_blink impl={impl!r} has no lowering registered for platform(s) {platforms} "
+                         f"(registered impls: {_lowering.usable_names()}"
+                         f"{''.join('; ' + w for w in why)}). Build/install the native extension for the "
+                         "'ffi' impl, or use impl='ppermute' (portable) or impl='auto'")
+    return recs[0]
 
 
-blink_all_gather_p.def_effectful_abstract_eval(_all_gather_abstract)
-blink_reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract)
+# -------------------------------------------------------------------------------- lowering requests
+def _shared_memory_stars(plan):
+    """For the CPU executor: the sharded ``plan`` as one star per owner (owner -> every other rank
+    directly), each with the owner's total weight.
+
+    In host memory a tree hop is a pass over the chunk, not a link: a star makes every shard one
+    fused copy (all-gather: owner -> n - 1 outputs) or one fused sum (reduce-scatter: n - 1 inputs
+    added into the owner's output), the fewest memory passes, where a deeper packed tree would
+    materialise a partial result at every interior rank. Data flow and results are those of any
+    valid per-owner packing; only the shape of the trees differs."""
+    from .packing import Plan, Tree
+    weight = {}
+    for t in plan.trees:
+        weight[t.root] = weight.get(t.root, 0.0) + t.weight_gbps
+    trees = tuple(Tree(d, weight.get(d, 0.0), tuple((d, c) for c in plan.devices if c != d))
+                  for d in plan.devices)
+    return Plan(plan.collective, None, tuple(plan.devices), trees, plan.rate_gbps, plan.bound_gbps, plan.algorithm,
+                plan.notes + ("executed as one star per owner by the CPU executor (host memory)",))
 
 
-def _all_gather_transpose(ct, x, *, all_gather_dimension, **params):
-    ct = ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct
-    return [blink_reduce_scatter_p.bind(ct, scatter_dimension=all_gather_dimension, **params)]
+@functools.lru_cache(maxsize=256)
+def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, key,
+                  nelems: int, itemsize: int, platform: str, impl: str = "ppermute") -> _lowering.LoweringRequest:
+    """The LoweringRequest for one call site: groups, device table, one schedule per group.
+
+    Each group's schedule is the least predicted time over ``mapping.candidate_plans`` and chunk
+    counts (:func:`jax_blink.costmodel.lowering_schedule` with the step latency and round-synchronous
+    flag of lowering ``impl``'s record on ``platform``, usable here or not); a host-memory executor
+    (the record's ``host_memory``: the CPU "ffi") keeps the first candidate (the packing) and chooses
+    only its chunks. Raises BlinkError for an ``impl`` with no record."""
+    rec = _lowering.record(impl, platform)
+    if rec is None:
+        raise BlinkError(f"jax_blink: no lowering {impl!r} is registered (registered: {_lowering.names()})")
+    groups = mapping.mesh_groups(tuple(mesh.devices.shape), tuple(mesh.axis_names), axes,
+                                 axis_index_groups)
+    flat = list(mesh.devices.flat)
+    table = mapping.device_table(flat, groups)
+    all_ids = mapping.map_devices(flat, key)
+    topo = mapping.resolve_topology(key.topology, platform, all_ids)
+    schedules, cache = [], {}
+    for members in groups:
+        gpus = tuple(all_ids[p] for p in members)
+        if gpus not in cache:
+            algorithm = mapping.effective_algorithm(key, topo, collective, gpus)
+            plans = mapping.candidate_plans(topo, collective, list(gpus), root, algorithm, key.max_trees)
+            if rec.host_memory:
+                # The CPU executor walks each tile through the whole schedule while it is in cache, so
+                # its cost is memory passes, which the link simulator does not model: the packing
+                # (first candidate) reads every input once and writes every output once, a ring writes
+                # every rank twice (measured 1.6-1.7x slower at 1-16 MiB per device on 8 devices).
+                plans = plans[:1]
+                if collectives.get(collective).sharded:
+                    plans = [_shared_memory_stars(plans[0])]
+            _, cache[gpus], _ = costmodel.lowering_schedule(
+                plans, nelems, itemsize=itemsize, step_latency_s=rec.step_latency_s,
+                round_synchronous=rec.round_synchronous, topology=topo, chunk_elems=key.chunk_elems)
+        schedules.append(cache[gpus])
+    return _lowering.LoweringRequest(collective=collective, schedules=tuple(schedules), device_table=table,
+                                     groups=tuple(tuple(g) for g in groups), axis_names=tuple(axes))
 
 
-def _reduce_scatter_transpose(ct, x, *, scatter_dimension, **params):
-    ct = ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct
-    return [blink_all_gather_p.bind(ct, all_gather_dimension=scatter_dimension, **params)]
+def _concrete_mesh(collective, ctx):
+    """The device mesh of a call site; BlinkError when it has none (an abstract mesh, no mesh)."""
+    axis_ctx = ctx.module_context.axis_context
+    if not isinstance(axis_ctx, SPMDAxisContext) or isinstance(axis_ctx.mesh, AbstractMesh):
+        raise BlinkError(f"jax_blink.{collective} needs a concrete device mesh at lowering (jax.pmap or "
+                         f"jax.shard_map with a jax.sharding.Mesh); got axis context {type(axis_ctx).__name__}")
+    return axis_ctx.mesh
 
 
-ad.deflinear2(blink_all_gather_p, _all_gather_transpose)
-ad.deflinear2(blink_reduce_scatter_p, _reduce_scatter_transpose)
+def _site_lowering(ctx, mesh, impl) -> _lowering.Lowering:
+    """The lowering record for ``impl`` at a call site (its platforms, its mesh's process count)."""
+    nproc = len({d.process_index for d in mesh.devices.flat})
+    return choose_lowering(impl, ctx.module_context.platforms, nproc)
 
 
-def _only_axis(axis_data, params, api):
-    """lax's limits for vmap over a collective axis of a sharded collective."""
-    if params["axis_index_groups"] is not None:
-        raise NotImplementedError(f"{api}: axis_index_groups not supported in vmap (as lax)")
-    if len(params["axes"]) > 1:
-        raise NotImplementedError(f"{api} over several axes where one is a vmap axis is not supported (as lax)")
+# -------------------------------------------------------------------------------- lowering rules
+def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=None, vma=None):
+    """Lowering of the bucket primitives: the chosen record's rule over the non-empty leaves."""
+    mesh = _concrete_mesh(collective, ctx)
+    rec = _site_lowering(ctx, mesh, impl)
+    # Zero-size leaves take no part (their results are themselves); the rest go to the rule as they are.
+    live = [i for i, a in enumerate(ctx.avals_in) if math.prod(a.shape) > 0]
+    outs = list(xs)
+    if not live:
+        return outs
+    avals = [ctx.avals_in[i] for i in live]
+    dtype = avals[0].dtype
+    if any(a.dtype != dtype for a in avals):
+        raise BlinkError(f"jax_blink.{collective}: one call takes leaves of one dtype, got "
+                         f"{sorted({str(a.dtype) for a in avals})} (the public API buckets by dtype)")
 
+    def request_for(n: int) -> _lowering.LoweringRequest:
+        return build_request(collective, mesh, tuple(axes), axis_index_groups, root, key,
+                             n, np.dtype(dtype).itemsize, ctx.module_context.platforms[0], rec.name)
 
-def _batch_dims(dim, d, tiled, shift):
-    """A batch dimension ``d`` outside the collective's axes (lax's rule): (collective dimension,
-    output batch dimension). ``shift``: how the untiled collective changes the rank (+1 gather, -1
-    scatter), moving a batch dimension after it."""
-    if d is None:
-        return dim, d
-    if d <= dim:
-        return dim + 1, d
-    return dim, d if tiled else d + shift
-
-
-def _all_gather_batcher(axis_data, vals_in, dims_in, *, all_gather_dimension, **params):
-    (x,), (d,) = vals_in, dims_in
-    dim, tiled = all_gather_dimension, params["tiled"]
-    if axis_data.name not in params["axes"]:
-        dim, d = _batch_dims(dim, d, tiled, +1)
-        return blink_all_gather_p.bind(x, all_gather_dimension=dim, **params), d
-    _only_axis(axis_data, params, "jax_blink.all_gather")
-    n = axis_data.size
-    if d is None:
-        shape = list(x.shape)
-        shape.insert(dim, n)
-        y = lax.broadcast_in_dim(x, shape, [i for i in range(len(shape)) if i != dim])
-    else:
-        y = jnp.moveaxis(x, d, dim)
-    if tiled:  # fold the gathered axis into the next one
-        y = y.reshape(y.shape[:dim] + (y.shape[dim] * y.shape[dim + 1],) + y.shape[dim + 2:])
-    return y, None
-
-
-def _reduce_scatter_batcher(axis_data, vals_in, dims_in, *, scatter_dimension, **params):
-    (x,), (d,) = vals_in, dims_in
-    dim, tiled = scatter_dimension, params["tiled"]
-    if axis_data.name not in params["axes"]:
-        dim, d = _batch_dims(dim, d, tiled, -1)
-        return blink_reduce_scatter_p.bind(x, scatter_dimension=dim, **params), d
-    _only_axis(axis_data, params, "jax_blink.psum_scatter")
-    n = axis_data.size
-    if d is None:
-        s = _lax._const(x, n) * x
-    else:
-        s = lax.reduce_sum(x, (d,))
-    reduce_scatter_shape(s.shape, dim, n, tiled)  # lax's shape errors
-    if tiled:  # split the scattered axis into (ranks, block): the ranks axis is the batch axis
-        s = s.reshape(s.shape[:dim] + (n, s.shape[dim] // n) + s.shape[dim + 1:])
-    return s, dim
-
-
-batching.fancy_primitive_batchers[blink_all_gather_p] = _all_gather_batcher
-batching.fancy_primitive_batchers[blink_reduce_scatter_p] = _reduce_scatter_batcher
+    sub = ctx.replace(avals_in=avals, avals_out=[ctx.avals_out[i] for i in live])
+    for i, o in zip(live, rec.rule(sub, [xs[i] for i in live], request_for)):
+        outs[i] = o
+    return outs
 
 
 def _rank_table(request, ndevices: int) -> np.ndarray:
@@ -505,16 +345,21 @@ def _rank_table(request, ndevices: int) -> np.ndarray:
     return ranks
 
 
+def _rs_layout(v, dim, n, tiled):
+    """The reduce-scatter operand as [n, *shard shape]: shard r = block r along ``dim``."""
+    shape = v.shape
+    k = shape[dim] // n if tiled else 1
+    y = v.reshape(shape[:dim] + (n, k) + shape[dim + 1:])
+    return jnp.moveaxis(y, dim, 0)
+
+
 def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma,
                    all_gather_dimension=None, scatter_dimension=None):
     """All-gather: place the shard at the rank's position of a zero full buffer, run the schedule,
     fold to the output shape. Reduce-scatter: lay the operand out as n shards, run, slice the own shard.
-    Both lowerings (ppermute, ffi) see only full buffers."""
-    from .lowering.ppermute import _position_p
-    axis_ctx = ctx.module_context.axis_context
-    if not isinstance(axis_ctx, SPMDAxisContext) or isinstance(axis_ctx.mesh, AbstractMesh):
-        raise BlinkError(f"jax_blink.{collective} needs a concrete device mesh at lowering (jax.pmap or "
-                         f"jax.shard_map with a jax.sharding.Mesh); got axis context {type(axis_ctx).__name__}")
+    The lowering rules see only full buffers, except an all-gather rule whose record says
+    ``shard_input`` (it takes the shard and places it itself)."""
+    mesh = _concrete_mesh(collective, ctx)
     aval_in, aval_out = ctx.avals_in[0], ctx.avals_out[0]
     n = axis_size
     gather = collectives.get(collective).input == "shard"  # all-gather: shard in, whole out
@@ -529,20 +374,18 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
         return mlir.lower_fun(f, multiple_results=False)(
             ctx.replace(primitive=None, avals_in=[core.ShapedArray(aval_in.shape, aval_in.dtype)],
                         avals_out=[core.ShapedArray(aval_out.shape, aval_out.dtype)]), x)
-    platforms = ctx.module_context.platforms
-    nproc = len({d.process_index for d in axis_ctx.mesh.devices.flat})
-    impl_name, rule = choose_lowering(impl, platforms, nproc)
+    rec = _site_lowering(ctx, mesh, impl)
 
     def request_for(nelems: int) -> _lowering.LoweringRequest:
-        return build_request(collective, axis_ctx.mesh, tuple(axes), axis_index_groups, None, key,
-                             nelems, np.dtype(aval_in.dtype).itemsize, platforms[0], impl_name)
+        return build_request(collective, mesh, tuple(axes), axis_index_groups, None, key,
+                             nelems, np.dtype(aval_in.dtype).itemsize, ctx.module_context.platforms[0], rec.name)
 
-    ranks = _rank_table(request_for(n * m), axis_ctx.mesh.size)
+    ranks = _rank_table(request_for(n * m), mesh.size)
     plain_in = core.ShapedArray(aval_in.shape, aval_in.dtype)
     plain_out = core.ShapedArray(aval_out.shape, aval_out.dtype)
     if gather:
         def pre(v):
-            me = jnp.asarray(ranks)[_position_p.bind()]
+            me = jnp.asarray(ranks)[_ppermute._position_p.bind()]
             return lax.dynamic_update_slice(jnp.zeros((n * m,), v.dtype), v.reshape(-1), (me * m,))
 
         def post(v):
@@ -553,27 +396,209 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
             return _rs_layout(v, scatter_dimension, n, tiled).reshape(-1)
 
         def post(v):
-            me = jnp.asarray(ranks)[_position_p.bind()]
+            me = jnp.asarray(ranks)[_ppermute._position_p.bind()]
             return lax.dynamic_slice(v, (me * m,), (m,)).reshape(aval_out.shape)
-    if gather and getattr(rule, "shard_input", False):  # the executor places the shard itself
-        out, = rule(ctx.replace(avals_in=[core.ShapedArray((m,), aval_in.dtype)], avals_out=[full]),
-                    [mlir.reshape(ctx, x, core.ShapedArray((m,), aval_in.dtype))], request_for)
+    if gather and rec.shard_input:  # the executor places the shard itself
+        out, = rec.rule(ctx.replace(avals_in=[core.ShapedArray((m,), aval_in.dtype)], avals_out=[full]),
+                        [mlir.reshape(ctx, x, core.ShapedArray((m,), aval_in.dtype))], request_for)
     else:
         placed, = mlir.lower_fun(pre, multiple_results=False)(
             ctx.replace(primitive=None, avals_in=[plain_in], avals_out=[full]), x)
-        out, = rule(ctx.replace(avals_in=[full], avals_out=[full]), [placed], request_for)
+        out, = rec.rule(ctx.replace(avals_in=[full], avals_out=[full]), [placed], request_for)
     return mlir.lower_fun(post, multiple_results=False)(
         ctx.replace(primitive=None, avals_in=[full], avals_out=[plain_out]), out)
 
 
-def _rs_layout(v, dim, n, tiled):
-    """The reduce-scatter operand as [n, *shard shape]: shard r = block r along ``dim``."""
-    shape = v.shape
-    k = shape[dim] // n if tiled else 1
-    y = v.reshape(shape[:dim] + (n, k) + shape[dim + 1:])
-    return jnp.moveaxis(y, dim, 0)
+# -------------------------------------------------------------------------------- registration
+def _define(name: str, *, multiple_results: bool, abstract_eval, transpose, batcher, lowering) -> core.Primitive:
+    """A new primitive ``name`` with its rules registered: ``batcher(prim, axis_data, vals, dims,
+    **params)`` gets the primitive first. Lowered with ``cacheable=False``: every call site gets its
+    own lowering (the ffi lowering numbers call sites, so two identical psums in one program never
+    share a meeting)."""
+    prim = core.Primitive(name)
+    prim.multiple_results = multiple_results
+    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+    prim.def_effectful_abstract_eval(abstract_eval)
+    ad.deflinear2(prim, transpose)
+    batching.fancy_primitive_batchers[prim] = functools.partial(batcher, prim)
+    mlir.register_lowering(prim, lowering, cacheable=False)
+    return prim
 
 
-mlir.register_lowering(blink_all_gather_p, functools.partial(_lower_sharded, "allgather"), cacheable=False)
-mlir.register_lowering(blink_reduce_scatter_p, functools.partial(_lower_sharded, "reducescatter"),
-                       cacheable=False)
+# ================================================================================ psum (check_vma off)
+def _psum_abstract(*avals, axes, impl, key, axis_index_groups):
+    check_axis_names(axes, "jax_blink.psum")
+    return _typed_avals(avals, axes, "jax_blink.psum", vma=False, invariant=True), _effects(axes)
+
+
+def _psum_transpose(cts, *xs, axes, impl, key, axis_index_groups):
+    # psum = psum + pbroadcast (lax's view), so its transpose sums the cotangents again.
+    return blink_psum_p.bind(*_cts(cts, xs), axes=axes, impl=impl, key=key, axis_index_groups=axis_index_groups)
+
+
+def _psum_batcher(prim, axis_data, vals_in, dims_in, **params):
+    """Both psums: a vmapped axis of ``axes`` is summed locally, the other axes run as a collective."""
+    axes = params["axes"]
+    if axis_data.name not in axes:
+        return prim.bind(*vals_in, **params), list(dims_in)
+    if params.get("axis_index_groups") is not None:
+        raise NotImplementedError("axis_index_groups not supported in vmap collectives (as lax.psum)")
+    rest = tuple(a for a in axes if a != axis_data.name)
+    vs = [_local_sum(v, d, axis_data.size) for v, d in zip(vals_in, dims_in)]
+    if rest:
+        vs = prim.bind(*vs, **{**params, "axes": rest})
+    return list(vs), [None] * len(vs)
+
+
+blink_psum_p = _define("blink_psum", multiple_results=True, abstract_eval=_psum_abstract,
+                       transpose=_psum_transpose, batcher=_psum_batcher,
+                       lowering=functools.partial(_lower, "allreduce"))
+
+
+# ================================================================================ psum (check_vma on)
+def _psum_invariant_abstract(*avals, axes, impl, key):
+    check_axis_names(axes, "jax_blink.psum")
+    return _typed_avals(avals, axes, "jax_blink.psum", vma=True, invariant=True), _effects(axes)
+
+
+def _psum_invariant_transpose(cts, *xs, axes, impl, key):
+    return [core.pvary(ct, axis_name=axes) for ct in _cts(cts, xs)]
+
+
+blink_psum_invariant_p = _define("blink_psum_invariant", multiple_results=True,
+                                 abstract_eval=_psum_invariant_abstract, transpose=_psum_invariant_transpose,
+                                 batcher=_psum_batcher, lowering=functools.partial(_lower, "allreduce"))
+
+
+# ================================================================================ broadcast
+def _broadcast_abstract(*avals, axes, root, impl, key, vma):
+    check_axis_names(axes, "jax_blink.broadcast")
+    return _typed_avals(avals, axes, "jax_blink.broadcast", vma=vma, invariant=True), _effects(axes)
+
+
+def _broadcast_transpose(cts, *xs, axes, root, impl, key, vma):
+    cts = _cts(cts, xs)
+    if vma:  # one invariant cotangent: it flows to the root's operand only
+        return [_root_mask(core.pvary(ct, axis_name=axes), axes, root) for ct in cts]
+    return blink_reduce_p.bind(*cts, axes=axes, root=root, impl=impl, key=key, vma=False)
+
+
+def _broadcast_batcher(prim, axis_data, vals_in, dims_in, *, axes, root, **params):
+    if axis_data.name not in axes:
+        return prim.bind(*vals_in, axes=axes, root=root, **params), list(dims_in)
+    b, rest, rest_root = _split_root(axes, root, axis_data.name, axis_data.size)
+    vs = [v if d is None else lax.index_in_dim(v, b, d, keepdims=False) for v, d in zip(vals_in, dims_in)]
+    if rest:
+        vs = prim.bind(*vs, axes=rest, root=rest_root, **params)
+    return list(vs), [None] * len(vs)
+
+
+blink_broadcast_p = _define("blink_broadcast", multiple_results=True, abstract_eval=_broadcast_abstract,
+                            transpose=_broadcast_transpose, batcher=_broadcast_batcher,
+                            lowering=functools.partial(_lower, "broadcast"))
+
+
+# ================================================================================ reduce
+def _reduce_abstract(*avals, axes, root, impl, key, vma):
+    check_axis_names(axes, "jax_blink.reduce")
+    return _typed_avals(avals, axes, "jax_blink.reduce", vma=vma, invariant=False), _effects(axes)
+
+
+def _reduce_transpose(cts, *xs, axes, root, impl, key, vma):
+    out = blink_broadcast_p.bind(*_cts(cts, xs), axes=axes, root=root, impl=impl, key=key, vma=vma)
+    return [core.pvary(o, axis_name=axes) for o in out] if vma else out
+
+
+def _reduce_batcher(prim, axis_data, vals_in, dims_in, *, axes, root, **params):
+    if axis_data.name not in axes:
+        return prim.bind(*vals_in, axes=axes, root=root, **params), list(dims_in)
+    b, rest, rest_root = _split_root(axes, root, axis_data.name, axis_data.size)
+    ss = [_local_sum(v, d, axis_data.size) for v, d in zip(vals_in, dims_in)]
+    if rest:
+        ss = prim.bind(*ss, axes=rest, root=rest_root, **params)
+    out = []
+    for s in ss:
+        here = (lax.iota(np.int32, axis_data.size) == b).reshape((axis_data.size,) + (1,) * s.ndim)
+        out.append(jnp.where(here, s[None], jnp.zeros_like(s)[None]))
+    return out, [0] * len(out)
+
+
+blink_reduce_p = _define("blink_reduce", multiple_results=True, abstract_eval=_reduce_abstract,
+                         transpose=_reduce_transpose, batcher=_reduce_batcher,
+                         lowering=functools.partial(_lower, "reduce"))
+
+
+# ================================================================================ all-gather
+# All-gather and reduce-scatter (ForestColl, Zhao et al. 2024, section 3: each shard broadcast from /
+# reduced to its owner along its own trees), with ``lax.all_gather`` / ``lax.psum_scatter``'s rules
+# (jax/_src/lax/parallel.py: all_gather_p, reduce_scatter_p): one operand per bind, output keeps the
+# operand's varying axes (check_vma on; the public API pvaries the operand first), transpose of one is
+# the other, vmap over a collective axis is local (stack / sum-and-split).
+# Params: axes, impl, key, axis_index_groups, axis_size (ranks per group), tiled, vma, and
+# all_gather_dimension / scatter_dimension.
+def _all_gather_abstract(x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma, all_gather_dimension):
+    check_axis_names(axes, "jax_blink.all_gather")
+    shape = all_gather_shape(x.shape, all_gather_dimension, axis_size, tiled)
+    return _sharded_out(x, shape, axes, vma), _effects(axes)
+
+
+def _all_gather_transpose(ct, x, *, all_gather_dimension, **params):
+    ct = ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct
+    return [blink_reduce_scatter_p.bind(ct, scatter_dimension=all_gather_dimension, **params)]
+
+
+def _all_gather_batcher(prim, axis_data, vals_in, dims_in, *, all_gather_dimension, **params):
+    (x,), (d,) = vals_in, dims_in
+    dim, tiled = all_gather_dimension, params["tiled"]
+    if axis_data.name not in params["axes"]:
+        dim, d = _batch_dims(dim, d, tiled, +1)
+        return prim.bind(x, all_gather_dimension=dim, **params), d
+    _only_axis(axis_data, params, "jax_blink.all_gather")
+    n = axis_data.size
+    if d is None:
+        shape = list(x.shape)
+        shape.insert(dim, n)
+        y = lax.broadcast_in_dim(x, shape, [i for i in range(len(shape)) if i != dim])
+    else:
+        y = jnp.moveaxis(x, d, dim)
+    if tiled:  # fold the gathered axis into the next one
+        y = y.reshape(y.shape[:dim] + (y.shape[dim] * y.shape[dim + 1],) + y.shape[dim + 2:])
+    return y, None
+
+
+blink_all_gather_p = _define("blink_all_gather", multiple_results=False, abstract_eval=_all_gather_abstract,
+                             transpose=_all_gather_transpose, batcher=_all_gather_batcher,
+                             lowering=functools.partial(_lower_sharded, "allgather"))
+
+
+# ================================================================================ reduce-scatter
+def _reduce_scatter_abstract(x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma, scatter_dimension):
+    check_axis_names(axes, "jax_blink.psum_scatter")
+    shape = reduce_scatter_shape(x.shape, scatter_dimension, axis_size, tiled)
+    return _sharded_out(x, shape, axes, vma), _effects(axes)
+
+
+def _reduce_scatter_transpose(ct, x, *, scatter_dimension, **params):
+    ct = ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct
+    return [blink_all_gather_p.bind(ct, all_gather_dimension=scatter_dimension, **params)]
+
+
+def _reduce_scatter_batcher(prim, axis_data, vals_in, dims_in, *, scatter_dimension, **params):
+    (x,), (d,) = vals_in, dims_in
+    dim, tiled = scatter_dimension, params["tiled"]
+    if axis_data.name not in params["axes"]:
+        dim, d = _batch_dims(dim, d, tiled, -1)
+        return prim.bind(x, scatter_dimension=dim, **params), d
+    _only_axis(axis_data, params, "jax_blink.psum_scatter")
+    n = axis_data.size
+    s = _local_sum(x, d, n)
+    reduce_scatter_shape(s.shape, dim, n, tiled)  # lax's shape errors
+    if tiled:  # split the scattered axis into (ranks, block): the ranks axis is the batch axis
+        s = s.reshape(s.shape[:dim] + (n, s.shape[dim] // n) + s.shape[dim + 1:])
+    return s, dim
+
+
+blink_reduce_scatter_p = _define("blink_reduce_scatter", multiple_results=False,
+                                 abstract_eval=_reduce_scatter_abstract, transpose=_reduce_scatter_transpose,
+                                 batcher=_reduce_scatter_batcher,
+                                 lowering=functools.partial(_lower_sharded, "reducescatter"))

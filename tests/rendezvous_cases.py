@@ -12,6 +12,7 @@ the parent can name the case that hung. Each case compiles ONE program that comp
 chain and the same chain with lax only, and compares the two with numpy.
 """
 
+import dataclasses
 import os
 import sys
 import time
@@ -251,8 +252,8 @@ def fail_fast_case():
     in the group, so the other seven can never complete the meeting without device 5: dropping the
     rank instead would let them finish a valid 7-rank meeting before device 5 fails, and then wait for
     it in the lax.psum.)"""
-    rule = lowering.find_lowering("ffi", "cpu")
-    assert rule is not None, ffi_lowering.UNAVAILABLE
+    ffi_cpu = lowering.find_lowering("ffi", "cpu")
+    assert ffi_cpu is not None, ffi_lowering.UNAVAILABLE
 
     def drop5(ctx, xs, request_for):
         import dataclasses
@@ -262,9 +263,9 @@ def fail_fast_case():
             table = np.asarray(request.device_table).reshape(-1, 3).copy()
             table[table[:, 0] == 5, 0] = 99  # rank 5 is now a device that never calls
             return dataclasses.replace(request, timeout_ms=60_000, device_table=table)
-        return rule(ctx, xs, drop)
+        return ffi_cpu.rule(ctx, xs, drop)
 
-    lowering.register_lowering("ffi_drop5", "cpu", drop5)
+    lowering.register(dataclasses.replace(ffi_cpu, name="ffi_drop5", rule=drop5))
     f = compile_mode(lambda v: lax.psum(jax_blink.psum(v, AX, impl="ffi_drop5"), AX), "smap_novma")
     f = f.lower(X).compile()
     t0 = time.monotonic()

@@ -8,7 +8,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_blink
-from jax_blink import ScheduleError, costmodel, mapping
+import jax_blink.primitives  # noqa: F401  (registers the lowering records)
+from jax_blink import ScheduleError, costmodel, lowering, mapping
 from jax_blink.packing import plan
 from jax_blink.presets import PRESETS
 from jax_blink.schedule import build_schedule, execute
@@ -36,7 +37,7 @@ def test_small_operand_gets_fewer_rounds_than_optimal_plan():
     # then the LP ring packing (NVLink + PCIe), NCCL's double binary tree, NCCL's NVLink rings and
     # reduce-scatter + all-gather forests
     assert [p.algorithm for p in plans[4:]] == ["ring", "double-binary-tree", "ring", "rsag"]
-    lat = costmodel.step_latency("ppermute")
+    lat = lowering.record("ppermute", "cpu").step_latency_s
     chosen, sched, t = costmodel.choose_schedule(plans, 1024, step_latency_s=lat)
     base = build_schedule(opt, 1024, step_latency_s=lat)
     # 24 one-chunk trees need 54 rounds on 8 ranks (one send / receive per rank and round); NCCL's
@@ -52,7 +53,8 @@ def test_large_operand_keeps_optimal_rate():
     plans = mapping.candidate_plans(topo, "allreduce", ALL8, None)[:4]  # the packings
     assert [len(p.trees) for p in plans] == [8, 4, 2, 1]
     for impl in ("ppermute", "ffi"):
-        chosen, sched, _ = costmodel.choose_schedule(plans, 16 * 2**20, step_latency_s=costmodel.step_latency(impl))
+        lat = lowering.record(impl, "cpu").step_latency_s
+        chosen, sched, _ = costmodel.choose_schedule(plans, 16 * 2**20, step_latency_s=lat)
         assert chosen is plans[0] and chosen.rate_gbps == max(p.rate_gbps for p in plans)
         assert len(sched.chunk_seg) > len(chosen.trees)  # pipelined
     # dgx1v: ppermute's latency keeps one tree; a negligible latency buys rate with more trees (not
@@ -109,7 +111,7 @@ def test_native_lowering_runs_the_simulators_fastest_candidate():
     mesh = Mesh(np.array(jax.devices()), ("i",))
     key = mapping.make_plan_key("dgx1v")
     cands = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)
-    lat_us = costmodel.step_latency("ffi") * 1e6
+    lat_us = lowering.record("ffi", "cuda").step_latency_s * 1e6
     for nel in (2**14, 2**22):
         times = [simulate(p, nel * 4, topology=DGX1V, latency_us=lat_us).time_s for p in cands]
         best = cands[int(np.argmin(times))]

@@ -2,6 +2,7 @@
 table (keyed by local hardware id), the safe ``impl="auto"`` default, and ``jax-blink selftest``
 without GPUs."""
 
+import dataclasses
 import subprocess
 import sys
 import types
@@ -85,7 +86,8 @@ def test_cuda_device_table_refuses_what_the_handler_could_not_resolve(devices, m
 def fake_cuda_ffi(monkeypatch, tmp_path):
     """An 'ffi' rule registered for platform cuda, a private record file, no env override."""
     rule = lambda *a, **k: None  # noqa: E731
-    monkeypatch.setitem(_lowering.LOWERINGS.setdefault("ffi", {}), "cuda", rule)
+    usable = dataclasses.replace(_lowering.record("ffi", "cuda"), rule=rule, unavailable=None)
+    monkeypatch.setitem(_lowering.LOWERINGS["ffi"], "cuda", usable)
     monkeypatch.setenv("JAX_BLINK_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("JAX_BLINK_CUDA_NATIVE", raising=False)
     return rule
@@ -95,22 +97,22 @@ def test_auto_uses_ppermute_on_gpus_until_the_selftest_passed(fake_cuda_ffi, mon
     key = {"gpus": ["NVIDIA H200 (sm_90)"], "driver": 13000, "build": "abc"}
     monkeypatch.setattr(gpu_selftest, "machine_key", lambda: key)
     with pytest.warns(UserWarning, match="jax-blink selftest"):
-        assert choose_lowering("auto", ["cuda"])[0] == "ppermute"
-    assert choose_lowering("ffi", ["cuda"])[0] == "ffi"      # explicit choice is honoured
-    assert choose_lowering("auto", ["cpu"])[0] == "ffi"      # CPU is not gated
+        assert choose_lowering("auto", ["cuda"]).name == "ppermute"
+    assert choose_lowering("ffi", ["cuda"]).name == "ffi"      # explicit choice is honoured
+    assert choose_lowering("auto", ["cpu"]).name == "ffi"      # CPU is not gated
     path = gpu_selftest.record_pass(key)
     assert path.parent == gpu_selftest.record_path().parent and path.exists()
-    assert choose_lowering("auto", ["cuda"])[0] == "ffi"
+    assert choose_lowering("auto", ["cuda"]).name == "ffi"
     # another driver (or GPU, or build) needs its own pass
     monkeypatch.setattr(gpu_selftest, "machine_key", lambda: dict(key, driver=13010))
-    assert choose_lowering("auto", ["cuda"])[0] == "ppermute"
+    assert choose_lowering("auto", ["cuda"]).name == "ppermute"
 
 
 def test_env_overrides_the_gate(fake_cuda_ffi, monkeypatch):
     monkeypatch.setenv("JAX_BLINK_CUDA_NATIVE", "1")
-    assert choose_lowering("auto", ["cuda"])[0] == "ffi"
+    assert choose_lowering("auto", ["cuda"]).name == "ffi"
     monkeypatch.setenv("JAX_BLINK_CUDA_NATIVE", "0")
-    assert choose_lowering("auto", ["cuda"])[0] == "ppermute"
+    assert choose_lowering("auto", ["cuda"]).name == "ppermute"
 
 
 def test_selftest_without_gpus_says_so_in_one_line():

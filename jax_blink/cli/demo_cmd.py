@@ -140,9 +140,8 @@ def _lowering_name(impl: str, platform: str) -> str:
     from .. import api  # noqa: F401  (importing it registers the lowerings that exist)
     from ..primitives import choose_lowering
 
-    impl = choose_lowering(impl, [platform])[0]
-    what = {"ffi": "native XLA FFI custom call", "ppermute": "rounds of collective_permute"}.get(impl, impl)
-    return f"{impl} ({what}) on {platform}"
+    rec = choose_lowering(impl, [platform])
+    return f"{rec.name} ({rec.description or rec.name}) on {platform}"
 
 
 def run_fsdp(args) -> int:

@@ -1,13 +1,20 @@
-"""Lowerings of the jax_blink primitives: a registry ``{impl: {platform: rule}}``.
+"""Lowerings of the jax_blink primitives: a registry of :class:`Lowering` records.
+
+A lowering is one record: its name (the ``impl`` users pass), the platform it lowers for, the rule
+that emits the MLIR, and what the cost model and ``impl="auto"`` need to know about it (seconds per
+schedule step, whether it pays a barrier per round, whether it runs across processes, its rank for
+``auto``). ``lowering.ppermute`` registers ``"ppermute"`` for every platform; ``lowering.ffi``
+registers ``"ffi"`` for ``"cpu"`` and ``"cuda"``, unavailable (with the reason) where its native
+target does not exist here. ``jax_blink.primitives`` imports both, then reads the registry:
+:func:`find_lowering` in ``choose_lowering``, the record's costs in ``build_request``.
 
 A rule is ``rule(ctx, xs, request_for) -> list[ir.Value]``: ``ctx`` is the ``mlir.LoweringRuleContext``
 (its ``avals_in`` / ``avals_out`` describe ``xs``), ``xs`` a bucket of non-empty operands of one dtype
 (any shapes), one result per operand, and ``request_for(nelems)`` gives the :class:`LoweringRequest`
 for a schedule over ``nelems`` elements: the bucket's total (one call over the leaves as a virtual
-concatenation, as the ffi rule does) or one leaf's (the ppermute rule, one schedule per leaf).
-``"ppermute"`` registers for every platform (``None``); ``"ffi"`` registers per platform once its
-native target exists. ``impl="auto"`` picks ``"ffi"`` when registered for the platform, else
-``"ppermute"``.
+concatenation, as the CPU ffi rule does) or one leaf's (the ppermute rule, one schedule per leaf).
+This module imports no jax (the records are plain data; the rules live in the modules that register
+them).
 """
 
 from __future__ import annotations
@@ -17,8 +24,54 @@ from typing import Callable
 
 import numpy as np
 
-# impl -> platform (or None for "any platform") -> rule
-LOWERINGS: dict[str, dict[str | None, Callable]] = {}
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """One lowering of the jax_blink primitives on one platform (a registry record).
+
+    Attributes:
+      name: the ``impl`` name users pass ("ppermute", "ffi", ...).
+      platform: the XLA platform it lowers for ("cpu", "cuda", ...), or None for every platform.
+      rule: ``rule(ctx, xs, request_for) -> list[ir.Value]`` (module docstring).
+      step_latency_s: seconds of one schedule step (one round, or one chunk hop of a pipeline): the
+        cost model's fixed cost per step (``costmodel.lowering_schedule``), > 0.
+      round_synchronous: True when every schedule round ends in a barrier for all devices (the
+        cost model then ranks candidates by rounds, not by the link simulator).
+      multi_process: True when it runs on a mesh that spans processes (``jax.distributed``).
+      auto_priority: rank for ``impl="auto"`` (lowest first among those that can run), or None:
+        never chosen by ``auto``.
+      auto_allowed: ``auto_allowed(platform) -> bool``, asked last before ``auto`` takes it (e.g.
+        the CUDA executor's self-test gate); None: always allowed.
+      host_memory: True when the executor works in host memory, where a tree hop is a pass over the
+        data, not a link: ``build_request`` keeps the bandwidth-optimal packing (sharded
+        collectives: one star per owner) instead of the link simulator's choice.
+      shard_input: True when an all-gather may pass its shard as the only operand (the rule's
+        executor places it), instead of a zero full buffer with the shard in place.
+      description: a few words for users ("rounds of collective_permute").
+      unavailable: None when usable here; else why not (native module missing, driver too old):
+        :func:`find_lowering` skips such records, error messages quote the reason.
+    """
+
+    name: str
+    platform: str | None
+    rule: Callable
+    step_latency_s: float
+    round_synchronous: bool
+    multi_process: bool = False
+    auto_priority: int | None = None
+    auto_allowed: Callable[[str], bool] | None = None
+    host_memory: bool = False
+    shard_input: bool = False
+    description: str = ""
+    unavailable: str | None = None
+
+    def __post_init__(self):
+        if not self.step_latency_s > 0:
+            raise ValueError(f"lowering {self.name!r}: step_latency_s must be > 0 s, got {self.step_latency_s!r}")
+
+
+# name -> platform (None: every platform) -> record
+LOWERINGS: dict[str, dict[str | None, Lowering]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +98,33 @@ class LoweringRequest:
     timeout_ms: int = 60_000
 
 
-def register_lowering(impl: str, platform: str | None, rule: Callable) -> None:
-    """Register ``rule`` as lowering ``impl`` on ``platform`` (None: every platform)."""
-    LOWERINGS.setdefault(impl, {})[platform] = rule
+def register(lowering: Lowering) -> None:
+    """Add ``lowering`` to the registry (replacing the record of the same name and platform)."""
+    LOWERINGS.setdefault(lowering.name, {})[lowering.platform] = lowering
 
 
-def find_lowering(impl: str, platform: str) -> Callable | None:
-    """The rule for ``impl`` on ``platform``, or None when none is registered."""
-    table = LOWERINGS.get(impl, {})
+def record(name: str, platform: str) -> Lowering | None:
+    """The record of ``name`` for ``platform`` (else its every-platform record), available or not;
+    None when neither is registered."""
+    table = LOWERINGS.get(name, {})
     return table.get(platform, table.get(None))
+
+
+def find_lowering(name: str, platform: str) -> Lowering | None:
+    """The usable record of ``name`` on ``platform`` (platform-specific first, then every-platform),
+    or None when none is registered or usable here."""
+    table = LOWERINGS.get(name, {})
+    for rec in (table.get(platform), table.get(None)):
+        if rec is not None and rec.unavailable is None:
+            return rec
+    return None
+
+
+def names() -> list[str]:
+    """Every registered lowering name (usable here or not), sorted."""
+    return sorted(LOWERINGS)
+
+
+def usable_names() -> list[str]:
+    """Names with a record usable on some platform here, sorted."""
+    return sorted(n for n, table in LOWERINGS.items() if any(r.unavailable is None for r in table.values()))

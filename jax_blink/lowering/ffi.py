@@ -1,8 +1,9 @@
 """FFI lowering: a schedule as one XLA FFI custom call executed by the native handlers in ``ffi/``.
 
-Registers impl ``"ffi"`` for platform ``"cpu"`` (target ``jax_blink_cpu``) and ``"cuda"`` (target
-``jax_blink_cuda``) when the native modules imported and ``jax.ffi.register_ffi_target`` accepted
-them. Each device's call registers its buffers at a meeting keyed by (run id, call site, group,
+Registers the ``"ffi"`` lowering records (``jax_blink.lowering.Lowering``) for platform ``"cpu"``
+(target ``jax_blink_cpu``) and ``"cuda"`` (target ``jax_blink_cuda``): usable when the native module
+imported and ``jax.ffi.register_ffi_target`` accepted it, else marked unavailable with the reason
+(also in ``UNAVAILABLE``). Each device's call registers its buffers at a meeting keyed by (run id, call site, group,
 per-device generation); the native executor then walks the schedule (Blink, MLSys 2020, Sec. 4:
 reduce up and broadcast down spanning trees with pipelined chunks).
 
@@ -20,7 +21,7 @@ only when ``_cuda.check_compatibility()`` passes (driver new enough for the buil
 cubin or PTX in the binary for every visible GPU); otherwise ``UNAVAILABLE["cuda"]`` says why and
 ``impl="auto"`` uses ppermute. Even when registered, ``impl="auto"`` on GPUs keeps using ppermute
 until ``jax_blink.selftest()`` (``jax-blink selftest``) has passed on this machine and build
-(:func:`native_auto_allowed`); ``impl="ffi"`` always uses it.
+(:func:`native_auto_allowed`, the record's ``auto_allowed``); ``impl="ffi"`` always uses it.
 
 Test hook: ``JAX_BLINK_TEST_ABSENT_DEVICE=<device id>`` (read by the native handler at run time)
 makes that device skip every meeting, so the others hit the timeout error. Never set it otherwise.
@@ -36,11 +37,11 @@ from collections import OrderedDict
 import numpy as np
 
 import jax
-from jax._src.lib.mlir import ir
 
 from .. import _native, collectives
+from .._jax_compat import ir
 from ..errors import BlinkError
-from . import LoweringRequest, register_lowering
+from . import Lowering, LoweringRequest, register
 
 CPU_TARGET = "jax_blink_cpu"
 CUDA_TARGET = "jax_blink_cuda"
@@ -170,12 +171,9 @@ def _cpu_rule(ctx, xs, request_for):
     (no fresh output pages) where an operand dies at the call; where it is still used, XLA copies it
     first. The executor reads a rank's input only before it first writes its output, so in == out is
     safe (ffi/src/blink_core.h, Leaf). An all-gather may pass its shard as the one operand with the
-    full buffer as result (``shard_input``): the executor copies the shard straight into place."""
+    full buffer as result (the record's ``shard_input``): the executor copies the shard into place."""
     request = request_for(sum(math.prod(a.shape) for a in ctx.avals_out))
     return _call(CPU_TARGET, ctx, xs, request, _ALIAS)
-
-
-_cpu_rule.shard_input = True  # see _cpu_rule: all-gather operand = this rank's shard
 
 
 def _cuda_rule(ctx, xs, request_for):
@@ -189,32 +187,6 @@ def _cuda_rule(ctx, xs, request_for):
         table = cuda_device_table(request.device_table, devices, jax.process_index())
         outs += _call(CUDA_TARGET, sub, [x], request, False, table)
     return outs
-
-
-def _register(platform: str, xla_platform: str, module, target: str, missing: str | None, rule) -> None:
-    if module is None:
-        UNAVAILABLE[platform] = missing or "native module not built"
-        return
-    if platform == "cuda":
-        try:
-            why = module.check_compatibility()
-        except Exception as e:  # noqa: BLE001 - any failure means: do not use it
-            why = f"compatibility check failed: {e}"
-        if why:
-            UNAVAILABLE[platform] = (f"{why} (module built with CUDA {module.built_cuda_version()}, "
-                                     f"architectures {module.built_architectures()})")
-            return
-    try:
-        jax.ffi.register_ffi_target(target, module.handler(), platform=xla_platform)
-    except Exception as e:  # e.g. jaxlib without this platform's plugin
-        UNAVAILABLE[platform] = f"register_ffi_target({target!r}, platform={xla_platform!r}) failed: {e}"
-        return
-    register_lowering("ffi", platform, rule)
-    REGISTERED[platform] = target
-
-
-_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule)
-_register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error, _cuda_rule)
 
 
 # ------------------------------------------------------------------------------ safe default on GPUs
@@ -245,3 +217,40 @@ def native_auto_allowed(platform: str) -> bool:
                       "executor has passed its self-test on this machine: run `jax-blink selftest` once (or set "
                       f"{ENV_NATIVE}=1 to trust it, or pass impl='ffi')", stacklevel=3)
     return False
+
+
+# ------------------------------------------------------------------------------ registration
+def _unavailable(platform: str, module, target: str, xla_platform: str, missing: str | None) -> str | None:
+    """None once ``target`` is registered with XLA for ``platform``; else why it cannot be."""
+    if module is None:
+        return missing or "native module not built"
+    if platform == "cuda":
+        try:
+            why = module.check_compatibility()
+        except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+            why = f"compatibility check failed: {e}"
+        if why:
+            return (f"{why} (module built with CUDA {module.built_cuda_version()}, "
+                    f"architectures {module.built_architectures()})")
+    try:
+        jax.ffi.register_ffi_target(target, module.handler(), platform=xla_platform)
+    except Exception as e:  # e.g. jaxlib without this platform's plugin
+        return f"register_ffi_target({target!r}, platform={xla_platform!r}) failed: {e}"
+    return None
+
+
+def _register(platform: str, xla_platform: str, module, target: str, missing: str | None, rule, **fields) -> None:
+    why = _unavailable(platform, module, target, xla_platform, missing)
+    if why is None:
+        REGISTERED[platform] = target
+    else:
+        UNAVAILABLE[platform] = why
+    # A step is an in-process barrier between the device threads: a few us (estimate). No barrier
+    # per round (per-tree pipelines); peers meet in process memory, so one process only.
+    register(Lowering("ffi", platform, rule, step_latency_s=5e-6, round_synchronous=False, multi_process=False,
+                      auto_priority=0, auto_allowed=native_auto_allowed, description="native XLA FFI custom call",
+                      unavailable=why, **fields))
+
+
+_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule, host_memory=True, shard_input=True)
+_register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error, _cuda_rule)

@@ -22,14 +22,10 @@ import numpy as np
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
-from jax._src.interpreters import mlir
-from jax._src.lib.mlir.dialects import hlo
-from jax._src.lib.mlir import ir
-from jax._src.sharding_impls import SPMDAxisContext
 
 from .. import collectives
-from . import LoweringRequest, register_lowering
+from .._jax_compat import SPMDAxisContext, core, hlo, ir, mlir
+from . import Lowering, LoweringRequest, register
 
 # ----------------------------------------------------------------- tiny internal primitives
 # A raw collective_permute over mesh positions and the device's mesh position; only ever bound
@@ -136,4 +132,8 @@ def ppermute_lowering(ctx, xs, request_for):
     return outs
 
 
-register_lowering("ppermute", None, ppermute_lowering)
+# Step latency measured on 8 host CPU devices (jax 0.10.2, 2 cores): 20 chained jitted
+# ``lax.ppermute`` of 16 bytes cost 97 us each over the empty program. Every round is one
+# collective_permute, a barrier for all devices; XLA runs it across processes.
+register(Lowering("ppermute", None, ppermute_lowering, step_latency_s=100e-6, round_synchronous=True,
+                  multi_process=True, auto_priority=1, description="rounds of collective_permute"))

@@ -1,0 +1,97 @@
+"""Every use of JAX internals (``jax._src``), and the check that the installed JAX is supported.
+
+The primitives, their rules and the lowerings need parts of JAX with no public home yet (primitive
+rule tables, MLIR lowering helpers, varying-axes typing, the axis environment). They import them
+from here only, so a JAX release that moves one of them breaks this one module (the pattern of
+mpi4jax's ``_src/jax_compat.py``). Importing this module checks the installed jax and jaxlib
+versions against the range ``pyproject.toml`` pins (:data:`SUPPORTED`) and raises
+:class:`UnsupportedJaxError` outside it, before touching any internal. ``import jax_blink`` does
+not import this module (nor jax); the JAX-facing modules (``api``, ``primitives``, ``lowering.*``)
+do, so the check runs when they are first imported.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jaxlib
+
+from .errors import BlinkError
+
+#: Supported versions of jax and jaxlib: [low, high), as pinned in pyproject.toml.
+SUPPORTED = ((0, 10, 2), (0, 13))
+
+
+class UnsupportedJaxError(BlinkError, ImportError):
+    """The installed jax or jaxlib lies outside :data:`SUPPORTED` (raised at import)."""
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    """The release numbers of a version string ("0.11.0.dev20260101" -> (0, 11, 0)); None if none."""
+    m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if m is None:
+        return None
+    return tuple(int(g) for g in m.groups() if g is not None)
+
+
+def _range_text() -> str:
+    low, high = SUPPORTED
+    return f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+
+
+def check_versions(jax_version: str | None = None, jaxlib_version: str | None = None) -> None:
+    """Raise :class:`UnsupportedJaxError` unless jax and jaxlib both lie in :data:`SUPPORTED`.
+
+    Args: the version strings to check; default the installed ``jax.__version__`` and
+    ``jaxlib.__version__``. A pre-release of the upper bound (``0.13.0.dev``) counts as that release
+    (unsupported). The message names both installed versions and the supported range.
+    """
+    jax_version = jax.__version__ if jax_version is None else jax_version
+    jaxlib_version = jaxlib.__version__ if jaxlib_version is None else jaxlib_version
+    low, high = SUPPORTED
+    bad = [f"{name} {v}" for name, v in (("jax", jax_version), ("jaxlib", jaxlib_version))
+           if (r := _release(v)) is None or not low <= r < high]
+    if bad:
+        raise UnsupportedJaxError(
+            f"jax_blink supports jax and jaxlib {_range_text()}, but {' and '.join(bad)} is installed "
+            f"(jax {jax_version}, jaxlib {jaxlib_version}); install a supported version, e.g. "
+            f"pip install 'jax{_range_text()}' 'jaxlib{_range_text()}'")
+
+
+check_versions()
+
+# Internals below this line: the only jax._src imports of the package (tests/test_jax_compat.py).
+from jax._src import config as _config  # noqa: E402
+from jax._src import core, dispatch, dtypes  # noqa: E402,F401
+from jax._src.interpreters import ad, batching, mlir  # noqa: E402,F401
+from jax._src.lax import lax as _lax  # noqa: E402
+from jax._src.lax import parallel as _parallel  # noqa: E402
+from jax._src.lib.mlir import ir  # noqa: E402,F401
+from jax._src.lib.mlir.dialects import hlo  # noqa: E402,F401
+from jax._src.mesh import AbstractMesh, get_abstract_mesh  # noqa: E402,F401
+from jax._src.sharding_impls import SPMDAxisContext  # noqa: E402,F401
+
+#: ``lax._const(x, value)``: ``value`` as a constant of ``x``'s dtype (weak type kept).
+lax_const = _lax._const
+#: lax's check of ``axis_index_groups`` (equal sizes, ints); raises ValueError as ``lax.psum``.
+validate_axis_index_groups = _parallel._validate_reduce_axis_index_groups
+#: lax's rule that drops size-1 axes from a collective's axis names.
+skip_one_sized_axes = _parallel._maybe_skip_one_sized_axes
+
+
+def check_vma() -> bool:
+    """True while tracing under ``shard_map(check_vma=True)`` (varying-axes typing on)."""
+    return bool(_config._check_vma.value)
+
+
+def abstract_mesh():
+    """The mesh being traced under (shard_map, pmap), or None (vmap alone: no mesh)."""
+    mesh = get_abstract_mesh()
+    return None if mesh is None or getattr(mesh, "empty", True) else mesh
+
+
+def distributed_client():
+    """The ``jax.distributed`` key-value client of this process, or None when not initialised."""
+    from jax._src import distributed as jd
+    return jd.global_state.client
