@@ -33,6 +33,7 @@ _SUPPORTED = {np.dtype(t) for t in (
     np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
     np.float16, np.float32, np.float64, np.complex64, np.complex128)} | {np.dtype(dtypes.bfloat16)}
 
+
 def _axes(axis_name) -> tuple:
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     if any(isinstance(a, int) for a in axes):

@@ -189,14 +189,14 @@ def _sharded_out(aval, shape, axes, vma):
 
 
 # -------------------------------------------------------------------------------- choice of lowering
-def _auto_candidates(platforms) -> list:
-    """Records ``impl="auto"`` may take on every one of ``platforms`` (one record for all), by priority."""
+def _usable_everywhere(platforms) -> list:
+    """The records usable on every one of ``platforms`` (one record serving them all), by name."""
     out = []
     for name in _lowering.names():
         recs = [_lowering.find_lowering(name, p) for p in platforms]
-        if recs and all(r is not None for r in recs) and len(set(recs)) == 1 and recs[0].auto_priority is not None:
+        if recs and all(r is not None for r in recs) and len(set(recs)) == 1:
             out.append(recs[0])
-    return sorted(out, key=lambda r: r.auto_priority)
+    return out
 
 
 def choose_lowering(impl: str, platforms, processes: int = 1) -> _lowering.Lowering:
@@ -211,7 +211,8 @@ def choose_lowering(impl: str, platforms, processes: int = 1) -> _lowering.Lower
     """
     platforms = list(platforms)
     if impl == "auto":
-        for rec in _auto_candidates(platforms):
+        candidates = [r for r in _usable_everywhere(platforms) if r.auto_priority is not None]
+        for rec in sorted(candidates, key=lambda r: r.auto_priority):
             if ((processes == 1 or rec.multi_process)
                     and all(rec.auto_allowed is None or rec.auto_allowed(p) for p in platforms)):
                 return rec
@@ -219,10 +220,10 @@ def choose_lowering(impl: str, platforms, processes: int = 1) -> _lowering.Lower
                          f"{processes} process(es) (registered impls: {_lowering.usable_names()})")
     known = _lowering.LOWERINGS.get(impl, {}).values()
     if processes > 1 and known and not any(r.multi_process for r in known):
-        others = " or ".join(f"impl={r.name!r} ({r.description})" for r in _auto_candidates(platforms)
-                             if r.multi_process)
+        others = [f"impl={r.name!r} ({r.description})" for r in _usable_everywhere(platforms) if r.multi_process]
         raise BlinkError(f"jax_blink impl={impl!r} runs inside one process, but this mesh spans {processes} "
-                         f"processes (jax.distributed); use impl='auto' or {others}, which run across processes")
+                         f"processes (jax.distributed); use impl='auto'"
+                         f"{''.join(' or ' + o for o in others)}, which run across processes")
     recs = [_lowering.find_lowering(impl, p) for p in platforms]
     if any(r is None for r in recs) or len(set(recs)) != 1:
         why = [f"{impl!r} on {p}: {r.unavailable}" for p in platforms
