@@ -220,8 +220,8 @@ def native_auto_allowed(platform: str) -> bool:
 
 
 # ------------------------------------------------------------------------------ registration
-def _unavailable(platform: str, module, target: str, xla_platform: str, missing: str | None) -> str | None:
-    """None once ``target`` is registered with XLA for ``platform``; else why it cannot be."""
+def _register_target(platform: str, module, target: str, xla_platform: str, missing: str | None) -> str | None:
+    """Register ``target`` with XLA for ``platform``: None when done, else why it cannot be."""
     if module is None:
         return missing or "native module not built"
     if platform == "cuda":
@@ -240,7 +240,7 @@ def _unavailable(platform: str, module, target: str, xla_platform: str, missing:
 
 
 def _register(platform: str, xla_platform: str, module, target: str, missing: str | None, rule, **fields) -> None:
-    why = _unavailable(platform, module, target, xla_platform, missing)
+    why = _register_target(platform, module, target, xla_platform, missing)
     if why is None:
         REGISTERED[platform] = target
     else:
