@@ -7,7 +7,7 @@ For N in {2, 4, 8} nodes of the ``dgx1v`` preset and 1..4 NICs of 12.5 GB/s (100
 - max-flow bound: ``bounds.allreduce_bound`` (min over GPU pairs of the max-flow, GB/s) and LP bound:
   the planner's certificate (``Plan.bound_gbps``, LP dual of the tree packing); a plan's time for S
   bytes is S / rate;
-- planner: ``jax_blink.packing.plan(topology, "allreduce")`` (what ``jax_blink.psum`` runs);
+- planner: ``jax_blink.plan(topology, "allreduce")`` (what ``jax_blink.psum`` runs);
 - three-phase: ``jax_blink.distributed.three_phase_plan`` = ``plan(..., algorithm="hierarchical")``
   (Blink, MLSys 2020, section 5: data partitioned over a node's GPUs; partition i reduced on
   intra-node trees onto GPU i, exchanged among the GPU i's of all nodes over their NICs, broadcast
@@ -30,12 +30,12 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from jax_blink import bounds
-from jax_blink.baselines import ring_plan
+from jax_blink.planner import bounds
+from jax_blink.planner.rings import ring_plan
 from jax_blink.cli.bench_cmd import human_bytes, parse_size
 from jax_blink.distributed import three_phase_plan
-from jax_blink.packing import plan
-from jax_blink.presets import multi_node
+from jax_blink.planning import plan
+from jax_blink.topology.presets import multi_node
 from jax_blink.simulate import simulate
 
 NIC_GBPS = 12.5

@@ -116,8 +116,8 @@ def node_topology(spec=None) -> Topology:
     spec = spec if spec is not None else (os.environ.get(ENV_NODE_TOPOLOGY) or None)
     if spec is None:
         if devs and devs[0].platform in ("gpu", "cuda", "rocm"):
-            from . import discovery
-            full = discovery.detect()
+            from .topology.nvml import detect
+            full = detect()
             topo = full.subset([d.local_hardware_id for d in devs])
         else:
             return Topology.host(len(devs))
@@ -184,7 +184,7 @@ def combine(nodes: list[Topology], nic_gbps: float = DEFAULT_NIC_GBPS, nics_per_
     homogeneous servers); the result is ``presets.multi_node(nodes[0], len(nodes), nic_gbps,
     nics_per_node)``. Raises TopologyError naming the processes whose nodes differ.
     """
-    from .presets import multi_node
+    from .topology.presets import multi_node
 
     if not nodes:
         raise TopologyError("combine: no node topologies given")
@@ -253,16 +253,16 @@ def cluster_topology(node=None, *, nic_gbps: float | None = None, nics_per_node:
 
 def three_phase_plan(topology: Topology, collective: str = "allreduce", devices=None, root=None):
     """Blink's three-phase plan (MLSys 2020, section 5) over a multi-node topology, whatever
-    :func:`jax_blink.packing.plan` would choose by itself: ``packing.plan(..., algorithm=
+    :func:`jax_blink.plan` would choose by itself: ``plan(..., algorithm=
     "hierarchical")``. The data is partitioned over the GPU positions of a node; partition i is
     reduced inside each node onto GPU i on intra-node trees, exchanged among the GPU i's of all
     nodes over their NIC routes, and broadcast inside each node from GPU i.
 
     Args: ``devices`` topology GPU ids (default all), ``root`` for broadcast/reduce.
-    Returns a ``packing.Plan`` with ``algorithm="hierarchical"`` and the topology's max-flow bound
-    for the collective. Raises PlanError as ``packing.plan`` does, including when the devices lie
+    Returns a ``Plan`` with ``algorithm="hierarchical"`` and the topology's max-flow bound
+    for the collective. Raises PlanError as ``jax_blink.plan`` does, including when the devices lie
     in a single node (no network phase).
     """
-    from . import packing
+    from .planning import plan
 
-    return packing.plan(topology, collective, devices=devices, root=root, algorithm="hierarchical")
+    return plan(topology, collective, devices=devices, root=root, algorithm="hierarchical")

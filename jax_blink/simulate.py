@@ -53,7 +53,8 @@ import networkx as nx
 from . import collectives as _collectives
 from .errors import BlinkError, PlanError, ScheduleError
 from .schedule import COPY, REDUCE, Schedule, choose_chunks
-from .topology import _key
+from .planner.routes import route
+from .topology.model import _key
 
 DEFAULT_LATENCY_US = 2.0
 
@@ -197,29 +198,6 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
 
 
 # --------------------------------------------------------------------------- routing
-def route(topology, src, dst, *, via=None) -> tuple:
-    """Physical hops [(a, b), ...] from GPU ``src`` to GPU ``dst``.
-
-    The direct edge when there is one; otherwise a fewest-hop path whose intermediate nodes are
-    switch/host nodes (or the GPUs in ``via``), ties broken by the widest bottleneck, then by node
-    order. Raises PlanError when no such path exists (e.g. no PCIe tree in the topology).
-    """
-    g = topology.graph
-    if g.has_edge(src, dst):
-        return ((src, dst),)
-    allowed = set(topology.switches) | set(via or ()) | {src, dst}
-    sub = g.subgraph(allowed)
-    try:
-        paths = list(nx.all_shortest_paths(sub, src, dst))
-    except (nx.NetworkXNoPath, nx.NodeNotFound):
-        raise PlanError(f"no route from GPU {src} to GPU {dst} in topology {topology.name!r} through "
-                        f"switch nodes; add the PCIe/host tree to the topology or use GPUs that are "
-                        f"linked") from None
-    # widest bottleneck first, then the smallest node sequence (GPUs before switches, by id/name)
-    best = min(paths, key=lambda p: (-min(g.edges[a, b]["bandwidth_gbps"] for a, b in zip(p, p[1:])),
-                                     [_key(x) for x in p]))
-    return tuple(zip(best, best[1:]))
-
 
 def tree_gpu_edges(tree, devices, *, reduce: bool = False) -> list[tuple]:
     """GPU-level edges of a tree as ``(parent_gpu, child_gpu, route)``, parents before children.

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from jax_blink import bounds
-from jax_blink.baselines import nccl_ring_plan, ring_plan
+from jax_blink.planner import bounds
+from jax_blink.planner.rings import nccl_ring_plan, ring_plan
 from jax_blink.cli import main
-from jax_blink.packing import Plan
-from jax_blink.presets import preset
+from jax_blink.planner.model import Plan
+from jax_blink.topology.presets import preset
 from jax_blink.simulate import simulate
 
 

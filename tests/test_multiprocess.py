@@ -13,7 +13,7 @@ import pytest
 
 from jax_blink import distributed, launch
 from jax_blink.errors import TopologyError
-from jax_blink.presets import NVLINK_EFFICIENCY, NVLINK_GBPS, dgx1v
+from jax_blink.topology.presets import NVLINK_EFFICIENCY, NVLINK_GBPS, dgx1v
 from jax_blink.topology import Topology
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

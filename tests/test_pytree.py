@@ -18,7 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_blink
 import jax_blink.api  # noqa: F401  (registers the lowerings, "ffi" included, before IMPLS is read)
 from jax_blink import _native, lowering
-from jax_blink.packing import plan
+from jax_blink.planning import plan
 from jax_blink.schedule import build_schedule, execute
 from jax_blink.topology import Topology
 
