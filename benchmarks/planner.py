@@ -31,7 +31,7 @@ from rich.table import Table
 
 import jax_blink
 from jax_blink import collectives
-from jax_blink.planner import bounds, rings
+from jax_blink.planner import rings
 from jax_blink.topology.presets import PRESETS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -178,7 +178,7 @@ def main() -> None:
         for f in sorted((ROOT / "tests" / "data" / "topologies").glob("*.txt")):
             entries.append((f.stem, load_topology(str(f))))
     except ImportError:
-        console.print("jax_blink.discovery missing: nvidia-smi files skipped")
+        console.print("jax_blink.topology.load missing: nvidia-smi files skipped")
     entries.append(("dgx1v-4node", PRESETS["dgx1v-4node"]()))
     full_box_rows(console, entries)
     full_box_rows(console, entries, ("allgather", "reducescatter"))

@@ -3,7 +3,7 @@
 One process per node (host). Each process knows its own node's topology (detected on GPU, host
 devices on CPU, or given); the processes exchange those as JSON through jax.distributed's
 key-value store, check they agree, and combine them with the network between nodes (NICs of
-``nic_gbps`` GB/s into one fabric, :func:`jax_blink.presets.multi_node`) into one Topology. Every
+``nic_gbps`` GB/s into one fabric, :func:`jax_blink.topology.presets.multi_node`) into one Topology. Every
 process then holds the same Topology and the same device map, so the deterministic planner gives
 every process the same plan: on a multi-node topology the planner's "hierarchical" plan, Blink's
 three phases (MLSys 2020, section 5: reduce inside each node on intra-node trees, exchange between
@@ -12,7 +12,7 @@ the node GPUs that own each partition across the network, broadcast inside each 
 
 Device numbering: node k is process k (``jax.process_index()``); its i-th local device (local
 devices sorted by ``local_hardware_id`` on GPU, by ``id`` elsewhere) is topology GPU ``k*G + i``,
-G = GPUs per node, exactly :func:`~jax_blink.presets.multi_node`'s numbering.
+G = GPUs per node, exactly :func:`~jax_blink.topology.presets.multi_node`'s numbering.
 
 Typical use (see ``examples/multiprocess/``)::
 

@@ -5,7 +5,7 @@ The model (an alpha-beta model per link, evaluated as a discrete event simulatio
 * Every directed physical edge of the :class:`~jax_blink.topology.Topology` is a FIFO queue that
   serves one message at a time at its ``bandwidth_gbps`` (GB/s = 1e9 B/s; the link's achieved rate:
   line rate x the achieved fraction of its kind, set by the topology sources, see
-  :mod:`jax_blink.presets`). Switch, PCIe, CPU and host nodes are ordinary nodes, so transfers routed
+  :mod:`jax_blink.topology.presets`). Switch, PCIe, CPU and host nodes are ordinary nodes, so transfers routed
   through them share their edges' capacity.
 * The data of a plan is split across its trees in proportion to the tree weights (Blink, MLSys 2020,
   section 4.1) and each tree's segment is cut into chunks.
@@ -16,7 +16,7 @@ The model (an alpha-beta model per link, evaluated as a discrete event simulatio
   term delays the chunk but does not hold the links: the sender's next chunks are already queued
   (NCCL keeps NCCL_STEPS = 8 chunk slots in flight per connection for the same reason).
 * Host staging: a send between GPUs without peer access (GPU node attribute ``no_p2p``, set by
-  :mod:`jax_blink.nvsmi` and NVML discovery from ``topo -p2p``) is two copies through host memory:
+  :mod:`jax_blink.topology.nvsmi` and NVML discovery from ``topo -p2p``) is two copies through host memory:
   GPU -> host memory over the sender's PCIe path to its CPU, then host memory -> GPU down the
   receiver's path. Each copy is its own send (it pays the latencies) and both pass the socket's
   host-memory staging queue (:data:`HOST_STAGING_GBPS`, shared by every staged copy of that socket,
@@ -48,13 +48,10 @@ import heapq
 import math
 from typing import Any
 
-import networkx as nx
-
 from . import collectives as _collectives
 from .errors import BlinkError, PlanError, ScheduleError
-from .schedule import COPY, REDUCE, Schedule, choose_chunks
 from .planner.routes import route
-from .topology.model import _key
+from .schedule import COPY, REDUCE, Schedule, choose_chunks
 
 DEFAULT_LATENCY_US = 2.0
 
@@ -117,7 +114,7 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
     """Simulate one collective of ``nbytes`` bytes per rank on a topology's links.
 
     Args:
-      plan_or_schedule: a ``jax_blink.packing.Plan`` (trees, possibly relaying through switch nodes or
+      plan_or_schedule: a ``jax_blink.planner.model.Plan`` (trees, possibly relaying through switch nodes or
         through GPUs outside ``plan.devices``; edges with no physical link are routed over the
         topology through switch nodes), or a :class:`~jax_blink.schedule.Schedule` (its chunks and
         transfer rows are simulated as given, rows ordered by data dependencies instead of rounds;

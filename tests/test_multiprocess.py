@@ -1,4 +1,4 @@
-"""jax_blink across processes (issue 8): launcher semantics, topology combination, and real
+"""jax_blink across processes: launcher semantics, topology combination, and real
 jax.distributed runs on 127.0.0.1 with gloo (2 processes x 4 host devices, 3 x 2, and a process
 killed mid-run). Each launch does several checks (tests/multiprocess_worker.py) to keep start-up
 cost (process start + jax import + compile) low."""

@@ -1,4 +1,4 @@
-"""Pytrees of mixed leaves: one collective per dtype bucket, leaves where they are (issue 11 part 2).
+"""Pytrees of mixed leaves: one collective per dtype bucket, leaves where they are.
 
 Every context the single-array tests cover, with a pytree of mixed leaves (float32 of several shapes,
 zero-size, int32, bool, bfloat16, a Python scalar): equal to ``lax.psum`` (ints exactly, floats to

@@ -158,9 +158,9 @@ def simulate_sweep(topo, blink_plan, sizes, *, latency_us=None, progress=True, f
 
     blink: ``algorithm="auto"`` for the size on ``blink_plan``'s devices and root
     (:func:`jax_blink.costmodel.choose_plan` at this latency), or ``blink_plan`` itself with
-    ``fixed=True`` (a --plan file). ring / tree: :func:`jax_blink.baselines.nccl_ring_plan` /
-    :func:`~jax_blink.baselines.nccl_tree_plan` (NVLink, else PCIe links); lpring (all-gather,
-    reduce-scatter): :func:`~jax_blink.baselines.ring_plan`, the LP ring packing over every link.
+    ``fixed=True`` (a --plan file). ring / tree: :func:`jax_blink.planner.rings.nccl_ring_plan` /
+    :func:`~jax_blink.planner.dbtree.nccl_tree_plan` (NVLink, else PCIe links); lpring (all-gather,
+    reduce-scatter): :func:`~jax_blink.planner.rings.ring_plan`, the LP ring packing over every link.
     Returns rows {"size", "blink_plan", "blink", "ring", "tree", "lpring"} with SimResult values (None
     where the baseline does not exist: no ring through the GPUs, tree for other collectives than
     all-reduce, lpring for other collectives than all-gather / reduce-scatter).

@@ -333,7 +333,7 @@ def _orient(undirected_edges, root) -> tuple:
 
 
 def _column_hops(col, mode: str) -> tuple:
-    """Broadcast-direction hops of an LP column (see routes.Column)."""
+    """Broadcast-direction hops of an LP column (see :class:`jax_blink.planner.routes.Column`)."""
     hops = []
     for p, c, r in col.edges:
         hops.extend(_hops(r[::-1] if mode == "in-arborescence" else r))

@@ -229,7 +229,7 @@ def _forced_allreduce_ring_plan(topology, devices, max_trees) -> Plan:
 
 
 def _sharded_ring_plan(topology, collective, devices, max_trees) -> Plan:
-    """The LP ring packing (bounds.ring_packing) run as an all-gather / reduce-scatter ring:
+    """The LP ring packing (:func:`ring_packing`) run as an all-gather / reduce-scatter ring:
     rate n B / (n - 1) for total ring bandwidth B, certificate the cut bound."""
     n = len(devices)
     bound = certificate(topology, collective, devices, None)

@@ -164,7 +164,7 @@ def hierarchical_plan(topology, devices, collective, root, groups, max_trees) ->
 
 def _rooted_hops(edges, mode: str, root) -> tuple:
     """Broadcast-direction hops of (parent, child, route) edges, breadth-first from ``root`` (routes
-    run child -> parent for ``mode="in-arborescence"``, see routes.Column)."""
+    run child -> parent for ``mode="in-arborescence"``, see :class:`jax_blink.planner.routes.Column`)."""
     kids = collections.defaultdict(list)
     for p, c, r in edges:
         kids[p].append((c, tuple(r[::-1] if mode == "in-arborescence" else r)))

@@ -44,7 +44,7 @@ def _spread_roots(weights, devices) -> list:
 
 
 def _mode(collective: str) -> str:
-    """The LP column kind of ``collective`` (routes.Column): broadcast-like collectives pack
+    """The LP column kind of ``collective`` (:class:`jax_blink.planner.routes.Column`): broadcast-like collectives pack
     out-arborescences, reduce-like ones in-arborescences, all-reduce undirected spanning trees."""
     row = _collectives.get(collective)
     if row.reduces and row.broadcasts:
