@@ -21,11 +21,11 @@ import dataclasses
 import json
 import pathlib
 
-from jax_blink.planner.rings import nccl_ring_plan
-from jax_blink.topology.load import load_topology
 from jax_blink.planner.model import Plan, Tree
-from jax_blink.topology.presets import is_preset, preset
+from jax_blink.planner.rings import nccl_ring_plan
 from jax_blink.simulate import simulate
+from jax_blink.topology.load import load_topology
+from jax_blink.topology.presets import is_preset, preset
 
 TOPOLOGY_DIR = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "topologies"
 TOLERANCE = 0.25  # |simulated / published - 1| allowed

@@ -26,14 +26,14 @@ import statistics
 import sys
 import time
 
-from jax_blink.planner.rings import nccl_ring_plan
-from jax_blink.planner.dbtree import nccl_tree_plan
 from jax_blink import costmodel
 from jax_blink.cli.bench_cmd import human_bytes, parse_size
+from jax_blink.planner.dbtree import nccl_tree_plan
 from jax_blink.planner.model import Plan, Tree
+from jax_blink.planner.rings import nccl_ring_plan
 from jax_blink.planning import plan
-from jax_blink.topology.presets import preset
 from jax_blink.simulate import simulate
+from jax_blink.topology.presets import preset
 
 COLLS = ("broadcast", "allreduce", "allgather")
 

@@ -30,13 +30,13 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from jax_blink.planner import bounds
-from jax_blink.planner.rings import ring_plan
 from jax_blink.cli.bench_cmd import human_bytes, parse_size
 from jax_blink.distributed import three_phase_plan
+from jax_blink.planner import bounds
+from jax_blink.planner.rings import ring_plan
 from jax_blink.planning import plan
-from jax_blink.topology.presets import multi_node
 from jax_blink.simulate import simulate
+from jax_blink.topology.presets import multi_node
 
 NIC_GBPS = 12.5
 

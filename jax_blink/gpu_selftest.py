@@ -80,9 +80,9 @@ def record_pass(key: dict) -> pathlib.Path:
 
 def _schedule(collective: str, n: int, nelems: int, chunk_elems: int | None = None):
     from .planning import plan
-    from .topology.presets import PRESETS
     from .schedule import build_schedule
     from .topology import Topology
+    from .topology.presets import PRESETS
     topo = PRESETS["dgx1v"]().subset(list(range(n))) if n <= 8 else Topology.host(n)
     root = None if collective == "allreduce" else n - 1
     return build_schedule(plan(topo, collective, root=root), nelems, chunk_elems=chunk_elems)

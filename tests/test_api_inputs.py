@@ -11,8 +11,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_blink
 from jax_blink import mapping
-from jax_blink.topology.load import load_topology
 from jax_blink.topology import Topology
+from jax_blink.topology.load import load_topology
 
 
 @pytest.mark.parametrize("env,collective,gpus,expect", [
@@ -69,8 +69,8 @@ def test_topology_help_gives_achieved_default_rates(capsys):
 
 # ------------------------------------------------------------------ public-function sweep
 from jax_blink import costmodel, schedule, simulate  # noqa: E402
-from jax_blink.planner import bounds  # noqa: E402
 from jax_blink.errors import BlinkError, PlanError, ScheduleError, TopologyError  # noqa: E402
+from jax_blink.planner import bounds  # noqa: E402
 
 DGX = load_topology("dgx1v")
 

@@ -213,8 +213,8 @@ def test_show_ring_is_for_allreduce_like_plan(capsys, tmp_path):
 
 
 def test_bench_json_one_object_per_size(capsys):
-    from jax_blink.planner.rings import nccl_ring_plan
     from jax_blink.planner.dbtree import nccl_tree_plan
+    from jax_blink.planner.rings import nccl_ring_plan
     from jax_blink.simulate import simulate
 
     assert main(["bench", "--topology", "dgx1v", "--sizes", "1M,1G", "--json"]) == 0
@@ -269,9 +269,9 @@ def test_show_titles_and_labels_fit_in_the_figure(source, devices, collective, a
     import matplotlib.pyplot as plt
 
     from jax_blink import load_topology
-    from jax_blink.planner.rings import nccl_ring_plan
-    from jax_blink.planner.dbtree import nccl_tree_plan
     from jax_blink.cli.bench_cmd import human_bytes
+    from jax_blink.planner.dbtree import nccl_tree_plan
+    from jax_blink.planner.rings import nccl_ring_plan
     from jax_blink.plot import plan_figure
     from jax_blink.simulate import simulate
 

@@ -10,10 +10,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_blink
 from jax_blink import ScheduleError, costmodel, mapping
 from jax_blink.planning import plan
-from jax_blink.topology.presets import PRESETS
 from jax_blink.schedule import build_schedule, execute
 from jax_blink.simulate import simulate
 from jax_blink.topology import Topology
+from jax_blink.topology.presets import PRESETS
 
 DGX1V = PRESETS["dgx1v"]()
 ALL8 = list(range(8))

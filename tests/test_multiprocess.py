@@ -13,8 +13,8 @@ import pytest
 
 from jax_blink import distributed, launch
 from jax_blink.errors import TopologyError
-from jax_blink.topology.presets import NVLINK_EFFICIENCY, NVLINK_GBPS, dgx1v
 from jax_blink.topology import Topology
+from jax_blink.topology.presets import NVLINK_EFFICIENCY, NVLINK_GBPS, dgx1v
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "multiprocess_worker.py")

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 
 import jax_blink
 
-from jax_blink.planner import bounds, rings
 from jax_blink.errors import PlanError
+from jax_blink.planner import bounds, rings
 from jax_blink.planner.model import Plan
 from jax_blink.planning import plan
-from jax_blink.topology.presets import EDR_IB_GBPS, PRESETS, nvlink_gbps
 from jax_blink.topology import Topology
+from jax_blink.topology.presets import EDR_IB_GBPS, PRESETS, nvlink_gbps
 
 TOL = 1e-6
 V2, V4 = nvlink_gbps(2), nvlink_gbps(4)  # achieved GB/s per NVLink (V100, H100)
@@ -209,9 +209,9 @@ def test_three_phase_allreduce_reaches_nic_bound_and_runs_exactly(nics):
     """2 dgx1v nodes, NICs of 12.5 GB/s: the NICs are the cut (max-flow bound nics * 12.5 GB/s); Blink's
     three phases with partitions spread over the GPUs that reach each NIC reach it, and the schedule
     sums integers exactly."""
-    from jax_blink.topology.presets import multi_node
     from jax_blink.schedule import build_schedule, execute
     from jax_blink.simulate import simulate
+    from jax_blink.topology.presets import multi_node
 
     t = multi_node("dgx1v", 2, 12.5, nics)
     hp = plan(t, "allreduce", algorithm="hierarchical")
@@ -236,8 +236,8 @@ def test_three_phase_allreduce_reaches_nic_bound_and_runs_exactly(nics):
 
 def test_three_phase_rooted_and_uneven_nodes_run_exactly():
     """Broadcast/reduce three-phase plans and nodes with different GPU counts (3 + 2 GPUs)."""
-    from jax_blink.topology.presets import multi_node
     from jax_blink.schedule import build_schedule, execute
+    from jax_blink.topology.presets import multi_node
 
     t = multi_node("dgx1v", 2, 12.5, 2)
     devs = [1, 2, 4, 9, 14]
@@ -351,8 +351,8 @@ def test_cli_plan_json_table_and_error(capsys):
 
 
 def test_forced_algorithms():
-    from jax_blink.topology.presets import PRESETS
     from jax_blink.schedule import build_schedule, execute
+    from jax_blink.topology.presets import PRESETS
 
     t = PRESETS["dgx1v-nvlink"]()
     ring = plan(t, "allreduce", algorithm="ring")

@@ -10,14 +10,14 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from jax_blink.planner import bounds, rings
-from jax_blink.planner.rings import nccl_ring_plan, ring_plan
-from jax_blink.topology.load import load_topology
 from jax_blink.errors import PlanError
+from jax_blink.planner import bounds, rings
 from jax_blink.planner.model import Plan
+from jax_blink.planner.rings import nccl_ring_plan, ring_plan
 from jax_blink.planning import plan
-from jax_blink.topology.presets import EDR_IB_GBPS, NVLINK_EFFICIENCY, NVLINK_GBPS, PRESETS
 from jax_blink.topology import Topology
+from jax_blink.topology.load import load_topology
+from jax_blink.topology.presets import EDR_IB_GBPS, NVLINK_EFFICIENCY, NVLINK_GBPS, PRESETS
 
 NVLINK2 = NVLINK_GBPS * NVLINK_EFFICIENCY[2]  # one V100 NVLink, achieved GB/s per direction
 

@@ -186,10 +186,10 @@ def test_bucketing_one_collective_per_dtype():
 def test_algorithm_argument_and_env(monkeypatch):
     """psum(algorithm=...) / $JAX_BLINK_ALGORITHM reach the planner: on 2 nodes x 4 host devices the
     forced three-phase plan (Blink s. 5) runs and sums int32 exactly; bad values fail clearly."""
-    from jax_blink.planner import facade
     from jax_blink.errors import PlanError
-    from jax_blink.topology.presets import multi_node
+    from jax_blink.planner import facade
     from jax_blink.topology import Topology
+    from jax_blink.topology.presets import multi_node
 
     topo = multi_node(Topology.host(4), 2, 12.5, 1)
     mesh = mesh1(range(8))

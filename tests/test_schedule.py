@@ -7,8 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from jax_blink import ScheduleError
 from jax_blink.planning import plan
-from jax_blink.topology.presets import PRESETS
 from jax_blink.schedule import COPY, REDUCE, Schedule, build_schedule, choose_chunks, execute
+from jax_blink.topology.presets import PRESETS
 
 DGX1V = PRESETS["dgx1v"]()
 

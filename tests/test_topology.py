@@ -7,8 +7,8 @@ import pytest
 import jax_blink
 from jax_blink import PRESETS, Topology, TopologyError, multi_node
 from jax_blink.cli import main
-from jax_blink.topology.nvml import detect, from_nvml
 from jax_blink.topology.load import load_topology
+from jax_blink.topology.nvml import detect, from_nvml
 from jax_blink.topology.presets import DGX1_DOUBLE, DGX1_SINGLE, EDR_IB_GBPS, nvlink_gbps, preset
 
 V2, V3, V4 = nvlink_gbps(2), nvlink_gbps(3), nvlink_gbps(4)  # achieved GB/s per NVLink (V100/A100/H100)

@@ -106,9 +106,9 @@ def load_inputs(args):
     Raises BlinkError/PlanError for --root with an all-reduce, an unreadable or non-JSON plan
     file, and a plan for other devices, another collective or root, or another topology.
     """
-    from ..topology.load import load_topology
     from ..planner.model import Plan
     from ..planning import plan
+    from ..topology.load import load_topology
 
     check_root(args)
     topo = load_topology(args.topology)
@@ -165,10 +165,10 @@ def simulate_sweep(topo, blink_plan, sizes, *, latency_us=None, progress=True, f
     where the baseline does not exist: no ring through the GPUs, tree for other collectives than
     all-reduce, lpring for other collectives than all-gather / reduce-scatter).
     """
-    from ..planner.rings import nccl_ring_plan, ring_plan
-    from ..planner.dbtree import nccl_tree_plan
     from ..collectives import get as collective_row
     from ..costmodel import choose_plan
+    from ..planner.dbtree import nccl_tree_plan
+    from ..planner.rings import nccl_ring_plan, ring_plan
     from ..simulate import DEFAULT_LATENCY_US, simulate
 
     lat = DEFAULT_LATENCY_US if latency_us is None else latency_us

@@ -35,8 +35,8 @@ def png_path(text: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Plan for --size (or load --plan), simulate at --size for the utilisation panel, write --png."""
-    from ..planner.rings import nccl_ring_plan
     from ..planner.dbtree import nccl_tree_plan
+    from ..planner.rings import nccl_ring_plan
     from ..plot import draw_plan
     from ..simulate import simulate
 

@@ -129,12 +129,14 @@ class RouteTable:
 
 @dataclasses.dataclass(frozen=True)
 class Column:
-    """One tree of the packing LP.
+    """One column of a packing LP (:mod:`jax_blink.planner.colgen`): a tree, a three-phase tree or a ring.
 
-    ``edges``: tuple of (parent, child, route) with route a node path. For ``mode="arborescence"``
-    the route runs parent -> child (broadcast); for ``"in-arborescence"`` child -> parent (reduce);
-    for ``"spanning"`` the route runs parent -> child and its reverse is used too (all-reduce).
-    ``usage``: int array [L], how many times the tree uses each link.
+    ``edges``: what the column is (its identity in the LP). For a tree, a tuple of (parent, child,
+    route) with route a node path: for ``mode="arborescence"`` the route runs parent -> child
+    (broadcast); for ``"in-arborescence"`` child -> parent (reduce); for ``"spanning"`` the route runs
+    parent -> child and its reverse is used too (all-reduce). A three-phase tree lists the edges of
+    its parts; a ring is (GPU cycle, route per hop).
+    ``usage``: int array [L], how many times the column uses each link.
     """
 
     edges: tuple
