@@ -12,6 +12,10 @@ LAYERS = [("errors", "collectives", "_native"), ("topology",), ("planner",), ("s
           ("costmodel",), ("planning",), ("plot",), ("mapping",), ("lowering",), ("primitives",), ("api",),
           ("cli", "gpu_selftest", "distributed", "launch", "__main__")]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+# inside a package: each module imports only those before it
+ORDER = {"topology": ("model", "presets", "nvsmi", "ncclxml", "nvml", "probe", "load"),
+         "planner": ("model", "routes", "colgen", "bounds", "minimize", "rings", "dbtree", "trees", "sharded",
+                     "threephase", "facade")}
 # lowering/ffi.py asks gpu_selftest.has_passed() (imported in the function) before using the CUDA executor
 KNOWN = {("jax_blink.lowering.ffi", "jax_blink.gpu_selftest")}
 
@@ -54,6 +58,21 @@ def test_no_import_goes_right():
     assert {m.split(".")[1] for m in mods if m != "jax_blink"} <= set(RANK), "a module outside LAYERS"
     bad = [f"{a}:{line} imports {b}" for a, b, line in _imports(mods)
            if a != "jax_blink" and _layer(b) > _layer(a) and (a, b) not in KNOWN]
+    assert not bad, bad
+
+
+def test_package_modules_import_only_earlier_ones():
+    mods = _modules()
+    for pkg, order in ORDER.items():
+        inside = {m.split(".")[2] for m in mods if m.startswith(f"jax_blink.{pkg}.")}
+        assert inside == set(order), (pkg, sorted(inside))
+    bad = []
+    for a, b, line in _imports(mods):
+        pa, pb = a.split("."), b.split(".")
+        if len(pa) == 3 and len(pb) == 3 and pa[1] == pb[1] and pa[1] in ORDER:
+            order = ORDER[pa[1]]
+            if order.index(pb[2]) > order.index(pa[2]):
+                bad.append(f"{a}:{line} imports {b}")
     assert not bad, bad
 
 
