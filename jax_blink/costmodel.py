@@ -50,6 +50,7 @@ import numpy as np
 from . import collectives
 from .errors import PlanError, ScheduleError
 from .planner import dbtree, facade, rings, threephase
+from .planner.model import cached
 from .schedule import DEFAULT_MAX_TOTAL_CHUNKS, DEFAULT_STEP_LATENCY_S, Schedule, _depth, build_schedule
 from .simulate import DEFAULT_LATENCY_US, simulate
 
@@ -147,17 +148,6 @@ def choose_schedule(plans, nelems: int, *, itemsize: int = 4, step_latency_s: fl
 
 
 # ------------------------------------------------------------------------------ plan choice
-def _cached(cache, key, make):
-    hit = cache.get(key)
-    if hit is None:
-        hit = cache[key] = make()
-        if len(cache) > _CACHE_SIZE:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(key)
-    return hit
-
-
 def candidate_plans(topology, collective: str, *, devices=None, root=None, algorithm: str = "auto",
                     max_trees: int | None = None) -> list:
     """The plans ``auto`` chooses among, bandwidth-optimal packing first (it wins ties).
@@ -217,7 +207,8 @@ def simulated_time(plan, nbytes: float, topology, latency_us: float = DEFAULT_LA
     """Seconds of one ``plan`` collective of ``nbytes`` bytes per GPU on ``topology``, by the
     link-level simulator (its own chunking, per-send latency ``latency_us``). Cached."""
     key = (topology.fingerprint(), plan, float(nbytes), float(latency_us))
-    return _cached(_TIMES, key, lambda: simulate(plan, nbytes, topology=topology, latency_us=latency_us).time_s)
+    return cached(_TIMES, key, lambda: simulate(plan, nbytes, topology=topology, latency_us=latency_us).time_s,
+                  _CACHE_SIZE)
 
 
 def fastest(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US):
@@ -240,9 +231,9 @@ def choose_plan(topology, collective: str, nbytes: float, *, devices=None, root=
     """
     key = (topology.fingerprint(), collective, devices if devices is None else tuple(devices), root,
            algorithm, max_trees, float(nbytes), float(latency_us))
-    return _cached(_CHOICES, key, lambda: _choose_plan(
+    return cached(_CHOICES, key, lambda: _choose_plan(
         topology, candidate_plans(topology, collective, devices=devices, root=root, algorithm=algorithm,
-                                  max_trees=max_trees), nbytes, latency_us, algorithm))
+                                  max_trees=max_trees), nbytes, latency_us, algorithm), _CACHE_SIZE)
 
 
 def _choose_plan(topology, plans, nbytes, latency_us, algorithm="auto"):

@@ -32,13 +32,13 @@ def plan_cache() -> "collections.OrderedDict":
     return cache
 
 
-def cached(cache: "collections.OrderedDict", key, make):
-    """``cache[key]``, computed by ``make()`` on a miss; at most CACHE_SIZE entries (least recently
+def cached(cache: "collections.OrderedDict", key, make, size: int = CACHE_SIZE):
+    """``cache[key]``, computed by ``make()`` on a miss; at most ``size`` entries (least recently
     used dropped)."""
     hit = cache.get(key)
     if hit is None:
         hit = cache[key] = make()
-        if len(cache) > CACHE_SIZE:
+        if len(cache) > size:
             cache.popitem(last=False)
     else:
         cache.move_to_end(key)
