@@ -3,12 +3,12 @@
 Every row of :data:`PUBLISHED` is one public nccl-tests / NCCL measurement: the machine, its topology
 (a preset or a file in ``tests/data/topologies``), the GPUs, the collective and size, the measured
 bus bandwidth and where it was posted. The simulated figure is ``jax_blink.simulate`` of the plan
-NCCL runs there (its rings on the links NCCL uses, :func:`jax_blink.baselines.nccl_ring_plan`; one
+NCCL runs there (its rings on the links NCCL uses, :func:`jax_blink.planner.rings.nccl_ring_plan`; one
 row is Blink's three-path broadcast), busbw as nccl-tests computes it (all-reduce: algbw x 2(n-1)/n;
 broadcast: algbw). Each row must be within :data:`TOLERANCE` (tests/test_fidelity.py).
 
 Rows marked "calibrates" are the measurements a constant of the model was taken from (the NVLink
-fractions in ``jax_blink.presets.NVLINK_EFFICIENCY``, ``jax_blink.simulate.HOST_STAGING_GBPS``); the
+fractions in ``jax_blink.topology.presets.NVLINK_EFFICIENCY``, ``jax_blink.simulate.HOST_STAGING_GBPS``); the
 others are independent checks of those constants on other machines, GPU counts or link kinds.
 
 Run: python benchmarks/fidelity.py [--json]
@@ -21,11 +21,11 @@ import dataclasses
 import json
 import pathlib
 
-from jax_blink.baselines import nccl_ring_plan
-from jax_blink.discovery import load_topology
-from jax_blink.packing import Plan, Tree
-from jax_blink.presets import is_preset, preset
+from jax_blink.planner.model import Plan, Tree
+from jax_blink.planner.rings import nccl_ring_plan
 from jax_blink.simulate import simulate
+from jax_blink.topology.load import load_topology
+from jax_blink.topology.presets import is_preset, preset
 
 TOPOLOGY_DIR = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "topologies"
 TOLERANCE = 0.25  # |simulated / published - 1| allowed

@@ -4,7 +4,7 @@ For every allocation of 3..8 GPUs of the ``dgx1v`` preset (NVLink cube-mesh + PC
 simulated broadcast (root = first GPU), all-reduce and all-gather (256 MiB gathered) time at 256 MiB of
 jax_blink's choice
 (``jax_blink.plan(nbytes=size)``: the fastest candidate by the simulator) and of NCCL's baselines as
-NCCL builds them (``jax_blink.baselines``): rings over NVLink, or over PCIe / inter-socket links when
+NCCL builds them (``jax_blink.planner.rings``, ``jax_blink.planner.dbtree``): rings over NVLink, or over PCIe / inter-socket links when
 the allocation has no NVLink ring, and (all-reduce) the double binary tree over the same links; all on
 the same link-level model (``jax_blink.simulate``). Prints min / median / max speedup per GPU count
 over each baseline, saves a plot of the speedup over NCCL's rings (docs/fragmentation.png by default).
@@ -26,12 +26,14 @@ import statistics
 import sys
 import time
 
-from jax_blink.baselines import nccl_ring_plan, nccl_tree_plan
 from jax_blink import costmodel
 from jax_blink.cli.bench_cmd import human_bytes, parse_size
-from jax_blink.packing import Plan, Tree, plan
-from jax_blink.presets import preset
+from jax_blink.planner.dbtree import nccl_tree_plan
+from jax_blink.planner.model import Plan, Tree
+from jax_blink.planner.rings import nccl_ring_plan
+from jax_blink.planning import plan
 from jax_blink.simulate import simulate
+from jax_blink.topology.presets import preset
 
 COLLS = ("broadcast", "allreduce", "allgather")
 

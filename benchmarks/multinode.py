@@ -2,17 +2,17 @@
 planner's choice vs a flat ring vs the bound.
 
 For N in {2, 4, 8} nodes of the ``dgx1v`` preset and 1..4 NICs of 12.5 GB/s (100 Gb/s) per node
-(``jax_blink.presets.multi_node``; NICs hang off the node's PCIe switches), all GPUs of all nodes:
+(``jax_blink.topology.presets.multi_node``; NICs hang off the node's PCIe switches), all GPUs of all nodes:
 
 - max-flow bound: ``bounds.allreduce_bound`` (min over GPU pairs of the max-flow, GB/s) and LP bound:
   the planner's certificate (``Plan.bound_gbps``, LP dual of the tree packing); a plan's time for S
   bytes is S / rate;
-- planner: ``jax_blink.packing.plan(topology, "allreduce")`` (what ``jax_blink.psum`` runs);
+- planner: ``jax_blink.plan(topology, "allreduce")`` (what ``jax_blink.psum`` runs);
 - three-phase: ``jax_blink.distributed.three_phase_plan`` = ``plan(..., algorithm="hierarchical")``
   (Blink, MLSys 2020, section 5: data partitioned over a node's GPUs; partition i reduced on
   intra-node trees onto GPU i, exchanged among the GPU i's of all nodes over their NICs, broadcast
   inside nodes; tree weights by an LP over such trees);
-- ring: ``jax_blink.baselines.ring_plan`` over all GPUs (NCCL's flat ring; rate n b / (2(n-1))).
+- ring: ``jax_blink.planner.rings.ring_plan`` over all GPUs (NCCL's flat ring; rate n b / (2(n-1))).
 
 Each plan's rate (GB/s, S / predicted time) and its simulated algbw (``jax_blink.simulate``,
 link-level event model, ``--size`` bytes per GPU, 2 us per message) are printed in one table, with
@@ -30,13 +30,13 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from jax_blink import bounds
-from jax_blink.baselines import ring_plan
 from jax_blink.cli.bench_cmd import human_bytes, parse_size
 from jax_blink.distributed import three_phase_plan
-from jax_blink.packing import plan
-from jax_blink.presets import multi_node
+from jax_blink.planner import bounds
+from jax_blink.planner.rings import ring_plan
+from jax_blink.planning import plan
 from jax_blink.simulate import simulate
+from jax_blink.topology.presets import multi_node
 
 NIC_GBPS = 12.5
 

@@ -10,7 +10,7 @@ NVLink, each timed N times.
 Columns: trees @1% tol = tree count with plan(rate_tolerance=0.01) (its rate over the exact rate in
 brackets); rate/bound = plan rate over its certificate (Edmonds max-flow bound for broadcast; LP dual
 bound for all-reduce trees); ring = best ring packing (directed Hamiltonian cycles over NVLink and
-PCIe routes, bounds.ring_packing) expressed as the same collective's rate (broadcast: B_ring;
+PCIe routes, rings.ring_packing) expressed as the same collective's rate (broadcast: B_ring;
 all-reduce: n*B_ring/(2(n-1)); all-gather / reduce-scatter: n*B_ring/(n-1)); speedup = plan rate /
 ring rate (same predicted-time model). All-gather / reduce-scatter rows: rate against the exact cut
 bound (bounds.allgather_bound / reducescatter_bound, parametric max-flow; ForestColl, Zhao et al. 2024).
@@ -29,16 +29,18 @@ import networkx as nx
 from rich.console import Console
 from rich.table import Table
 
-from jax_blink import bounds, collectives, packing
-from jax_blink.presets import PRESETS
+import jax_blink
+from jax_blink import collectives
+from jax_blink.planner import rings
+from jax_blink.topology.presets import PRESETS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def timed_plan(t, coll, **kw):
-    packing.clear_caches()
+    jax_blink.clear_caches()
     s = time.perf_counter()
-    p = packing.plan(t, coll, **kw)
+    p = jax_blink.plan(t, coll, **kw)
     return p, (time.perf_counter() - s) * 1e3
 
 
@@ -81,7 +83,7 @@ def timing_targets(console, reps: int, colls=("allreduce", "broadcast", "allgath
 
 def ring_equiv(t, devs, coll):
     n = len(devs)
-    b = bounds.ring_rate(t, devs)
+    b = rings.ring_rate(t, devs)
     factor = collectives.get(coll).busbw_factor(n)  # rings of bandwidth B reach algbw B / factor
     return b / factor if factor > 0 else b
 
@@ -134,7 +136,7 @@ def full_box_rows(console, entries, colls=("broadcast", "reduce", "allreduce")):
         devs = t.gpus
         for coll in colls:
             p, dt = timed_plan(t, coll)
-            loose = packing.plan(t, coll, rate_tolerance=0.01)
+            loose = jax_blink.plan(t, coll, rate_tolerance=0.01)
             ring = ring_equiv(t, devs, coll)
             tab.add_row(label, str(len(devs)), coll, p.algorithm, f"{p.rate_gbps:.3f}", f"{p.bound_gbps:.3f}",
                         f"{p.rate_gbps / p.bound_gbps:.3f}", str(len(p.trees)),
@@ -172,11 +174,11 @@ def main() -> None:
     entries = [(n, PRESETS[n]()) for n in ("dgx1p", "dgx1p-nvlink", "dgx1v", "dgx1v-nvlink", "dgx2", "dgx-a100",
                                            "dgx-h100", "pcie-2socket")]
     try:
-        from jax_blink.discovery import load_topology
+        from jax_blink.topology.load import load_topology
         for f in sorted((ROOT / "tests" / "data" / "topologies").glob("*.txt")):
             entries.append((f.stem, load_topology(str(f))))
     except ImportError:
-        console.print("jax_blink.discovery missing: nvidia-smi files skipped")
+        console.print("jax_blink.topology.load missing: nvidia-smi files skipped")
     entries.append(("dgx1v-4node", PRESETS["dgx1v-4node"]()))
     full_box_rows(console, entries)
     full_box_rows(console, entries, ("allgather", "reducescatter"))

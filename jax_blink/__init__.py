@@ -1,15 +1,13 @@
 """jax_blink: topology-aware collectives for JAX (Blink, MLSys 2020).
 
-Pipeline: topology -> packing (plan) -> schedule -> lowering -> API.
+Pipeline: topology -> planner (plan) -> schedule -> lowering -> API.
 """
 
 from .errors import BlinkError, PlanError, ScheduleError, TopologyError
-from .topology import Topology
-from .presets import PRESETS, multi_node
-from .discovery import detect, load_topology
-# the function shadows its module on purpose (jax_blink.probe(...)); the module stays importable with
-# importlib.import_module("jax_blink.probe") and `from jax_blink.probe import ...`; jax loads lazily.
-from .probe import probe
+from .topology import PRESETS, Topology, detect, load_topology, multi_node
+# jax_blink.probe(...) is the measuring function of the module jax_blink.topology.probe (import that
+# module for cached_probe, build_topology, ...); jax loads lazily, when a probe runs.
+from .topology.probe import probe
 
 def _installed_version() -> str:
     """The version in pyproject.toml, as installed (one source of truth); '0+unknown' for a source
@@ -26,8 +24,8 @@ __version__ = _installed_version()
 # JAX-facing API, imported lazily so the CLI and planners load without importing jax.
 _LAZY = {"psum": "api", "pmean": "api", "broadcast": "api", "reduce": "api", "all_gather": "api",
          "psum_scatter": "api", "set_device_map": "mapping",
-         "plan": "packing", "Plan": "packing", "Tree": "packing", "ring_rate": "bounds",
-         "selftest": "gpu_selftest", "clear_caches": "packing"}
+         "plan": "planning", "Plan": "planner.model", "Tree": "planner.model", "ring_rate": "planner.rings",
+         "selftest": "gpu_selftest", "clear_caches": "planner.model"}
 
 
 def __getattr__(name):

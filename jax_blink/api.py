@@ -3,7 +3,7 @@
 
 Inside ``jax.pmap`` / ``jax.shard_map`` (check_vma on or off) / ``vmap(axis_name=...)``. The data
 moves along a tree packing of the machine's topology (Blink, Wang et al., MLSys 2020, sections 3-4):
-``jax_blink.packing.plan`` -> ``jax_blink.schedule.build_schedule`` -> a lowering from
+``jax_blink.plan`` -> ``jax_blink.schedule.build_schedule`` -> a lowering from
 ``jax_blink.lowering`` ("ppermute": rounds of collective_permute; "ffi": native custom call).
 
 Leaves of one dtype (and one varying-axes type) form one bucket and one collective (one native call
@@ -179,7 +179,7 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
       max_trees: plan with at most this many trees (``packing.plan(max_trees=)``); default None: the
         tree count and chunks with the least predicted time for this operand size and lowering
         (``jax_blink.costmodel``: few trees for small, latency-bound operands).
-      algorithm: the planner's algorithm (``jax_blink.packing.plan``): "auto" (fastest predicted),
+      algorithm: the planner's algorithm (``jax_blink.plan``): "auto" (fastest predicted),
         "trees", "ring" or "hierarchical" (Blink's three phases, section 5: needs every group to span
         two or more nodes of a multi-node topology). Default ``$JAX_BLINK_ALGORITHM``, else "auto".
 

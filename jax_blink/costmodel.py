@@ -3,12 +3,12 @@
 ``algorithm="auto"`` means the least predicted time over :func:`candidate_plans`: the
 bandwidth-optimal tree packing, the same with fewer trees (``max_trees`` in CANDIDATE_MAX_TREES;
 all-gather / reduce-scatter: n and 2n trees, one per rank at least), the LP-optimal ring packing,
-NCCL's rings and double binary tree (:mod:`jax_blink.baselines`), for all-reduce the reduce-scatter
-+ all-gather forests ("rsag", :func:`jax_blink.packing.plan`; its time is the reduce-scatter time
+NCCL's rings and double binary tree (:mod:`jax_blink.planner.rings`, :mod:`jax_blink.planner.dbtree`),
+for all-reduce the reduce-scatter + all-gather forests ("rsag", :func:`jax_blink.planner.facade.plan`; its time is the reduce-scatter time
 plus the all-gather time) and, across nodes, Blink's three phases. Every baseline and "rsag" is a
 Plan the schedule format runs (one tree per segment, reduce and broadcast phases), so whichever wins
 runs as a schedule.
-Users: ``packing.plan(nbytes=...)`` and ``jax-blink plan --size`` (:func:`choose_plan`),
+Users: ``jax_blink.plan(nbytes=...)`` and ``jax-blink plan --size`` (:func:`choose_plan`),
 ``jax-blink bench`` (blink column = :func:`choose_plan` per size), and the lowerings
 (:func:`lowering_schedule`, from ``primitives.build_request``).
 
@@ -49,11 +49,14 @@ import math
 
 import numpy as np
 
+from . import collectives
 from .errors import PlanError, ScheduleError
+from .planner import dbtree, facade, rings, threephase
+from .planner.model import cached
 from .schedule import DEFAULT_MAX_TOTAL_CHUNKS, DEFAULT_STEP_LATENCY_S, Schedule, _depth, build_schedule
 from .simulate import DEFAULT_LATENCY_US, simulate
 
-#: ``packing.plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
+#: ``plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
 CANDIDATE_MAX_TREES = (None, 4, 2, 1)
 
 _CHOICES: "collections.OrderedDict" = collections.OrderedDict()
@@ -69,7 +72,7 @@ def plan_rate_gbps(plan) -> float:
 def predicted_time(schedule: Schedule, plan, itemsize: int, step_latency_s: float) -> float:
     """Predicted seconds of one call of ``schedule`` (built from ``plan``), by the model above.
 
-    Args: schedule: the built schedule; plan: its ``packing.Plan``; itemsize: bytes per element;
+    Args: schedule: the built schedule; plan: its ``Plan``; itemsize: bytes per element;
     step_latency_s: cost of one round in seconds. Returns 0.0 when nothing moves.
     """
     if schedule.num_rounds == 0:
@@ -100,7 +103,7 @@ def choose_schedule(plans, nelems: int, *, itemsize: int = 4, step_latency_s: fl
     """The (plan, schedule, predicted seconds) with the least predicted time.
 
     Args:
-      plans: candidate ``packing.Plan`` objects over the same devices (e.g. ``plan(max_trees=k)`` for
+      plans: candidate ``Plan`` objects over the same devices (e.g. ``plan(max_trees=k)`` for
         k in :data:`CANDIDATE_MAX_TREES`); earlier plans win ties, so list the optimal one first.
       nelems: elements per rank; itemsize: bytes per element; step_latency_s: seconds per round.
       chunk_elems: fixed chunk size in elements (only the plan is chosen), or None: chunk counts from
@@ -134,17 +137,6 @@ def choose_schedule(plans, nelems: int, *, itemsize: int = 4, step_latency_s: fl
 
 
 # ------------------------------------------------------------------------------ plan choice
-def _cached(cache, key, make):
-    hit = cache.get(key)
-    if hit is None:
-        hit = cache[key] = make()
-        if len(cache) > _CACHE_SIZE:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(key)
-    return hit
-
-
 def candidate_plans(topology, collective: str, *, devices=None, root=None, algorithm: str = "auto",
                     max_trees: int | None = None) -> list:
     """The plans ``auto`` chooses among, bandwidth-optimal packing first (it wins ties).
@@ -158,35 +150,34 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
     devices (PlanError) are left out; duplicates are dropped. Raises PlanError when the
     bandwidth-optimal plan itself fails (bad devices, root, unreachable GPUs).
     """
-    from . import baselines, collectives, packing  # packing.plan(nbytes=) imports this module
-    devices = packing.job_devices(topology, devices)
+    devices = facade.job_devices(topology, devices)
     sharded = collectives.get(collective).sharded if collective in collectives.COLLECTIVES else False
-    first = packing.plan(topology, collective, devices=devices, root=root, algorithm=algorithm,
+    first = facade.plan(topology, collective, devices=devices, root=root, algorithm=algorithm,
                          max_trees=max_trees)  # rate-optimal: wins ties
     out = [first]
     if len(devices) == 1 or max_trees is not None:
         return out
     makers = []
     if algorithm in ("auto", "trees"):
-        opt = packing.plan(topology, collective, devices=devices, root=root, algorithm="trees")
+        opt = facade.plan(topology, collective, devices=devices, root=root, algorithm="trees")
         if sharded:  # one tree per rank (the max-rate choice of n trees may differ from an n-tree optimum)
             ks = [k for k in (len(devices), 2 * len(devices)) if k <= len(opt.trees)]
         else:
             ks = [k for k in CANDIDATE_MAX_TREES if k is not None and k < len(opt.trees)]
         makers.append(lambda: opt)
-        makers += [lambda k=k: packing.plan(topology, collective, devices=devices, root=root,
+        makers += [lambda k=k: facade.plan(topology, collective, devices=devices, root=root,
                                             algorithm="trees", max_trees=k) for k in ks]
     if algorithm == "auto":
         if collective == "allreduce":
-            makers.append(lambda: packing.plan(topology, collective, devices=devices, algorithm="ring"))
-            makers.append(lambda: baselines.nccl_tree_plan(topology, devices=devices))
+            makers.append(lambda: facade.plan(topology, collective, devices=devices, algorithm="ring"))
+            makers.append(lambda: dbtree.nccl_tree_plan(topology, devices=devices))
         else:
-            makers.append(lambda: baselines.ring_plan(topology, collective, devices=devices, root=root))
-        makers.append(lambda: baselines.nccl_ring_plan(topology, collective, devices=devices, root=root))
+            makers.append(lambda: rings.ring_plan(topology, collective, devices=devices, root=root))
+        makers.append(lambda: rings.nccl_ring_plan(topology, collective, devices=devices, root=root))
         if collective == "allreduce":
-            makers.append(lambda: packing.plan(topology, collective, devices=devices, algorithm="rsag"))
-        if len(packing._node_groups(topology, list(devices))) > 1:
-            makers.append(lambda: packing.plan(topology, collective, devices=devices, root=root,
+            makers.append(lambda: facade.plan(topology, collective, devices=devices, algorithm="rsag"))
+        if len(threephase.node_groups(topology, list(devices))) > 1:
+            makers.append(lambda: facade.plan(topology, collective, devices=devices, root=root,
                                                algorithm="hierarchical"))
     seen = {first.trees}
     for make in makers:
@@ -205,7 +196,8 @@ def simulated_time(plan, nbytes: float, topology, latency_us: float = DEFAULT_LA
     """Seconds of one ``plan`` collective of ``nbytes`` bytes per GPU on ``topology``, by the
     link-level simulator (its own chunking, per-send latency ``latency_us``). Cached."""
     key = (topology.fingerprint(), plan, float(nbytes), float(latency_us))
-    return _cached(_TIMES, key, lambda: simulate(plan, nbytes, topology=topology, latency_us=latency_us).time_s)
+    return cached(_TIMES, key, lambda: simulate(plan, nbytes, topology=topology, latency_us=latency_us).time_s,
+                  _CACHE_SIZE)
 
 
 def fastest(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US):
@@ -224,13 +216,13 @@ def choose_plan(topology, collective: str, nbytes: float, *, devices=None, root=
     """The fastest of :func:`candidate_plans` at ``nbytes`` bytes per GPU, by the simulator.
 
     Returns the Plan with a note saying that ``auto`` chose it, its simulated time and the runner-up
-    (cached: the same inputs give the same object). Raises PlanError like ``packing.plan``.
+    (cached: the same inputs give the same object). Raises PlanError like ``jax_blink.plan``.
     """
     key = (topology.fingerprint(), collective, devices if devices is None else tuple(devices), root,
            algorithm, max_trees, float(nbytes), float(latency_us))
-    return _cached(_CHOICES, key, lambda: _choose_plan(
+    return cached(_CHOICES, key, lambda: _choose_plan(
         topology, candidate_plans(topology, collective, devices=devices, root=root, algorithm=algorithm,
-                                  max_trees=max_trees), nbytes, latency_us, algorithm))
+                                  max_trees=max_trees), nbytes, latency_us, algorithm), _CACHE_SIZE)
 
 
 def _choose_plan(topology, plans, nbytes, latency_us, algorithm="auto"):

@@ -3,7 +3,7 @@
 One process per node (host). Each process knows its own node's topology (detected on GPU, host
 devices on CPU, or given); the processes exchange those as JSON through jax.distributed's
 key-value store, check they agree, and combine them with the network between nodes (NICs of
-``nic_gbps`` GB/s into one fabric, :func:`jax_blink.presets.multi_node`) into one Topology. Every
+``nic_gbps`` GB/s into one fabric, :func:`jax_blink.topology.presets.multi_node`) into one Topology. Every
 process then holds the same Topology and the same device map, so the deterministic planner gives
 every process the same plan: on a multi-node topology the planner's "hierarchical" plan, Blink's
 three phases (MLSys 2020, section 5: reduce inside each node on intra-node trees, exchange between
@@ -12,7 +12,7 @@ the node GPUs that own each partition across the network, broadcast inside each 
 
 Device numbering: node k is process k (``jax.process_index()``); its i-th local device (local
 devices sorted by ``local_hardware_id`` on GPU, by ``id`` elsewhere) is topology GPU ``k*G + i``,
-G = GPUs per node, exactly :func:`~jax_blink.presets.multi_node`'s numbering.
+G = GPUs per node, exactly :func:`~jax_blink.topology.presets.multi_node`'s numbering.
 
 Typical use (see ``examples/multiprocess/``)::
 
@@ -116,8 +116,8 @@ def node_topology(spec=None) -> Topology:
     spec = spec if spec is not None else (os.environ.get(ENV_NODE_TOPOLOGY) or None)
     if spec is None:
         if devs and devs[0].platform in ("gpu", "cuda", "rocm"):
-            from . import discovery
-            full = discovery.detect()
+            from .topology.nvml import detect
+            full = detect()
             topo = full.subset([d.local_hardware_id for d in devs])
         else:
             return Topology.host(len(devs))
@@ -185,7 +185,7 @@ def combine(nodes: list[Topology], nic_gbps: float = DEFAULT_NIC_GBPS, nics_per_
     homogeneous servers); the result is ``presets.multi_node(nodes[0], len(nodes), nic_gbps,
     nics_per_node)``. Raises TopologyError naming the processes whose nodes differ.
     """
-    from .presets import multi_node
+    from .topology.presets import multi_node
 
     if not nodes:
         raise TopologyError("combine: no node topologies given")
@@ -254,16 +254,16 @@ def cluster_topology(node=None, *, nic_gbps: float | None = None, nics_per_node:
 
 def three_phase_plan(topology: Topology, collective: str = "allreduce", devices=None, root=None):
     """Blink's three-phase plan (MLSys 2020, section 5) over a multi-node topology, whatever
-    :func:`jax_blink.packing.plan` would choose by itself: ``packing.plan(..., algorithm=
+    :func:`jax_blink.plan` would choose by itself: ``plan(..., algorithm=
     "hierarchical")``. The data is partitioned over the GPU positions of a node; partition i is
     reduced inside each node onto GPU i on intra-node trees, exchanged among the GPU i's of all
     nodes over their NIC routes, and broadcast inside each node from GPU i.
 
     Args: ``devices`` topology GPU ids (default all), ``root`` for broadcast/reduce.
-    Returns a ``packing.Plan`` with ``algorithm="hierarchical"`` and the topology's max-flow bound
-    for the collective. Raises PlanError as ``packing.plan`` does, including when the devices lie
+    Returns a ``Plan`` with ``algorithm="hierarchical"`` and the topology's max-flow bound
+    for the collective. Raises PlanError as ``jax_blink.plan`` does, including when the devices lie
     in a single node (no network phase).
     """
-    from . import packing
+    from .planning import plan
 
-    return packing.plan(topology, collective, devices=devices, root=root, algorithm="hierarchical")
+    return plan(topology, collective, devices=devices, root=root, algorithm="hierarchical")

@@ -36,7 +36,7 @@ DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32",
 
 def record_path() -> pathlib.Path:
     """Where passes are recorded (see the module docstring)."""
-    from .probe import cache_dir  # one cache directory for probes and self-test records
+    from .topology.probe import cache_dir  # one cache directory for probes and self-test records
     return cache_dir() / "selftest.json"
 
 
@@ -79,10 +79,10 @@ def record_pass(key: dict) -> pathlib.Path:
 
 
 def _schedule(collective: str, n: int, nelems: int, chunk_elems: int | None = None):
-    from .packing import plan
-    from .presets import PRESETS
+    from .planning import plan
     from .schedule import build_schedule
     from .topology import Topology
+    from .topology.presets import PRESETS
     topo = PRESETS["dgx1v"]().subset(list(range(n))) if n <= 8 else Topology.host(n)
     root = None if collective == "allreduce" else n - 1
     return build_schedule(plan(topo, collective, root=root), nelems, chunk_elems=chunk_elems)

@@ -1,7 +1,7 @@
 """Which topology a collective plans on, and which topology GPU each JAX device is.
 
-Resolution order for the topology (issue 4): the ``topology=`` argument (a :class:`Topology`, a
-preset name from ``jax_blink.presets.PRESETS`` or a path to a JSON / ``nvidia-smi topo -m`` file),
+Resolution order for the topology: the ``topology=`` argument (a :class:`Topology`, a
+preset name from ``jax_blink.topology.presets.PRESETS`` or a path to a JSON / ``nvidia-smi topo -m`` file),
 else the ``JAX_BLINK_TOPOLOGY`` environment variable (preset name or file), else
 ``Topology.detect()`` on GPU, else ``Topology.host(n)`` for host CPU devices.
 
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import TopologyError
-from .topology import Topology
+from .topology import Topology, default_gpu_id
 
 ENV_TOPOLOGY = "JAX_BLINK_TOPOLOGY"
 ENV_ALGORITHM = "JAX_BLINK_ALGORITHM"
@@ -81,7 +81,7 @@ class PlanKey:
       topology: a Topology, a preset name / file path (str), or None (environment / detection).
       device_map: a frozen user mapping, or None for the default mapping.
       chunk_elems: fixed chunk size in elements for the schedule, or None for the cost model.
-      algorithm: ``packing.plan``'s algorithm: "auto" (default), "trees", "ring" (all-reduce only)
+      algorithm: ``jax_blink.plan``'s algorithm: "auto" (default), "trees", "ring" (all-reduce only)
         or "hierarchical" (Blink's three phases, section 5; groups spanning two or more nodes).
       algorithm_strict: False when ``algorithm`` came from ``JAX_BLINK_ALGORITHM``: a global
         preference applied where it fits (see :func:`effective_algorithm`), not an error elsewhere.
@@ -102,7 +102,7 @@ def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=No
     """Build a :class:`PlanKey` from the public-API arguments (reads ``JAX_BLINK_TOPOLOGY`` and, when
     ``algorithm`` is None, ``JAX_BLINK_ALGORITHM``; default "auto"). Raises ValueError for an
     unknown algorithm, naming where it came from, or a ``max_trees`` that is not a positive int."""
-    from .packing import ALGORITHMS
+    from .planner.facade import ALGORITHMS
     where, strict = "algorithm=", True
     if algorithm is None:
         algorithm = os.environ.get(ENV_ALGORITHM) or "auto"
@@ -134,7 +134,7 @@ def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=No
 
 @functools.lru_cache(maxsize=64)
 def _load(spec: str) -> Topology:
-    from .discovery import load_topology
+    from .topology.load import load_topology
     return load_topology(spec)
 
 
@@ -148,7 +148,7 @@ def resolve_topology(spec, platform: str, gpu_ids: list[int]) -> Topology:
     if isinstance(spec, str):
         return _load(spec)
     if platform in ("cuda", "rocm", "gpu"):
-        from .discovery import detect
+        from .topology.nvml import detect
         return detect()
     return _host(max(gpu_ids) + 1)
 
@@ -156,15 +156,6 @@ def resolve_topology(spec, platform: str, gpu_ids: list[int]) -> Topology:
 @functools.lru_cache(maxsize=16)
 def _host(n: int) -> Topology:
     return Topology.host(n)
-
-
-def default_gpu_id(device) -> int:
-    """Topology GPU id of a JAX device under the default mapping."""
-    if device.platform in ("gpu", "cuda", "rocm"):
-        hw = getattr(device, "local_hardware_id", None)
-        if hw is not None:
-            return int(hw)
-    return int(device.id)
 
 
 def map_devices(devices, key: PlanKey) -> list[int]:
@@ -205,7 +196,7 @@ def device_table(devices_flat, groups) -> np.ndarray:
     return np.asarray(rows, np.int64).reshape(-1, 3)
 
 
-#: Collectives each forced algorithm plans (``packing.plan`` raises PlanError for the others).
+#: Collectives each forced algorithm plans (``jax_blink.plan`` raises PlanError for the others).
 _APPLIES = {"ring": ("allreduce", "allgather", "reducescatter"), "rsag": ("allreduce",),
             "hierarchical": ("allreduce", "broadcast", "reduce")}
 _WARNED: set = set()
@@ -217,13 +208,13 @@ def effective_algorithm(key: PlanKey, topology: Topology, collective: str, gpu_i
     "hierarchical" for all-gather / reduce-scatter or a group on one node. Each fallback warns once
     per (algorithm, collective, reason) in the process (RuntimeWarning). An explicit ``algorithm=``
     argument is used as given (the planner raises PlanError if it cannot apply)."""
-    from . import packing
+    from .planner.threephase import node_groups
     if key.algorithm_strict or key.algorithm == "auto":
         return key.algorithm
     why = None
     if collective not in _APPLIES.get(key.algorithm, (collective,)):
         why = f"it does not apply to {collective}"
-    elif key.algorithm == "hierarchical" and len(packing._node_groups(topology, list(gpu_ids))) < 2:
+    elif key.algorithm == "hierarchical" and len(node_groups(topology, list(gpu_ids))) < 2:
         why = "the group's GPUs are on one node"
     if why is None:
         return key.algorithm
@@ -236,10 +227,10 @@ def effective_algorithm(key: PlanKey, topology: Topology, collective: str, gpu_i
 
 def plan_group(topology: Topology, collective: str, gpu_ids: list[int], root_rank: int | None,
                algorithm: str = "auto", max_trees: int | None = None):
-    """The packing plan for one group (``jax_blink.packing.plan`` with ``algorithm`` and
+    """The packing plan for one group (:func:`jax_blink.plan` with ``algorithm`` and
     ``max_trees``), with a clear coverage error (TopologyError); PlanError from the planner, e.g.
     "hierarchical" on one node."""
-    from . import packing
+    from .planning import plan
     missing = [g for g in gpu_ids if g not in set(topology.gpus)]
     if missing:
         raise TopologyError(
@@ -247,8 +238,8 @@ def plan_group(topology: Topology, collective: str, gpu_ids: list[int], root_ran
             f"to GPUs {gpu_ids}; {missing} are not in it. Pass a topology covering these devices, or "
             "device_map= / jax_blink.set_device_map to map JAX devices onto its GPUs")
     root = gpu_ids[root_rank] if root_rank is not None else None
-    return packing.plan(topology, collective, devices=list(gpu_ids), root=root, algorithm=algorithm,
-                        max_trees=max_trees)
+    return plan(topology, collective, devices=list(gpu_ids), root=root, algorithm=algorithm,
+                max_trees=max_trees)
 
 
 def candidate_plans(topology: Topology, collective: str, gpu_ids: list[int], root_rank: int | None,

@@ -91,7 +91,7 @@ def plan_figure(topology, plan, *, link_util: dict | None = None, title: str | N
 
     Args:
       topology: the Topology the plan runs on.
-      plan: a ``jax_blink.packing.Plan``.
+      plan: a ``jax_blink.planner.model.Plan``.
       link_util: {(u, v): utilisation 0..1} (e.g. ``SimResult.link_util``); default: the plan's
         bandwidth-only load / capacity (``Plan.link_loads``).
       max_tree_panels: trees (rings) drawn individually; the rest are summed in the last panel title.

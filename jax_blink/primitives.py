@@ -245,7 +245,7 @@ def _shared_memory_stars(plan):
     added into the owner's output), the fewest memory passes, where a deeper packed tree would
     materialise a partial result at every interior rank. Data flow and results are those of any
     valid per-owner packing; only the shape of the trees differs."""
-    from .packing import Plan, Tree
+    from .planner.model import Plan, Tree
     weight = {}
     for t in plan.trees:
         weight[t.root] = weight.get(t.root, 0.0) + t.weight_gbps

@@ -221,7 +221,7 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
                    step_latency_s: float = DEFAULT_STEP_LATENCY_S,
                    max_chunks: int = DEFAULT_MAX_CHUNKS,
                    max_total_chunks: int = DEFAULT_MAX_TOTAL_CHUNKS) -> Schedule:
-    """Schedule ``plan`` (a ``jax_blink.packing.Plan``) for a flat operand of ``nelems`` elements.
+    """Schedule ``plan`` (a ``jax_blink.planner.model.Plan``) for a flat operand of ``nelems`` elements.
 
     Args:
       plan: the tree packing; rank r is ``plan.devices[r]``. For sharded collectives (all-gather,

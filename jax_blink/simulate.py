@@ -5,7 +5,7 @@ The model (an alpha-beta model per link, evaluated as a discrete event simulatio
 * Every directed physical edge of the :class:`~jax_blink.topology.Topology` is a FIFO queue that
   serves one message at a time at its ``bandwidth_gbps`` (GB/s = 1e9 B/s; the link's achieved rate:
   line rate x the achieved fraction of its kind, set by the topology sources, see
-  :mod:`jax_blink.presets`). Switch, PCIe, CPU and host nodes are ordinary nodes, so transfers routed
+  :mod:`jax_blink.topology.presets`). Switch, PCIe, CPU and host nodes are ordinary nodes, so transfers routed
   through them share their edges' capacity.
 * The data of a plan is split across its trees in proportion to the tree weights (Blink, MLSys 2020,
   section 4.1) and each tree's segment is cut into chunks.
@@ -16,7 +16,7 @@ The model (an alpha-beta model per link, evaluated as a discrete event simulatio
   term delays the chunk but does not hold the links: the sender's next chunks are already queued
   (NCCL keeps NCCL_STEPS = 8 chunk slots in flight per connection for the same reason).
 * Host staging: a send between GPUs without peer access (GPU node attribute ``no_p2p``, set by
-  :mod:`jax_blink.nvsmi` and NVML discovery from ``topo -p2p``) is two copies through host memory:
+  :mod:`jax_blink.topology.nvsmi` and NVML discovery from ``topo -p2p``) is two copies through host memory:
   GPU -> host memory over the sender's PCIe path to its CPU, then host memory -> GPU down the
   receiver's path. Each copy is its own send (it pays the latencies) and both pass the socket's
   host-memory staging queue (:data:`HOST_STAGING_GBPS`, shared by every staged copy of that socket,
@@ -48,12 +48,10 @@ import heapq
 import math
 from typing import Any
 
-import networkx as nx
-
 from . import collectives as _collectives
 from .errors import BlinkError, PlanError, ScheduleError
+from .planner.routes import route
 from .schedule import COPY, REDUCE, Schedule, choose_chunks
-from .topology import _key
 
 DEFAULT_LATENCY_US = 2.0
 
@@ -116,7 +114,7 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
     """Simulate one collective of ``nbytes`` bytes per rank on a topology's links.
 
     Args:
-      plan_or_schedule: a ``jax_blink.packing.Plan`` (trees, possibly relaying through switch nodes or
+      plan_or_schedule: a ``jax_blink.planner.model.Plan`` (trees, possibly relaying through switch nodes or
         through GPUs outside ``plan.devices``; edges with no physical link are routed over the
         topology through switch nodes), or a :class:`~jax_blink.schedule.Schedule` (its chunks and
         transfer rows are simulated as given, rows ordered by data dependencies instead of rounds;
@@ -197,29 +195,6 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
 
 
 # --------------------------------------------------------------------------- routing
-def route(topology, src, dst, *, via=None) -> tuple:
-    """Physical hops [(a, b), ...] from GPU ``src`` to GPU ``dst``.
-
-    The direct edge when there is one; otherwise a fewest-hop path whose intermediate nodes are
-    switch/host nodes (or the GPUs in ``via``), ties broken by the widest bottleneck, then by node
-    order. Raises PlanError when no such path exists (e.g. no PCIe tree in the topology).
-    """
-    g = topology.graph
-    if g.has_edge(src, dst):
-        return ((src, dst),)
-    allowed = set(topology.switches) | set(via or ()) | {src, dst}
-    sub = g.subgraph(allowed)
-    try:
-        paths = list(nx.all_shortest_paths(sub, src, dst))
-    except (nx.NetworkXNoPath, nx.NodeNotFound):
-        raise PlanError(f"no route from GPU {src} to GPU {dst} in topology {topology.name!r} through "
-                        f"switch nodes; add the PCIe/host tree to the topology or use GPUs that are "
-                        f"linked") from None
-    # widest bottleneck first, then the smallest node sequence (GPUs before switches, by id/name)
-    best = min(paths, key=lambda p: (-min(g.edges[a, b]["bandwidth_gbps"] for a, b in zip(p, p[1:])),
-                                     [_key(x) for x in p]))
-    return tuple(zip(best, best[1:]))
-
 
 def tree_gpu_edges(tree, devices, *, reduce: bool = False) -> list[tuple]:
     """GPU-level edges of a tree as ``(parent_gpu, child_gpu, route)``, parents before children.

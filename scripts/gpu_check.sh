@@ -97,8 +97,8 @@ export HARNESS
 make_schedules() {
   "$PY" - "$BUILD" "${NDEV:-1}" <<'PYEOF'
 import sys
-from jax_blink.presets import PRESETS
-from jax_blink.packing import plan
+from jax_blink.topology.presets import PRESETS
+from jax_blink.planning import plan
 from jax_blink.schedule import build_schedule
 from jax_blink.topology import Topology
 out, ndev = sys.argv[1], int(sys.argv[2])

@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_blink  # noqa: E402
-from jax_blink import packing  # noqa: E402
+from jax_blink.planner import facade  # noqa: E402
 
 me, nproc = jax.process_index(), jax.process_count()
 cluster = distributed.cluster_topology(nic_gbps=12.5)
@@ -46,7 +46,7 @@ def emit(**kw):
     print("RESULT " + json.dumps(kw), flush=True)
 
 
-plan = packing.plan(cluster.topology, "allreduce", devices=list(range(N)))
+plan = jax_blink.plan(cluster.topology, "allreduce", devices=list(range(N)))
 emit(case="plan", algorithm=plan.algorithm, rate_gbps=plan.rate_gbps, bound_gbps=plan.bound_gbps,
      ntrees=len(plan.trees), topology=cluster.topology.name, fingerprint=cluster.topology.fingerprint(),
      device_map=sorted(cluster.device_map.items()))
@@ -122,9 +122,9 @@ if a.mode == "check":
          crosses_network=all(any("network" in str(e) for e in t.edges) for t in hp.trees),
          max_leaders_per_node=max(leaders_per_node(t) for t in hp.trees))
     # distinct shape: build_request caches per (mesh, shape, ...) and must not reuse flat_f32's plan
-    packing._CACHE.clear()  # then the lowering's own plan() call is the only one recorded
+    facade._CACHE.clear()  # then the lowering's own plan() call is the only one recorded
     check("three_phase_f32", flat, "i", np.float32, shape_per_dev=(2, 41), algorithm="hierarchical")
-    emit(case="three_phase_lowered", algorithms=sorted({k[5] for k in packing._CACHE if len(k[1]) == N}))
+    emit(case="three_phase_lowered", algorithms=sorted({k[5] for k in facade._CACHE if len(k[1]) == N}))
     # impl="ffi" is an in-process custom call: across processes it must be refused clearly.
     try:
         run(flat, "i", np.float32, (1, 4), True, impl="ffi")

@@ -11,8 +11,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_blink
 from jax_blink import mapping
-from jax_blink.discovery import load_topology
 from jax_blink.topology import Topology
+from jax_blink.topology.load import load_topology
 
 
 @pytest.mark.parametrize("env,collective,gpus,expect", [
@@ -59,7 +59,7 @@ def test_env_rsag_runs_broadcast_and_reduce(monkeypatch):
 
 def test_topology_help_gives_achieved_default_rates(capsys):
     from jax_blink.cli import main
-    from jax_blink.presets import nvlink_gbps, pcie_gen_gbps
+    from jax_blink.topology.presets import nvlink_gbps, pcie_gen_gbps
     with pytest.raises(SystemExit) as e:
         main(["topology", "--help"])
     out = " ".join(capsys.readouterr().out.split())
@@ -68,8 +68,9 @@ def test_topology_help_gives_achieved_default_rates(capsys):
 
 
 # ------------------------------------------------------------------ public-function sweep
-from jax_blink import bounds, costmodel, schedule, simulate  # noqa: E402
+from jax_blink import costmodel, schedule, simulate  # noqa: E402
 from jax_blink.errors import BlinkError, PlanError, ScheduleError, TopologyError  # noqa: E402
+from jax_blink.planner import bounds  # noqa: E402
 
 DGX = load_topology("dgx1v")
 

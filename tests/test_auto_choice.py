@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 
 from jax_blink import costmodel
-from jax_blink.baselines import nccl_links, nccl_ring_plan, nccl_tree_plan, ring_plan
-from jax_blink.discovery import load_topology
 from jax_blink.errors import PlanError
-from jax_blink.packing import plan
-from jax_blink.presets import PRESETS
+from jax_blink.planner.dbtree import nccl_tree_plan
+from jax_blink.planner.rings import nccl_links, nccl_ring_plan, ring_plan
+from jax_blink.planning import plan
 from jax_blink.schedule import build_schedule, execute
 from jax_blink.simulate import simulate
+from jax_blink.topology.load import load_topology
+from jax_blink.topology.presets import PRESETS
 
 FILES = sorted(str(p) for p in (pathlib.Path(__file__).parent / "data" / "topologies").glob("*.txt"))
 TOPOLOGIES = list(PRESETS) + FILES

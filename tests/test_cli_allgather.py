@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from jax_blink import bounds
-from jax_blink.baselines import nccl_ring_plan, ring_plan
 from jax_blink.cli import main
-from jax_blink.packing import Plan
-from jax_blink.presets import preset
+from jax_blink.planner import bounds
+from jax_blink.planner.model import Plan
+from jax_blink.planner.rings import nccl_ring_plan, ring_plan
 from jax_blink.simulate import simulate
+from jax_blink.topology.presets import preset
 
 
 def test_plan_shows_rate_against_the_cut_bound(capsys):

@@ -7,8 +7,8 @@ import pytest
 from jax_blink.cli import main
 from jax_blink.cli.bench_cmd import parse_devices, parse_sizes
 from jax_blink.errors import BlinkError
-from jax_blink.packing import plan
-from jax_blink.presets import preset
+from jax_blink.planning import plan
+from jax_blink.topology.presets import preset
 
 
 def test_parse_sizes():
@@ -213,7 +213,8 @@ def test_show_ring_is_for_allreduce_like_plan(capsys, tmp_path):
 
 
 def test_bench_json_one_object_per_size(capsys):
-    from jax_blink.baselines import nccl_ring_plan, nccl_tree_plan
+    from jax_blink.planner.dbtree import nccl_tree_plan
+    from jax_blink.planner.rings import nccl_ring_plan
     from jax_blink.simulate import simulate
 
     assert main(["bench", "--topology", "dgx1v", "--sizes", "1M,1G", "--json"]) == 0
@@ -268,8 +269,9 @@ def test_show_titles_and_labels_fit_in_the_figure(source, devices, collective, a
     import matplotlib.pyplot as plt
 
     from jax_blink import load_topology
-    from jax_blink.baselines import nccl_ring_plan, nccl_tree_plan
     from jax_blink.cli.bench_cmd import human_bytes
+    from jax_blink.planner.dbtree import nccl_tree_plan
+    from jax_blink.planner.rings import nccl_ring_plan
     from jax_blink.plot import plan_figure
     from jax_blink.simulate import simulate
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from jax_blink.cli import main
-from jax_blink.presets import nvlink_gbps
+from jax_blink.topology.presets import nvlink_gbps
 
 V2 = nvlink_gbps(2)  # achieved GB/s of one V100 NVLink (25 line rate)
 
@@ -62,8 +62,9 @@ def test_planning_prints_nothing_to_stdout(capfd):
     """HiGHS's MIP solver printed debug lines to the C stdout (corrupting --json); they are muted."""
     import itertools
 
-    from jax_blink.packing import clear_caches, plan
-    from jax_blink.presets import PRESETS
+    from jax_blink.planner.facade import clear_caches
+    from jax_blink.planning import plan
+    from jax_blink.topology.presets import PRESETS
 
     clear_caches()
     t = PRESETS["dgx1v"]()
@@ -76,8 +77,8 @@ def test_auto_ring_choice_is_explained_and_bounded_by_the_ring_family(capsys):
     # at 1 MiB on dgx1v auto picks NCCL's NVLink rings by simulated time: the notes say auto chose
     # them (the cost model's time) and nobody forced them; the bound is that of any ring over all
     # links, n B / (2(n-1)) with B the min max-flow between GPUs, not the NVLink rings' own rate
-    from jax_blink.bounds import allreduce_bound
-    from jax_blink.discovery import load_topology
+    from jax_blink.planner.bounds import allreduce_bound
+    from jax_blink.topology.load import load_topology
     t = load_topology("dgx1v")
     ring_cap = 8 * allreduce_bound(t, t.gpus) / (2 * 7)
     assert main(["plan", "--topology", "dgx1v", "--size", "1M", "--json"]) == 0
@@ -96,8 +97,8 @@ def test_auto_ring_choice_is_explained_and_bounded_by_the_ring_family(capsys):
 
 
 def test_double_binary_tree_bound_is_the_max_flow_not_its_own_rate(capsys):
-    from jax_blink.bounds import allreduce_bound
-    from jax_blink.discovery import load_topology
+    from jax_blink.planner.bounds import allreduce_bound
+    from jax_blink.topology.load import load_topology
     t = load_topology("dgx1v")
     assert main(["plan", "--topology", "dgx1v", "--size", "4K", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)

@@ -10,11 +10,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_blink
 import jax_blink.primitives  # noqa: F401  (registers the lowering records)
 from jax_blink import ScheduleError, costmodel, lowering, mapping
-from jax_blink.packing import plan
-from jax_blink.presets import PRESETS
+from jax_blink.planning import plan
 from jax_blink.schedule import build_schedule, execute
 from jax_blink.simulate import simulate
 from jax_blink.topology import Topology
+from jax_blink.topology.presets import PRESETS
 
 DGX1V = PRESETS["dgx1v"]()
 ALL8 = list(range(8))

@@ -58,7 +58,7 @@ def test_cuda_device_table_keyed_by_local_hardware_id():
     got = ffi_lowering.cuda_device_table(table, devices, 0).reshape(-1, 3)
     assert got.tolist() == [[1, 0, 0], [3, 0, 1], [0, 0, 2], [2, 0, 3]]
     # the native side finds each rank by that key: run a meeting whose participants arrive as CUDA ordinals
-    from jax_blink.packing import plan
+    from jax_blink.planning import plan
     from jax_blink.schedule import build_schedule, execute
     from jax_blink.topology import Topology
     s = build_schedule(plan(Topology.host(4), "allreduce"), 100, chunk_elems=10)

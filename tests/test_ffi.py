@@ -24,10 +24,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_blink
 import jax_blink.api  # noqa: F401  (registers the lowerings)
 from jax_blink import _native
-from jax_blink.lowering.gpu_program_check import random_operand
 from jax_blink.errors import BlinkError
 from jax_blink.lowering import ffi as ffi_lowering
-from jax_blink.packing import plan
+from jax_blink.lowering.gpu_program_check import random_operand
+from jax_blink.planning import plan
 from jax_blink.schedule import build_schedule, execute
 from jax_blink.topology import Topology
 

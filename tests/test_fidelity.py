@@ -9,11 +9,11 @@ import pytest
 
 from jax_blink import Topology
 from jax_blink.errors import PlanError
-from jax_blink.ncclxml import parse_nccl_xml
-from jax_blink.nvsmi import parse_topo
-from jax_blink.packing import Plan, Tree
-from jax_blink.presets import NVLINK_EFFICIENCY, gpu_model, nvlink_gbps, pcie_gen_gbps, pcie_link_gbps
+from jax_blink.planner.model import Plan, Tree
 from jax_blink.simulate import HOST_STAGING_GBPS, PROTOCOL_LATENCY_US, simulate
+from jax_blink.topology.ncclxml import parse_nccl_xml
+from jax_blink.topology.nvsmi import parse_topo
+from jax_blink.topology.presets import NVLINK_EFFICIENCY, gpu_model, nvlink_gbps, pcie_gen_gbps, pcie_link_gbps
 
 _spec = importlib.util.spec_from_file_location(
     "fidelity", pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "fidelity.py")
@@ -83,7 +83,7 @@ def test_no_p2p_allreduce_is_bound_by_the_staging_path():
 
 
 def _ring2():
-    from jax_blink.baselines import ring_plan
+    from jax_blink.planner.rings import ring_plan
     return ring_plan(_pair(False), "allreduce")
 
 

@@ -12,9 +12,9 @@ import pytest
 
 from jax_blink import _native, collectives
 from jax_blink.lowering import gpu_program_check as g
-from jax_blink.packing import plan
-from jax_blink.presets import PRESETS
+from jax_blink.planning import plan
 from jax_blink.schedule import build_schedule
+from jax_blink.topology.presets import PRESETS
 
 pytestmark = pytest.mark.skipif(_native.cpu is None, reason="native CPU module not built")
 

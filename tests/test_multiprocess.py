@@ -1,4 +1,4 @@
-"""jax_blink across processes (issue 8): launcher semantics, topology combination, and real
+"""jax_blink across processes: launcher semantics, topology combination, and real
 jax.distributed runs on 127.0.0.1 with gloo (2 processes x 4 host devices, 3 x 2, and a process
 killed mid-run). Each launch does several checks (tests/multiprocess_worker.py) to keep start-up
 cost (process start + jax import + compile) low."""
@@ -13,8 +13,8 @@ import pytest
 
 from jax_blink import distributed, launch
 from jax_blink.errors import TopologyError
-from jax_blink.presets import NVLINK_EFFICIENCY, NVLINK_GBPS, dgx1v
 from jax_blink.topology import Topology
+from jax_blink.topology.presets import NVLINK_EFFICIENCY, NVLINK_GBPS, dgx1v
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "multiprocess_worker.py")

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 import jax_blink
 from jax_blink import Topology, TopologyError, load_topology
 from jax_blink.cli import main
-from jax_blink.ncclxml import NVLINK_GBPS_BY_SM, nvlink_gbps_for_sm, parse_nccl_xml, pcie_link_gbps
-from jax_blink.nvsmi import parse_topo
-from jax_blink.presets import NVLINK_EFFICIENCY, nvlink_gbps, preset
+from jax_blink.topology.ncclxml import NVLINK_GBPS_BY_SM, nvlink_gbps_for_sm, parse_nccl_xml, pcie_link_gbps
+from jax_blink.topology.nvsmi import parse_topo
+from jax_blink.topology.presets import NVLINK_EFFICIENCY, nvlink_gbps, preset
 
 V2 = nvlink_gbps(2)  # achieved GB/s per NVLink2 (V100, sm 70)
 

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jax_blink import Topology, TopologyError
-from jax_blink.nvsmi import parse_topo
-from jax_blink.presets import DGX1_DOUBLE, DGX1_SINGLE, nvlink_gbps, preset
+from jax_blink.topology.nvsmi import parse_topo
+from jax_blink.topology.presets import DGX1_DOUBLE, DGX1_SINGLE, nvlink_gbps, preset
 
 V2, V3, V4 = nvlink_gbps(2), nvlink_gbps(3), nvlink_gbps(4)  # achieved GB/s per NVLink (V100/A100/H100)
 

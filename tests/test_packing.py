@@ -12,11 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jax_blink import bounds
+import jax_blink
+
 from jax_blink.errors import PlanError
-from jax_blink.packing import Plan, plan
-from jax_blink.presets import EDR_IB_GBPS, PRESETS, nvlink_gbps
+from jax_blink.planner import bounds, rings
+from jax_blink.planner.model import Plan
+from jax_blink.planning import plan
 from jax_blink.topology import Topology
+from jax_blink.topology.presets import EDR_IB_GBPS, PRESETS, nvlink_gbps
 
 TOL = 1e-6
 V2, V4 = nvlink_gbps(2), nvlink_gbps(4)  # achieved GB/s per NVLink (V100, H100)
@@ -110,7 +113,7 @@ def test_known_values():
     # H100: 450 GB/s per GPU into the NVSwitch; all-reduce trees: n*c/(2(n-1)) = 8*450/14
     assert plan(PRESETS["dgx-h100"](), "allreduce").rate_gbps == pytest.approx(8 * 18 * V4 / 14, rel=1e-6)
     # ring all-reduce rate equals the tree rate on a uniform switch: n*B/(2(n-1)), B = 450
-    assert bounds.ring_rate(PRESETS["dgx-h100"](), range(8)) == pytest.approx(18 * V4, rel=1e-6)
+    assert rings.ring_rate(PRESETS["dgx-h100"](), range(8)) == pytest.approx(18 * V4, rel=1e-6)
 
 
 def test_allreduce_roots_spread_and_ring_plan_valid():
@@ -119,8 +122,8 @@ def test_allreduce_roots_spread_and_ring_plan_valid():
     assert len({tr.root for tr in p.trees}) == min(len(p.trees), 8)
     # a 4-GPU ring machine: 0-1-2-3-0 single links plus nothing else: ring == trees; force the ring
     # path through the private helper to check ring trees execute as a valid packing.
-    from jax_blink.packing import _ring_trees
-    b, rings = bounds.ring_packing(t, range(8))
+    from jax_blink.planner.rings import _ring_trees, ring_packing
+    b, rings = ring_packing(t, range(8))
     assert b == pytest.approx(6 * V2, rel=1e-6)
     rt = tuple(_ring_trees(rings, 8))
     rp = Plan("allreduce", None, tuple(range(8)), rt, sum(x.weight_gbps for x in rt), 0.0, "ring")
@@ -155,7 +158,7 @@ def test_max_trees_reports_loss():
 
 
 def test_multi_node_flat_optimum_and_three_phase_plan_valid():
-    from jax_blink.packing import _node_groups
+    from jax_blink.planner.threephase import node_groups as _node_groups
     t = PRESETS["dgx1v-4node"]()
     devs = t.gpus
     p = plan(t, "broadcast")
@@ -206,9 +209,9 @@ def test_three_phase_allreduce_reaches_nic_bound_and_runs_exactly(nics):
     """2 dgx1v nodes, NICs of 12.5 GB/s: the NICs are the cut (max-flow bound nics * 12.5 GB/s); Blink's
     three phases with partitions spread over the GPUs that reach each NIC reach it, and the schedule
     sums integers exactly."""
-    from jax_blink.presets import multi_node
     from jax_blink.schedule import build_schedule, execute
     from jax_blink.simulate import simulate
+    from jax_blink.topology.presets import multi_node
 
     t = multi_node("dgx1v", 2, 12.5, nics)
     hp = plan(t, "allreduce", algorithm="hierarchical")
@@ -233,8 +236,8 @@ def test_three_phase_allreduce_reaches_nic_bound_and_runs_exactly(nics):
 
 def test_three_phase_rooted_and_uneven_nodes_run_exactly():
     """Broadcast/reduce three-phase plans and nodes with different GPU counts (3 + 2 GPUs)."""
-    from jax_blink.presets import multi_node
     from jax_blink.schedule import build_schedule, execute
+    from jax_blink.topology.presets import multi_node
 
     t = multi_node("dgx1v", 2, 12.5, 2)
     devs = [1, 2, 4, 9, 14]
@@ -258,8 +261,7 @@ def test_three_phase_rooted_and_uneven_nodes_run_exactly():
 def test_deterministic_json_roundtrip():
     t = PRESETS["dgx1v"]()
     a = plan(t, "allreduce", devices=(0, 1, 2, 5, 6))
-    from jax_blink import packing
-    packing.clear_caches()
+    jax_blink.clear_caches()
     b = plan(t, "allreduce", devices=(0, 1, 2, 5, 6))
     assert a is not b and a.to_json() == b.to_json()
     assert Plan.from_json(a.to_json()).to_json() == a.to_json()
@@ -349,8 +351,8 @@ def test_cli_plan_json_table_and_error(capsys):
 
 
 def test_forced_algorithms():
-    from jax_blink.presets import PRESETS
     from jax_blink.schedule import build_schedule, execute
+    from jax_blink.topology.presets import PRESETS
 
     t = PRESETS["dgx1v-nvlink"]()
     ring = plan(t, "allreduce", algorithm="ring")
@@ -426,7 +428,7 @@ def test_bounds_with_fractional_rates_use_the_exact_networkx_max_flow():
     integral one; the values equal a direct networkx max-flow."""
     import networkx as nx
 
-    from jax_blink import bounds
+    from jax_blink.planner import bounds
     t = Topology("fractional")
     for g in range(3):
         t.add_gpu(g)

@@ -10,13 +10,14 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from jax_blink import bounds
-from jax_blink.baselines import nccl_ring_plan, ring_plan
-from jax_blink.discovery import load_topology
 from jax_blink.errors import PlanError
-from jax_blink.packing import Plan, plan
-from jax_blink.presets import EDR_IB_GBPS, NVLINK_EFFICIENCY, NVLINK_GBPS, PRESETS
+from jax_blink.planner import bounds, rings
+from jax_blink.planner.model import Plan
+from jax_blink.planner.rings import nccl_ring_plan, ring_plan
+from jax_blink.planning import plan
 from jax_blink.topology import Topology
+from jax_blink.topology.load import load_topology
+from jax_blink.topology.presets import EDR_IB_GBPS, NVLINK_EFFICIENCY, NVLINK_GBPS, PRESETS
 
 NVLINK2 = NVLINK_GBPS * NVLINK_EFFICIENCY[2]  # one V100 NVLink, achieved GB/s per direction
 
@@ -224,7 +225,7 @@ def test_unbalanced_switch_bound_is_an_upper_bound():
 def test_ring_plans_for_allgather_and_reducescatter():
     t = PRESETS["dgx1v"]()
     for devices in (None, [0, 1, 2, 3, 5], [0, 1, 4, 5]):
-        b_ring = bounds.ring_rate(t, t.gpus if devices is None else devices)
+        b_ring = rings.ring_rate(t, t.gpus if devices is None else devices)
         for coll in SHARDED:
             p = plan(t, coll, devices=devices, algorithm="ring")
             n = len(p.devices)

@@ -25,7 +25,7 @@ from jax_blink import mapping
 from jax_blink.cli import main
 from jax_blink.topology import LINK_KINDS
 
-probe = importlib.import_module("jax_blink.probe")  # the module; jax_blink.probe is its function
+probe = importlib.import_module("jax_blink.topology.probe")  # the module; jax_blink.probe is its function
 SMALL = dict(sizes=(4096, 65536), repeats=1, max_pair_tests=6)
 
 

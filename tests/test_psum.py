@@ -186,10 +186,10 @@ def test_bucketing_one_collective_per_dtype():
 def test_algorithm_argument_and_env(monkeypatch):
     """psum(algorithm=...) / $JAX_BLINK_ALGORITHM reach the planner: on 2 nodes x 4 host devices the
     forced three-phase plan (Blink s. 5) runs and sums int32 exactly; bad values fail clearly."""
-    from jax_blink import packing
     from jax_blink.errors import PlanError
-    from jax_blink.presets import multi_node
+    from jax_blink.planner import facade
     from jax_blink.topology import Topology
+    from jax_blink.topology.presets import multi_node
 
     topo = multi_node(Topology.host(4), 2, 12.5, 1)
     mesh = mesh1(range(8))
@@ -203,9 +203,9 @@ def test_algorithm_argument_and_env(monkeypatch):
     for kw, env, xi in (({"algorithm": "hierarchical"}, None, x), ({}, "hierarchical", x[:, :2])):
         if env:
             monkeypatch.setenv("JAX_BLINK_ALGORITHM", env)
-        packing._CACHE.clear()
+        facade._CACHE.clear()
         assert_allreduce(run(xi, **kw), xi)
-        assert {k[5] for k in packing._CACHE if len(k[1]) == 8} == {"hierarchical"}, list(packing._CACHE)
+        assert {k[5] for k in facade._CACHE if len(k[1]) == 8} == {"hierarchical"}, list(facade._CACHE)
     monkeypatch.setenv("JAX_BLINK_ALGORITHM", "fastest")
     with pytest.raises(ValueError, match="JAX_BLINK_ALGORITHM must be one of"):
         run()

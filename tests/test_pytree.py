@@ -1,4 +1,4 @@
-"""Pytrees of mixed leaves: one collective per dtype bucket, leaves where they are (issue 11 part 2).
+"""Pytrees of mixed leaves: one collective per dtype bucket, leaves where they are.
 
 Every context the single-array tests cover, with a pytree of mixed leaves (float32 of several shapes,
 zero-size, int32, bool, bfloat16, a Python scalar): equal to ``lax.psum`` (ints exactly, floats to
@@ -18,7 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_blink
 import jax_blink.api  # noqa: F401  (registers the lowerings, "ffi" included, before IMPLS is read)
 from jax_blink import _native, lowering
-from jax_blink.packing import plan
+from jax_blink.planning import plan
 from jax_blink.schedule import build_schedule, execute
 from jax_blink.topology import Topology
 

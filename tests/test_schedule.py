@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jax_blink import ScheduleError
-from jax_blink.packing import plan
-from jax_blink.presets import PRESETS
+from jax_blink.planning import plan
 from jax_blink.schedule import COPY, REDUCE, Schedule, build_schedule, choose_chunks, execute
+from jax_blink.topology.presets import PRESETS
 
 DGX1V = PRESETS["dgx1v"]()
 
@@ -132,7 +132,7 @@ def test_random_allocations_wrap_like_numpy(devs, nelems, chunk, coll, dtype):
 
 # ------------------------------------------------------------------------ sharded collectives (v2)
 from jax_blink import collectives  # noqa: E402
-from jax_blink.packing import Plan, Tree  # noqa: E402
+from jax_blink.planner.model import Plan, Tree  # noqa: E402
 from jax_blink.schedule import PHASE_BROADCAST, PHASE_REDUCE, phases_of  # noqa: E402
 
 

@@ -3,13 +3,15 @@
 
 import pytest
 
-from jax_blink.baselines import double_binary_tree_plan, dtree_parents, ring_plan
 from jax_blink.errors import BlinkError, PlanError, ScheduleError
-from jax_blink.packing import Plan, Tree, plan
-from jax_blink.presets import preset
+from jax_blink.planner.dbtree import double_binary_tree_plan, dtree_parents
+from jax_blink.planner.model import Plan, Tree
+from jax_blink.planner.rings import ring_plan
+from jax_blink.planning import plan
 from jax_blink.schedule import build_schedule
 from jax_blink.simulate import PROTOCOL_LATENCY_US, simulate
 from jax_blink.topology import Topology
+from jax_blink.topology.presets import preset
 
 B = 25.0  # GB/s per link
 P = PROTOCOL_LATENCY_US["nvlink"] * 1e-6  # per-chunk protocol latency of a send over NVLink

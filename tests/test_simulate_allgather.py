@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 
 from jax_blink import costmodel
-from jax_blink.baselines import nccl_ring_plan, ring_plan
 from jax_blink.errors import PlanError
-from jax_blink.packing import Plan, Tree, plan
-from jax_blink.presets import PRESETS
+from jax_blink.planner.model import Plan, Tree
+from jax_blink.planner.rings import nccl_ring_plan, ring_plan
+from jax_blink.planning import plan
 from jax_blink.schedule import build_schedule, execute
 from jax_blink.simulate import simulate
 from jax_blink.topology import Topology
+from jax_blink.topology.presets import PRESETS
 
 ALPHA_US = 2.0  # the whole per-send latency: closed forms below pass protocol_latency_us=0
 

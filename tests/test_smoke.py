@@ -1,5 +1,5 @@
 from jax_blink import Topology
-from jax_blink.presets import dgx1v
+from jax_blink.topology.presets import dgx1v
 
 
 def test_dgx1v_has_six_links_per_gpu():

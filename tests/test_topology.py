@@ -7,8 +7,9 @@ import pytest
 import jax_blink
 from jax_blink import PRESETS, Topology, TopologyError, multi_node
 from jax_blink.cli import main
-from jax_blink.discovery import detect, from_nvml, load_topology
-from jax_blink.presets import DGX1_DOUBLE, DGX1_SINGLE, EDR_IB_GBPS, nvlink_gbps, preset
+from jax_blink.topology.load import load_topology
+from jax_blink.topology.nvml import detect, from_nvml
+from jax_blink.topology.presets import DGX1_DOUBLE, DGX1_SINGLE, EDR_IB_GBPS, nvlink_gbps, preset
 
 V2, V3, V4 = nvlink_gbps(2), nvlink_gbps(3), nvlink_gbps(4)  # achieved GB/s per NVLink (V100/A100/H100)
 
@@ -262,7 +263,7 @@ def test_from_nvml_nvswitch_and_no_p2p():
 
 
 def test_detect_applies_cuda_visible_devices(monkeypatch):
-    import jax_blink.discovery as disc
+    import jax_blink.topology.nvml as disc
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,2,7")
     t = disc._apply_visible_devices(from_nvml(fake_dgx1v()))
     assert t.gpus == [0, 1, 2]

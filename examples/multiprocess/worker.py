@@ -37,7 +37,6 @@ def main(argv=None) -> int:
     import numpy as np
 
     import jax_blink
-    from jax_blink import packing
     import train as digits  # examples/flax_digits/train.py
 
     digits.add_arguments(p)
@@ -49,7 +48,7 @@ def main(argv=None) -> int:
     config = digits.config_from_args(args, ndevices=len(devices))
     config.progress = config.progress and me == 0
     if me == 0:
-        plan = packing.plan(cluster.topology, "allreduce", devices=sorted(cluster.device_map.values()))
+        plan = jax_blink.plan(cluster.topology, "allreduce", devices=sorted(cluster.device_map.values()))
         print(f"{cluster.num_processes} processes x {len(cluster.node.gpus)} devices, topology "
               f"{cluster.topology.name}: {plan.algorithm} plan, {len(plan.trees)} trees, "
               f"rate {plan.rate_gbps:.2f} GB/s (bound {plan.bound_gbps:.2f})", flush=True)

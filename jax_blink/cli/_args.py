@@ -14,7 +14,7 @@ import re
 
 from .. import collectives
 from ..errors import BlinkError, PlanError
-from ..packing import COLLECTIVES
+from ..planner.facade import COLLECTIVES
 from ..topology import parse_gpu_ids
 
 TOPOLOGY_HELP = ("preset name (dgx1v, dgx-a100, ...), nvidia-smi topo -m file, NCCL topology XML file, "

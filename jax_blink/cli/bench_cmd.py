@@ -106,8 +106,9 @@ def load_inputs(args):
     Raises BlinkError/PlanError for --root with an all-reduce, an unreadable or non-JSON plan
     file, and a plan for other devices, another collective or root, or another topology.
     """
-    from ..discovery import load_topology
-    from ..packing import Plan, plan
+    from ..planner.model import Plan
+    from ..planning import plan
+    from ..topology.load import load_topology
 
     check_root(args)
     topo = load_topology(args.topology)
@@ -157,16 +158,17 @@ def simulate_sweep(topo, blink_plan, sizes, *, latency_us=None, progress=True, f
 
     blink: ``algorithm="auto"`` for the size on ``blink_plan``'s devices and root
     (:func:`jax_blink.costmodel.choose_plan` at this latency), or ``blink_plan`` itself with
-    ``fixed=True`` (a --plan file). ring / tree: :func:`jax_blink.baselines.nccl_ring_plan` /
-    :func:`~jax_blink.baselines.nccl_tree_plan` (NVLink, else PCIe links); lpring (all-gather,
-    reduce-scatter): :func:`~jax_blink.baselines.ring_plan`, the LP ring packing over every link.
+    ``fixed=True`` (a --plan file). ring / tree: :func:`jax_blink.planner.rings.nccl_ring_plan` /
+    :func:`~jax_blink.planner.dbtree.nccl_tree_plan` (NVLink, else PCIe links); lpring (all-gather,
+    reduce-scatter): :func:`~jax_blink.planner.rings.ring_plan`, the LP ring packing over every link.
     Returns rows {"size", "blink_plan", "blink", "ring", "tree", "lpring"} with SimResult values (None
     where the baseline does not exist: no ring through the GPUs, tree for other collectives than
     all-reduce, lpring for other collectives than all-gather / reduce-scatter).
     """
-    from ..baselines import nccl_ring_plan, nccl_tree_plan, ring_plan
     from ..collectives import get as collective_row
     from ..costmodel import choose_plan
+    from ..planner.dbtree import nccl_tree_plan
+    from ..planner.rings import nccl_ring_plan, ring_plan
     from ..simulate import DEFAULT_LATENCY_US, simulate
 
     lat = DEFAULT_LATENCY_US if latency_us is None else latency_us

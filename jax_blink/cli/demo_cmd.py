@@ -117,8 +117,8 @@ def choose_devices(topology_source: str | None):
 
 
 def _plan_lines(topo, ndevices: int, collective: str = "allreduce") -> list[str]:
-    from ..bounds import ring_rate
-    from ..packing import plan
+    from ..planner.rings import ring_rate
+    from ..planning import plan
 
     gpus = tuple(topo.gpus[:ndevices])
     pl = plan(topo, collective, devices=gpus)

@@ -9,10 +9,11 @@ import math
 import sys
 
 from .. import collectives
-from ..bounds import ring_rate
-from ..discovery import load_topology
 from ..errors import BlinkError, PlanError
-from ..packing import ALGORITHMS, plan
+from ..planner.facade import ALGORITHMS
+from ..planner.rings import ring_rate
+from ..planning import plan
+from ..topology.load import load_topology
 from ._args import add_job_arguments, check_root, number_type, parse_devices, positive_int
 
 FRACTION = number_type(float, low=0, high=1, high_open=True, what="a fraction")

@@ -35,7 +35,8 @@ def png_path(text: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Plan for --size (or load --plan), simulate at --size for the utilisation panel, write --png."""
-    from ..baselines import nccl_ring_plan, nccl_tree_plan
+    from ..planner.dbtree import nccl_tree_plan
+    from ..planner.rings import nccl_ring_plan
     from ..plot import draw_plan
     from ..simulate import simulate
 
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
                          f"not for {args.collective!r}; use --collective allreduce")
     topo, devices, p = load_inputs(args)
     if args.algorithm == "blink" and args.plan is None:  # what auto runs at --size
-        from ..packing import plan
+        from ..planning import plan
         p = plan(topo, args.collective, devices=devices, root=p.root, nbytes=size)
     if args.algorithm == "ring":
         p = nccl_ring_plan(topo, args.collective, devices=devices, root=p.root)

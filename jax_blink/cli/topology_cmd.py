@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..discovery import load_topology
 from ..errors import BlinkError
-from ..presets import NVLINK_EFFICIENCY, NVLINK_LINE_GBPS, PCIE_EFFICIENCY, is_preset, nvlink_gbps, pcie_gen_gbps
 from ..topology import Topology
+from ..topology.load import load_topology
+from ..topology.presets import NVLINK_EFFICIENCY, NVLINK_LINE_GBPS, PCIE_EFFICIENCY, is_preset, nvlink_gbps, pcie_gen_gbps
 from ._args import HOST_FLAG, PROBE_HOST_DEVICES, TOPOLOGY_HELP, force_host_devices, positive_gbps, positive_int
 
 
@@ -73,7 +73,7 @@ def run_probe(args: argparse.Namespace, kw: dict) -> int:
     force_host_devices(PROBE_HOST_DEVICES)
     import jax
 
-    from ..probe import DEFAULT_SIZES, cached_probe
+    from ..topology.probe import DEFAULT_SIZES, cached_probe
     if len(jax.devices()) < 2:
         raise BlinkError(f"JAX has {len(jax.devices())} device; probing needs 2 or more (on CPU set "
                          f"XLA_FLAGS={HOST_FLAG}={PROBE_HOST_DEVICES})")

@@ -101,8 +101,8 @@ class Case:
 
 def topologies():
     """(name, Topology) for every preset and every shared topology file."""
-    from jax_blink.discovery import load_topology
-    from jax_blink.presets import PRESETS
+    from jax_blink.topology.load import load_topology
+    from jax_blink.topology.presets import PRESETS
     out = [(name, PRESETS[name]()) for name in PRESETS]
     for f in sorted(TOPOLOGY_DIR.glob("*.txt")):
         out.append((f.name, load_topology(str(f))))
@@ -113,7 +113,7 @@ def cases(nelems: int = 1031, chunk_elems: int = 29):
     """Every (topology, collective) schedule; broadcast/reduce rooted at the last GPU; sharded
     collectives (all-gather, reduce-scatter) on ``nelems`` rounded down to a multiple of the GPUs."""
     from jax_blink import collectives
-    from jax_blink.packing import plan
+    from jax_blink.planning import plan
     from jax_blink.schedule import build_schedule
     for name, topo in topologies():
         gpus = sorted(topo.gpus)

@@ -6,9 +6,14 @@ complex, a NIC, host memory) are string nodes, so flows through one switch share
 Every directed edge carries ``bandwidth_gbps`` (GB/s = 1e9 B/s, per direction, all links of the
 edge together), ``kind`` (one of :data:`LINK_KINDS`) and ``links`` (how many physical links).
 ``bandwidth_gbps`` is the link's *achieved* rate (line rate x the achieved fraction of its kind,
-:mod:`jax_blink.presets`), used alike as the planner's capacity and the simulator's service rate.
+:mod:`jax_blink.topology.presets`), used alike as the planner's capacity and the simulator's service rate.
 A GPU node may carry ``no_p2p``: the GPUs it has no peer access to (their transfers are staged
 through host memory, :mod:`jax_blink.simulate`).
+
+The classmethods that read a topology from somewhere (:meth:`Topology.preset`,
+:meth:`Topology.from_nvidia_smi`, :meth:`Topology.detect`, :meth:`Topology.load`) call the source
+modules of this package through :data:`_SOURCES`, which each source module fills when imported
+(``jax_blink.topology`` imports them all), so this module imports none of them.
 """
 
 from __future__ import annotations
@@ -18,16 +23,41 @@ import math
 import json
 import numbers
 import re
-from typing import Iterable
+from typing import Callable, Iterable
 
 import networkx as nx
 
-from .errors import TopologyError
+from ..errors import TopologyError
 
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "host", "net")
 MAX_HOST_DEVICES = 4096
 NODE_KINDS = ("gpu", "nvswitch", "pcie-switch", "cpu", "nic", "host", "network")
 _GPU_ITEM = re.compile(r"(\d+)(?:-(\d+))?")
+SUPPORTED_FORMATS = ("a preset name (e.g. 'dgx1v', 'dgx-a100', 'host8')",
+                     "the path of a saved `nvidia-smi topo -m` output (.txt)",
+                     "NCCL's topology XML (.xml, as NCCL_TOPO_DUMP_FILE writes it)",
+                     "a JSON file written by Topology.to_json() (.json)")
+HOW_TO_PASS = ("pass a topology explicitly instead: " + ", ".join(SUPPORTED_FORMATS[:-1]) + ", or "
+               + SUPPORTED_FORMATS[-1] + "; e.g. jax_blink.Topology.load('topo.txt') or "
+               "`jax-blink topology topo.txt`")
+#: Topology sources by name ("preset", "nvidia_smi", "detect", "load") -> function; filled by the
+#: source modules of this package when they are imported.
+_SOURCES: dict[str, Callable[..., "Topology"]] = {}
+
+
+def register_source(name: str, fn: Callable[..., "Topology"]) -> None:
+    """Make ``fn`` the topology source ``name`` behind the Topology classmethods (called by each
+    source module of :mod:`jax_blink.topology` when it is imported)."""
+    _SOURCES[name] = fn
+
+
+def _source(name: str) -> Callable[..., "Topology"]:
+    """The registered source ``name``; TopologyError when its module was never imported (it always
+    is once :mod:`jax_blink.topology` is)."""
+    try:
+        return _SOURCES[name]
+    except KeyError:
+        raise TopologyError(f"topology source {name!r} is not registered: import jax_blink.topology") from None
 
 
 def parse_gpu_ids(text: str, option: str = "devices") -> list[int]:
@@ -299,31 +329,27 @@ class Topology:
 
     @classmethod
     def preset(cls, name: str) -> "Topology":
-        """A machine preset by name (see :data:`jax_blink.presets.PRESETS`; ``host<N>`` too).
+        """A machine preset by name (see :data:`jax_blink.topology.presets.PRESETS`; ``host<N>`` too).
         Raises TopologyError for an unknown name, listing the known ones."""
-        from .presets import preset
-        return preset(name)
+        return _source("preset")(name)
 
     @classmethod
     def from_nvidia_smi(cls, text: str, **kw) -> "Topology":
         """Parse ``nvidia-smi topo -m`` output (optionally followed by ``topo -p2p``); see
-        :func:`jax_blink.nvsmi.parse_topo` for keywords (``nvlink_gbps``, ``pcie_gbps``, ...)."""
-        from .nvsmi import parse_topo
-        return parse_topo(text, **kw)
+        :func:`jax_blink.topology.nvsmi.parse_topo` for keywords (``nvlink_gbps``, ``pcie_gbps``, ...)."""
+        return _source("nvidia_smi")(text, **kw)
 
     @classmethod
     def detect(cls, **kw) -> "Topology":
         """This machine's topology: NVML, else ``nvidia-smi topo -m``; see
-        :func:`jax_blink.discovery.detect`. Raises TopologyError saying how to pass one instead."""
-        from .discovery import detect
-        return detect(**kw)
+        :func:`jax_blink.topology.nvml.detect`. Raises TopologyError saying how to pass one instead."""
+        return _source("detect")(**kw)
 
     @classmethod
     def load(cls, source, **kw) -> "Topology":
         """A Topology from a preset name, a ``topo -m`` text file, a JSON file, or a Topology;
-        see :func:`jax_blink.discovery.load_topology`."""
-        from .discovery import load_topology
-        return load_topology(source, **kw)
+        see :func:`jax_blink.topology.load.load_topology`."""
+        return _source("load")(source, **kw)
 
 
 def _key(n):

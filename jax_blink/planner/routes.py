@@ -1,16 +1,16 @@
-"""GPU-level routes over a physical topology and the column-generation tree-packing LP.
+"""GPU-level routes over a physical topology, and the pricing of trees under link prices.
 
 A *route* from GPU u to GPU v is a direct edge u->v or a simple path whose intermediate nodes are all
 shared resources (switch, host, cpu, nic, network). Switches do not replicate data (a PCIe switch
 cannot), so a tree edge u->v routed through a switch uses every physical link of its route, and two
 children under one switch are two routes (Blink, MLSys 2020, section 3.2: trees over PCIe switches).
 
-:func:`solve_packing` is the exact fractional packing LP, solved by column generation (Dantzig-Wolfe;
-e.g. Chvatal, "Linear Programming", ch. 26) with scipy's HiGHS: columns are spanning trees over the
-job's GPUs (each tree edge with a chosen route); the pricing step is a minimum-weight spanning
-arborescence (Edmonds 1967, networkx) for broadcast/reduce or a minimum spanning tree for all-reduce,
-under the LP's dual link prices. The LP dual also gives an upper bound at every iteration:
-``cap . y / min(1, min price)`` (weak duality), returned as ``dual_bound``.
+:class:`RouteTable` enumerates the routes of a job; :func:`price_tree` is the pricing step of column
+generation (:mod:`jax_blink.planner.colgen`): the cheapest spanning tree over the job's GPUs under
+dual link prices, each tree edge with its cheapest route: a minimum-weight spanning arborescence
+(Edmonds 1967, :func:`min_arborescence`) for broadcast/reduce, a minimum spanning tree for
+all-reduce. :func:`route` is the one fewest-hop path between two GPUs (the simulator's and NCCL's
+double binary tree's).
 """
 
 from __future__ import annotations
@@ -20,17 +20,12 @@ import itertools
 
 import networkx as nx
 import numpy as np
-from scipy.optimize import linprog
 
-from .errors import PlanError
-from .topology import Topology, _key
+from ..errors import PlanError
+from ..topology.model import Topology, _key
 
 MAX_ROUTES_PER_PAIR = 6     # shortest routes kept per ordered GPU pair
 MAX_SWITCH_NODES = 16       # most switch nodes inside one route
-PRICE_TOL = 1e-9            # a column enters while its dual price < 1 - PRICE_TOL
-MAX_ITERATIONS = 2000
-EXTRA_COLUMNS = 4           # further columns per pricing round (solve_packing)
-WARM_STEP = 0.5             # multiplicative-weights step of solve_rooted_packing's warm start
 
 
 @dataclasses.dataclass(eq=False)
@@ -134,28 +129,18 @@ class RouteTable:
 
 @dataclasses.dataclass(frozen=True)
 class Column:
-    """One tree of the packing LP.
+    """One column of a packing LP (:mod:`jax_blink.planner.colgen`): a tree, a three-phase tree or a ring.
 
-    ``edges``: tuple of (parent, child, route) with route a node path. For ``mode="arborescence"``
-    the route runs parent -> child (broadcast); for ``"in-arborescence"`` child -> parent (reduce);
-    for ``"spanning"`` the route runs parent -> child and its reverse is used too (all-reduce).
-    ``usage``: int array [L], how many times the tree uses each link.
+    ``edges``: what the column is (its identity in the LP). For a tree, a tuple of (parent, child,
+    route) with route a node path: for ``mode="arborescence"`` the route runs parent -> child
+    (broadcast); for ``"in-arborescence"`` child -> parent (reduce); for ``"spanning"`` the route runs
+    parent -> child and its reverse is used too (all-reduce). A three-phase tree lists the edges of
+    its parts; a ring is (GPU cycle, route per hop).
+    ``usage``: int array [L], how many times the column uses each link.
     """
 
     edges: tuple
     usage: np.ndarray
-
-
-@dataclasses.dataclass
-class PackingResult:
-    """Output of :func:`solve_packing`: columns, LP weights (GB/s), rate, dual certificate."""
-
-    columns: list
-    weights: np.ndarray
-    rate: float
-    dual_bound: float
-    iterations: int
-    roots: list | None = None  # root of each column (solve_rooted_packing); None: one root for all
 
 
 class _Pricer:
@@ -227,7 +212,7 @@ class _Pricer:
         return r, self.rows[k][i]
 
 
-def _pricer(table: "RouteTable", mode: str) -> _Pricer:
+def pricer(table: "RouteTable", mode: str) -> _Pricer:
     """The table's :class:`_Pricer` for ``mode`` (kept on the table: a replaced table gets its own)."""
     cache = table.__dict__.setdefault("_pricers", {})
     if mode not in cache:
@@ -291,11 +276,11 @@ def min_arborescence(w: np.ndarray, root: int):
     return out
 
 
-def _price(table: RouteTable, y: np.ndarray, mode: str, root) -> Column | None:
+def price_tree(table: RouteTable, y: np.ndarray, mode: str, root) -> Column | None:
     """The minimum-price tree under link prices ``y`` (None if no spanning tree exists)."""
-    pr = _pricer(table, mode)
+    pr = pricer(table, mode)
     w, pick = pr.costs(y)
-    return _tree_from_costs(table, pr, w, pick, root)
+    return tree_from_costs(table, pr, w, pick, root)
 
 
 def _spanning_parents(w: np.ndarray, root: int, rank):
@@ -341,7 +326,7 @@ def _spanning_parents(w: np.ndarray, root: int, rank):
     return out
 
 
-def _tree_from_costs(table: RouteTable, pricer: _Pricer, w: np.ndarray, pick: np.ndarray, root) -> Column | None:
+def tree_from_costs(table: RouteTable, pricer: _Pricer, w: np.ndarray, pick: np.ndarray, root) -> Column | None:
     """The minimum-price tree rooted at ``root`` over GPU-level edge costs ``w`` [n, n] and route
     choices ``pick`` from :meth:`_Pricer.costs` (one pricing serves every root of a round)."""
     devs = table.devices
@@ -374,161 +359,25 @@ def _tree_from_costs(table: RouteTable, pricer: _Pricer, w: np.ndarray, pick: np
     return Column(tuple(edges), usage)
 
 
-def _more_columns(table: RouteTable, y: np.ndarray, mode: str, root, col: Column, k: int) -> list:
-    """Up to ``k`` further trees that still price below 1 under ``y``: re-price after raising the
-    prices of the links the previous tree used (a multiplicative-weights step from the LP duals).
-    Several columns per LP solve cut the degenerate tail of column generation (the LP is the cost)."""
-    out, yk = [], y.copy()
-    step = 0.1 * float(y.sum()) / max(1, int(np.count_nonzero(y))) * float(table.cap.min())
-    for _ in range(k):
-        yk = yk + step * col.usage / table.cap
-        col = _price(table, yk, mode, root)
-        if col is None:
-            break
-        if float(col.usage @ y) < 1.0 - PRICE_TOL and all(col.edges != c.edges for c in out):
-            out.append(col)
-    return out
+def route(topology, src, dst, *, via=None) -> tuple:
+    """Physical hops [(a, b), ...] from GPU ``src`` to GPU ``dst``.
 
-
-def solve_packing(table: RouteTable, mode: str, root, warm_start: int | None = None,
-                  target: float | None = None, extra_columns: int = EXTRA_COLUMNS) -> PackingResult:
-    """Maximum-rate fractional packing of spanning trees over ``table.devices``.
-
-    LP: maximise sum_t w_t subject to sum_t usage_t(e) w_t <= cap(e) for every directed link e,
-    w >= 0, columns = trees (``mode``: "arborescence" rooted at ``root`` for broadcast,
-    "in-arborescence" into ``root`` for reduce, "spanning" for all-reduce, oriented from ``root``).
-    Column generation with HiGHS duals until no tree has dual price < 1 - PRICE_TOL, or until the
-    rate reaches ``target`` (an independent upper bound, e.g. Edmonds' max-flow bound: then the LP is
-    optimal without a final pricing round). Each round adds the cheapest tree plus up to
-    ``extra_columns`` more that also price below 1 (see :func:`_more_columns`).
-
-    Raises PlanError when no spanning tree exists (GPUs that cannot reach ``root``).
+    The direct edge when there is one; otherwise a fewest-hop path whose intermediate nodes are
+    switch/host nodes (or the GPUs in ``via``), ties broken by the widest bottleneck, then by node
+    order. Raises PlanError when no such path exists (e.g. no PCIe tree in the topology).
     """
-    y = np.ones(len(table.links))
-    first = _price(table, y, mode, root)
-    if first is None:
-        raise PlanError(f"no spanning tree over devices {list(table.devices)} rooted at {root}: "
-                        f"some GPUs cannot reach each other over the job's links")
-    cols = [first]
-    seen = {first.edges}
-    # Warm start: a few multiplicative-weights rounds (Garg-Koenemann, as in Blink's TreeGen) give
-    # diverse trees without an LP solve each; the LP then needs far fewer pricing rounds.
-    y = 1.0 / table.cap
-    col = first
-    for _ in range(warm_start if warm_start is not None else 2 * len(table.devices)):
-        used = col.usage > 0
-        bott = float(np.min(table.cap[used] / col.usage[used]))
-        y = y * (1.0 + 0.5 * bott * col.usage / table.cap)
-        col = _price(table, y, mode, root)
-        if col.edges not in seen:
-            cols.append(col)
-            seen.add(col.edges)
-    it = 0
-    while True:
-        it += 1
-        a = np.stack([c.usage for c in cols], axis=1).astype(np.float64)
-        res = linprog(-np.ones(len(cols)), A_ub=a, b_ub=table.cap, bounds=(0, None), method="highs")
-        if res.status != 0:
-            raise PlanError(f"tree-packing LP failed for devices {list(table.devices)}: {res.message}")
-        rate = float(-res.fun)
-        x = np.asarray(res.x, dtype=np.float64)
-        if target is not None and rate >= target * (1 - 1e-9):
-            return PackingResult(cols, x, rate, max(target, rate), it)
-        y = np.maximum(-np.asarray(res.ineqlin.marginals), 0.0)
-        col = _price(table, y, mode, root)
-        price = float(col.usage @ y)
-        dual = float(table.cap @ y) / min(1.0, price) if price > 0 else float("inf")
-        if price >= 1.0 - PRICE_TOL or col.edges in seen or it >= MAX_ITERATIONS:
-            return PackingResult(cols, x, rate, max(dual, rate), it)
-        for c in [col] + _more_columns(table, y, mode, root, col, extra_columns):
-            if c.edges not in seen:
-                cols.append(c)
-                seen.add(c.edges)
-
-
-def solve_rooted_packing(table: RouteTable, mode: str, target: float | None = None,
-                         warm_rounds: int | None = None) -> PackingResult:
-    """Maximum equal-per-root packing of arborescences rooted at every GPU (all-gather / reduce-scatter).
-
-    LP (ForestColl, Zhao et al. 2024, sections 4-5, as one LP): maximise x subject to, for every
-    root r in ``table.devices``, sum of the weights of r's trees >= x, and for every directed link
-    e, sum_t usage_t(e) w_t <= cap(e); w, x >= 0. Columns are spanning arborescences out of their
-    root (``mode="arborescence"``, all-gather) or into it (``"in-arborescence"``, reduce-scatter),
-    each GPU-level edge with a chosen route. Column generation with HiGHS: with link duals y and
-    root duals z, a tree rooted at r enters while its price usage . y < z_r - PRICE_TOL; pricing is
-    one minimum arborescence per root over one shared table of route costs. Weak duality gives
-    the certificate n * cap . y / sum_r (cheapest tree price of r) at every round. Stops at
-    optimality or once n * x reaches ``target`` (the exact cut bound, :func:`jax_blink.bounds.allgather_bound`).
-
-    Returns a PackingResult whose ``rate`` is n * x (the sum of all tree weights), ``weights`` the
-    LP weights trimmed so every root carries exactly x, and ``roots`` the root of each column.
-    Raises PlanError when some GPU cannot reach (or be reached from) another.
-    """
-    roots = list(table.devices)
-    n, nl = len(roots), len(table.links)
-    cols, col_root, seen = [], [], set()
-
-    def add(r, col):
-        if (r, col.edges) not in seen:
-            seen.add((r, col.edges))
-            cols.append(col)
-            col_root.append(r)
-            return True
-        return False
-
-    pricer = _pricer(table, mode)
-
-    def price(y):
-        w, pick = pricer.costs(y)
-        out = []
-        for r in roots:
-            col = _tree_from_costs(table, pricer, w, pick, r)
-            if col is None:
-                raise PlanError(f"no spanning tree over devices {list(table.devices)} rooted at {r}: "
-                                f"some GPUs cannot reach each other over the job's links")
-            out.append((r, col))
-        return out
-
-    # warm start: multiplicative-weights rounds over all roots (Garg-Koenemann), min(n, 8) by default:
-    # on dgx1v they cut the LP rounds from 16 to 3
-    y = 1.0 / table.cap
-    for _ in range(max(1, min(n, 8) if warm_rounds is None else warm_rounds)):
-        for r, col in price(y):
-            add(r, col)
-            used = col.usage > 0
-            y = y * (1.0 + WARM_STEP * float(np.min(table.cap[used] / col.usage[used])) * col.usage / table.cap)
-    it, dual = 0, float("inf")
-    while True:
-        it += 1
-        t = len(cols)
-        a = np.stack([c.usage for c in cols], axis=1).astype(np.float64)
-        g = np.zeros((n, t))
-        g[[roots.index(r) for r in col_root], np.arange(t)] = 1.0
-        a_ub = np.block([[a, np.zeros((nl, 1))], [-g, np.ones((n, 1))]])
-        b_ub = np.concatenate([table.cap, np.zeros(n)])
-        res = linprog(np.concatenate([np.zeros(t), [-1.0]]), A_ub=a_ub, b_ub=b_ub, bounds=(0, None),
-                      method="highs")
-        if res.status != 0:
-            raise PlanError(f"all-gather packing LP failed for devices {list(table.devices)}: {res.message}")
-        x = float(res.x[-1])
-        w = np.asarray(res.x[:t], dtype=np.float64)
-        if target is not None and n * x >= target * (1 - 1e-9):
-            dual = max(target, n * x)
-            break
-        marg = -np.asarray(res.ineqlin.marginals)
-        y, z = np.maximum(marg[:nl], 0.0), np.maximum(marg[nl:], 0.0)
-        priced = price(y)
-        prices = np.array([float(c.usage @ y) for _, c in priced])
-        if prices.sum() > 0:
-            dual = min(dual, n * float(table.cap @ y) / prices.sum())
-        new = [add(r, c) for (r, c), p, zr in zip(priced, prices, z) if p < zr - PRICE_TOL]
-        if not any(new) or it >= MAX_ITERATIONS:
-            dual = max(dual, n * x)
-            break
-    # trim every root's weights to exactly x (scaling down keeps every link within capacity)
-    for i, r in enumerate(roots):
-        mine = np.array([j for j in range(len(w)) if col_root[j] == r])
-        s = float(w[mine].sum())
-        if s > 0:
-            w[mine] *= x / s
-    return PackingResult(cols, w, n * x, dual, it, col_root)
+    g = topology.graph
+    if g.has_edge(src, dst):
+        return ((src, dst),)
+    allowed = set(topology.switches) | set(via or ()) | {src, dst}
+    sub = g.subgraph(allowed)
+    try:
+        paths = list(nx.all_shortest_paths(sub, src, dst))
+    except (nx.NetworkXNoPath, nx.NodeNotFound):
+        raise PlanError(f"no route from GPU {src} to GPU {dst} in topology {topology.name!r} through "
+                        f"switch nodes; add the PCIe/host tree to the topology or use GPUs that are "
+                        f"linked") from None
+    # widest bottleneck first, then the smallest node sequence (GPUs before switches, by id/name)
+    best = min(paths, key=lambda p: (-min(g.edges[a, b]["bandwidth_gbps"] for a, b in zip(p, p[1:])),
+                                     [_key(x) for x in p]))
+    return tuple(zip(best, best[1:]))

@@ -18,11 +18,11 @@ The format (NCCL ``src/graph/xml.cc`` writes it, ``src/graph/topo.cc`` reads it)
       </cpu>
     </system>
 
-The model built (node and link kinds as in :mod:`jax_blink.topology`):
+The model built (node and link kinds as in :mod:`jax_blink.topology.model`):
 
 - ``<cpu>`` -> node ``cpu<s>`` (kind ``cpu``), numbered in file order; every two sockets are
   joined by a ``host`` link of ``inter_socket_gbps`` (the XML does not give the QPI/UPI rate; 20
-  GB/s by default, see :mod:`jax_blink.presets`). A file whose root is ``<cpu>`` (an excerpt) is
+  GB/s by default, see :mod:`jax_blink.topology.presets`). A file whose root is ``<cpu>`` (an excerpt) is
   read as a machine with that one socket, and says so in the notes.
 - ``<pci>`` bridges (class ``0x0604xx``) -> ``pcie-switch-<k>`` nodes, numbered in file order;
   bridges with no GPU or NIC below them are left out. Every ``<pci>`` element's ``link_speed`` and
@@ -43,7 +43,7 @@ The model built (node and link kinds as in :mod:`jax_blink.topology`):
 - NICs: a ``<nic>`` (in a ``<pci class="0x02xxxx">`` or right under ``<cpu>``) -> node ``nic<k>``
   (kind ``nic``, attribute ``device`` = its ``<net name>`` list). ``<net speed>`` is Mb/s (NCCL);
   the NIC's link to its parent carries min(PCIe link, sum of its ports' speeds / 8000 x
-  ``presets.NET_EFFICIENCY``) GB/s (every rate achieved, see :mod:`jax_blink.presets`).
+  ``presets.NET_EFFICIENCY``) GB/s (every rate achieved, see :mod:`jax_blink.topology.presets`).
 - Other PCI devices (NVMe drives, NVSwitch management functions, ...) are skipped.
 
 Every problem raises :class:`TopologyError` naming the element (by bus id where it has one) and
@@ -57,10 +57,10 @@ import math
 import re
 import xml.etree.ElementTree as ET
 
-from .errors import TopologyError
+from ..errors import TopologyError
 from .presets import INTER_SOCKET_GBPS, NET_EFFICIENCY, NVLINK_EFFICIENCY, PCIE_GEN3_GBPS, pcie_link_gbps
 from .presets import nvlink_gbps as _nvlink_rate
-from .topology import Topology
+from .model import Topology
 
 # ----------------------------------------------------------------------------- rates
 NVSWITCH_CLASS = "0x068000"   # NCCL kvDictPciClass: NVS

@@ -1,10 +1,10 @@
-"""Find the machine's topology (NVML, then ``nvidia-smi topo -m``) or load one a user names.
+"""Detect the machine's topology: NVML, then ``nvidia-smi topo -m``.
 
 :func:`detect` reads NVML through nvidia-ml-py (``pip install jax-blink[nvml]``): every active
 NVLink's remote PCI bus id (a GPU, or an NVSwitch), the NVLink version (-> per-link GB/s), the PCIe
 common ancestor of each GPU pair (the same PIX/PXB/PHB/NODE/SYS levels nvidia-smi prints), the
 peer-to-peer read status and the NUMA node. The pairwise relations go through the same model builder
-as the ``nvidia-smi topo -m`` parser (:func:`jax_blink.nvsmi.build_topology`), so both readings of a
+as the ``nvidia-smi topo -m`` parser (:func:`jax_blink.topology.nvsmi.build_topology`), so both readings of a
 machine agree. GPU ids are NVML indices (PCI bus order); an integer ``CUDA_VISIBLE_DEVICES`` list is
 applied (those GPUs, renumbered 0..k-1 in the listed order), as CUDA numbers them with
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
@@ -13,27 +13,17 @@ applied (those GPUs, renumbered 0..k-1 in the listed order), as CUDA numbers the
 from __future__ import annotations
 
 import os
-import pathlib
-import re
 import shutil
 import subprocess
 
 import networkx as nx
 
-from .errors import TopologyError
-from .ncclxml import normalise_busid, parse_nccl_xml
+from ..errors import TopologyError
+from . import model
+from .model import HOW_TO_PASS, Topology
+from .ncclxml import normalise_busid
 from .nvsmi import build_topology, parse_topo
-from .presets import PRESETS, is_preset, nvlink_gbps as _nvlink_rate, preset
-from .topology import Topology
-
-SUPPORTED_FORMATS = ("a preset name (e.g. 'dgx1v', 'dgx-a100', 'host8')",
-                     "the path of a saved `nvidia-smi topo -m` output (.txt)",
-                     "NCCL's topology XML (.xml, as NCCL_TOPO_DUMP_FILE writes it)",
-                     "a JSON file written by Topology.to_json() (.json)")
-HOW_TO_PASS = ("pass a topology explicitly instead: " + ", ".join(SUPPORTED_FORMATS[:-1]) + ", or "
-               + SUPPORTED_FORMATS[-1] + "; e.g. jax_blink.Topology.load('topo.txt') or "
-               "`jax-blink topology topo.txt`")
-_TOPO_M_GPU = re.compile(r"GPU\d+\b")  # a topo -m header or row names GPU0, GPU1, ...
+from .presets import nvlink_gbps as _nvlink_rate
 
 # NVLink version -> achieved GB/s per link per direction (presets.nvlink_gbps: line rate x efficiency).
 NVLINK_VERSION_GBPS = {v: _nvlink_rate(v) for v in range(1, 6)}
@@ -201,65 +191,4 @@ def _apply_visible_devices(t: Topology) -> Topology:
     return t
 
 
-def _did_you_mean(name: str) -> str:
-    """' (did you mean 'dgx1v'?)' for a near miss of a preset name, else ''."""
-    import difflib
-    close = difflib.get_close_matches(name.strip().lower().replace("_", "-"), list(PRESETS), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def load_topology(source, **kw) -> Topology:
-    """A Topology from what a user names.
-
-    Args:
-      source: a Topology (returned as is); a preset name (``dgx1v``, ``dgx-a100``, ``host8``...);
-        ``"detect"`` (:func:`detect`); ``"probe"`` (the job's devices, measured once per machine:
-        :func:`jax_blink.probe.cached_probe`); a path to a ``.json`` file (``Topology.to_json``), to NCCL's
-        topology XML (``.xml``, :func:`jax_blink.ncclxml.parse_nccl_xml`) or to a text file with
-        ``nvidia-smi topo -m`` output; or a dict (``Topology.to_dict``). A file's format comes from
-        its suffix, else from its first character (``{`` JSON, ``<`` XML), else from ``GPU<i>``
-        names (topo -m).
-      **kw: forwarded to the ``topo -m`` or XML parser (``nvlink_gbps``, ``pcie_gbps``, ...) or to
-        :func:`detect`.
-
-    Raises TopologyError when the source is none of these (listing the supported formats) or does
-    not parse.
-    """
-    if isinstance(source, Topology):
-        return source
-    if isinstance(source, dict):
-        return Topology.from_dict(source)
-    if isinstance(source, str) and source.strip().lower() == "detect":
-        return detect(**kw)
-    if isinstance(source, str) and source.strip().lower() == "probe":
-        from .probe import cached_probe  # imports jax: only when asked for
-        return cached_probe(**kw)
-    if isinstance(source, str) and is_preset(source):
-        return preset(source)
-    if not isinstance(source, (str, os.PathLike)):
-        raise TopologyError(f"cannot load a topology from {type(source).__name__}; " + HOW_TO_PASS)
-    path = pathlib.Path(source)
-    if not path.is_file():
-        raise TopologyError(f"{str(source)!r} is not a preset name or an existing file{_did_you_mean(str(source))}; "
-                            f"known presets: {', '.join(PRESETS)}, host<N>; 'detect' reads this machine's GPUs, "
-                            "'probe' measures the job's devices; " + HOW_TO_PASS)
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as err:
-        raise TopologyError(f"cannot read {str(path)!r}: {err}") from None
-    head, suffix = text.lstrip("\ufeff \t\r\n"), path.suffix.lower()
-    try:
-        if "\x00" in text:
-            raise TopologyError("binary data (it holds NUL bytes), not a topology; supported: "
-                                + "; ".join(SUPPORTED_FORMATS))
-        if suffix == ".json" or (suffix != ".xml" and head.startswith("{")):
-            return Topology.from_json(text)
-        if suffix == ".xml" or head.startswith("<"):
-            return parse_nccl_xml(text, name=path.stem, **kw)
-        if _TOPO_M_GPU.search(text):
-            return parse_topo(text, name=path.stem, **kw)
-        raise TopologyError("the file is in no supported format (no JSON object, no XML element, no "
-                            "`nvidia-smi topo -m` header line 'GPU0 GPU1 ...'); supported: "
-                            + "; ".join(SUPPORTED_FORMATS))
-    except TopologyError as err:
-        raise TopologyError(f"{path}: {err}") from None
+model.register_source("detect", detect)

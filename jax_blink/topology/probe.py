@@ -11,12 +11,12 @@ trusting a table. :func:`probe` copies buffers between every ordered pair of dev
 3. every device sending to the next at once (a ring shift), the load a collective puts on the links.
 
 The result is a :class:`~jax_blink.topology.Topology` whose GPU ids are the devices' topology ids
-(``mapping.default_gpu_id``: ``local_hardware_id`` on GPUs, ``device.id`` elsewhere) and whose
+(:func:`default_gpu_id`: ``local_hardware_id`` on GPUs, ``device.id`` elsewhere) and whose
 capacities are measured GB/s per direction: a direct link per ordered pair when no transfers share
 a link; otherwise one shared node per group of devices whose transfers slow each other down, each
 member joined to it at the rate it gets under the ring-shift load, and the groups joined through a
 root node at the rate their shared uplink carried. Its notes say where the measurement and the
-labelled topology (``label=``, else discovery's on GPUs) differ by more than 20%.
+labelled topology (``label=``, else the detected one on GPUs) differ by more than 20%.
 
 ``JAX_BLINK_TOPOLOGY=probe`` (and ``topology="probe"`` anywhere a topology source is taken) plans on
 :func:`cached_probe`'s result, measured once per machine and device set.
@@ -37,9 +37,9 @@ import time
 import networkx as nx
 import numpy as np
 
-from .errors import TopologyError
-from .mapping import default_gpu_id
-from .topology import Topology
+from ..errors import TopologyError
+from .model import Topology
+from .nvml import detect
 
 DEFAULT_SIZES = (1 << 20, 1 << 24)  # bytes per transfer: a small and a bandwidth-bound copy
 SLOWDOWN = 1.2  # two transfers that take > 20% longer together than alone share a link
@@ -72,6 +72,16 @@ class Measurement:
     by_size: dict = dataclasses.field(default_factory=dict)
 
 
+def default_gpu_id(device) -> int:
+    """Topology GPU id of a JAX device under the default mapping: ``local_hardware_id`` on GPUs
+    (the CUDA / ROCm index), ``device.id`` elsewhere."""
+    if device.platform in ("gpu", "cuda", "rocm"):
+        hw = getattr(device, "local_hardware_id", None)
+        if hw is not None:
+            return int(hw)
+    return int(device.id)
+
+
 def probe(devices=None, sizes=DEFAULT_SIZES, *, repeats: int = 3, label=None,
           max_pair_tests: int = MAX_PAIR_TESTS) -> Topology:
     """The measured topology of ``devices`` (Blink section 3).
@@ -102,7 +112,6 @@ def probe(devices=None, sizes=DEFAULT_SIZES, *, repeats: int = 3, label=None,
                    + ", ".join(f"{_fmt_bytes(k)} {v:.3g}" for k, v in sorted(m.by_size.items())))
     if label is None and platform in ("gpu", "cuda", "rocm"):
         try:
-            from .discovery import detect
             label = detect()
         except TopologyError as err:
             t.notes.append(f"no labelled topology to compare with ({err})")
@@ -242,8 +251,7 @@ def compare(m: Measurement, label) -> list[str]:
     by more than :data:`DISAGREE` (at most 8 pairs listed, the rest counted). The labelled capacity
     is the max-flow from i to j over links and switches with no other GPU forwarding, since a
     device-to-device copy goes over the links joining the two (NVLink, else PCIe) only."""
-    from .discovery import load_topology
-    label = load_topology(label)
+    label = Topology.load(label)  # the registered loader (topology.load imports this module)
     missing = [g for g in m.gpus if g not in set(label.gpus)]
     if missing:
         return [f"the labelled topology {label.name!r} lacks GPUs {missing}: nothing compared"]

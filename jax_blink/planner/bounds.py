@@ -1,4 +1,4 @@
-"""Certificates and baselines for tree packings: max-flow bounds, the Nash-Williams value, ring rate.
+"""Certificates for the planner's packings: max-flow and cut bounds, the Nash-Williams value.
 
 - :func:`broadcast_bound` / :func:`reduce_bound`: Edmonds' branching theorem (Edmonds 1973, "Edge-disjoint
   branchings"; capacities as link multiplicities): the best fractional packing of ``root``-rooted
@@ -12,27 +12,24 @@
 - :func:`allgather_bound` / :func:`reducescatter_bound`: the exact cut bound of all-gather (ForestColl,
   Zhao et al. 2024): n * min over node sets T holding some but not all ranks of B_out(T) / |T & ranks|,
   by parametric max-flow (:func:`sharded_cut`); reduce-scatter on the reversed graph.
-- :func:`ring_rate`: the best packing of directed Hamiltonian cycles (NCCL-style rings), by column
-  generation with exact pricing (all cycles) for up to 9 GPUs, a 2-opt heuristic above that.
+- :func:`certificate`: the bound of each collective (its ``collectives.Collective.certificate``).
+
+The ring rate (:func:`jax_blink.planner.rings.ring_rate`) is the rings' packing, not a bound.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import networkx as nx
 import numpy as np
 from networkx.algorithms.flow import build_residual_network, edmonds_karp, preflow_push
-from scipy.optimize import linprog
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_flow
 
-from .errors import PlanError, TopologyError
-from .routes import RouteTable, _pricer
-from .topology import Topology
+from ..errors import PlanError, TopologyError
+from ..topology.model import Topology
 
-EXACT_RING_MAX_GPUS = 9
 FLOW_SCALE = 1000  # capacities in MB/s: integral for link rates given to 1e-3 GB/s (scipy's max-flow is integral)
 
 
@@ -225,110 +222,12 @@ def nash_williams_value(topology: Topology, devices) -> float:
     return best
 
 
-# ----------------------------------------------------------------------------- rings
-@functools.lru_cache(maxsize=16)
-def _cycles(n: int) -> np.ndarray:
-    """All directed Hamiltonian cycles on 0..n-1 starting at 0: int array [(n-1)!, n]."""
-    return np.array([(0,) + p for p in itertools.permutations(range(1, n))], dtype=np.int64)
-
-
-def _two_opt_cycle(w: np.ndarray) -> list | None:
-    """A cheap directed Hamiltonian cycle on cost matrix ``w`` (inf = no route): nearest neighbour
-    from up to 4 starts, then best-improvement 2-opt (segment reversal, asymmetric costs, all moves
-    scored at once with NumPy). Deterministic; None when no finite cycle is found."""
-    n = len(w)
-    big = np.where(np.isfinite(w), w, 1e12)
-    best, best_cost = None, np.inf
-    ii, jj = np.triu_indices(n, 1)
-    keep = (ii >= 1) & (jj <= n - 1)
-    ii, jj = ii[keep], jj[keep]
-    for s in range(min(n, 4)):
-        tour, left = [s], set(range(n)) - {s}
-        while left:
-            nxt = min(left, key=lambda j: (big[tour[-1], j], j))
-            tour.append(nxt)
-            left.discard(nxt)
-        t = np.array(tour)
-        for _ in range(10 * n):
-            nx_ = np.roll(t, -1)
-            f = big[t, nx_]                        # f[k] = cost t[k] -> t[k+1]
-            bk = big[nx_, t]                       # reversed edge cost
-            d = np.concatenate([[0.0], np.cumsum(bk - f)])
-            prev, nxtj = t[ii - 1], t[(jj + 1) % n]
-            delta = (big[prev, t[jj]] + big[t[ii], nxtj] - f[ii - 1] - f[jj] + d[jj] - d[ii])
-            k = int(np.argmin(delta))
-            if delta[k] >= -1e-9:
-                break
-            i, j = ii[k], jj[k]
-            t = np.concatenate([t[:i], t[i:j + 1][::-1], t[j + 1:]])
-        c = float(big[t, np.roll(t, -1)].sum())
-        if c < best_cost - 1e-12:
-            best, best_cost = [int(x) for x in t], c
-    return best if best_cost < 1e11 else None
-
-
-def ring_packing(topology: Topology, devices, table: RouteTable | None = None):
-    """Best packing of directed Hamiltonian cycles (rings) over the job's GPU-level routes.
-
-    LP: maximise sum_c b_c s.t. for every directed link e, sum_c usage_c(e) b_c <= cap(e); column
-    generation with pricing = cheapest Hamiltonian cycle under dual link prices (exact enumeration
-    for <= EXACT_RING_MAX_GPUS GPUs, nearest-neighbour + 2-opt above: then a feasible, possibly
-    suboptimal ring packing). Returns (rate_gbps, [(cycle as list of GPUs, [route per hop], b_gbps)]).
-    Returns (0.0, []) when no Hamiltonian cycle exists (e.g. GPUs behind a one-way link).
-    """
-    devices = tuple(devices)
-    n = len(devices)
-    if n < 2:
-        return float("inf"), []
-    table = table or RouteTable.build(topology, devices)
-    nl = len(table.links)
-    pricer = _pricer(table, "arborescence")
-
-    def price(y):
-        w, pick = pricer.costs(y)
-        if n <= EXACT_RING_MAX_GPUS:
-            cyc = _cycles(n)
-            tot = w[cyc, np.roll(cyc, -1, axis=1)].sum(axis=1)
-            i = int(np.argmin(tot))
-            if not np.isfinite(tot[i]):
-                return None
-            tour = list(cyc[i])
-        else:
-            tour = _two_opt_cycle(w)
-            if tour is None:
-                return None
-        cycle = [devices[i] for i in tour]
-        routes, usage = [], np.zeros(nl, dtype=np.int64)
-        for a, b in zip(tour, tour[1:] + tour[:1]):
-            r, use = pricer.edge(a, b, pick)
-            routes.append(r)
-            usage += use
-        return (tuple(cycle), tuple(routes)), usage
-
-    first = price(np.ones(nl))
-    if first is None:
-        return 0.0, []
-    cols, seen = [first], {first[0]}
-    for _ in range(500):
-        a = np.stack([c[1] for c in cols], axis=1).astype(np.float64)
-        res = linprog(-np.ones(len(cols)), A_ub=a, b_ub=table.cap, bounds=(0, None), method="highs")
-        y = np.maximum(-np.asarray(res.ineqlin.marginals), 0.0)
-        col = price(y)
-        if col is None or float(col[1] @ y) >= 1.0 - 1e-9 or col[0] in seen:
-            break
-        cols.append(col)
-        seen.add(col[0])
-    rings = [(list(c[0][0]), list(c[0][1]), float(x)) for c, x in zip(cols, res.x) if x > 1e-9]
-    return float(-res.fun), rings
-
-
-def ring_rate(topology: Topology, devices) -> float:
-    """Total bandwidth B_ring (GB/s) of the best ring packing over ``devices`` (see :func:`ring_packing`).
-
-    Ring all-reduce of S bytes then takes 2(n-1)/n * S / B_ring (NCCL; nccl-tests PERFORMANCE.md);
-    a ring broadcast or reduce pipelines at B_ring. inf for one device, 0.0 when no ring exists.
-    """
-    if not isinstance(topology, Topology):
-        raise PlanError(f"ring_rate needs a jax_blink.Topology, got {type(topology).__name__}; load one with "
-                        "jax_blink.load_topology(...)")
-    return ring_packing(topology, _checked(topology, devices))[0]
+def certificate(topology, collective: str, devices, root, relays=()) -> float:
+    """The max-flow / cut certificate of ``collective`` over ``devices`` (``collectives.Collective.certificate``),
+    GB/s: :func:`broadcast_bound`, :func:`reduce_bound`, :func:`allreduce_bound`, :func:`allgather_bound` or
+    :func:`reducescatter_bound`; ``relays``: GPUs outside the job allowed to forward."""
+    return {"broadcast": lambda: broadcast_bound(topology, devices, root, relays),
+            "reduce": lambda: reduce_bound(topology, devices, root, relays),
+            "allreduce": lambda: allreduce_bound(topology, devices, relays),
+            "allgather": lambda: allgather_bound(topology, devices, relays),
+            "reducescatter": lambda: reducescatter_bound(topology, devices, relays)}[collective]()

@@ -11,8 +11,8 @@ peer-to-peer).
 
 The model built (:func:`build_topology`, shared with NVML discovery):
 
-- Rates are achieved GB/s per direction (:mod:`jax_blink.presets`): by default from the GPU model
-  (``gpu=``, :func:`jax_blink.presets.gpu_model`: NVLink generation, PCIe generation and width);
+- Rates are achieved GB/s per direction (:mod:`jax_blink.topology.presets`): by default from the GPU model
+  (``gpu=``, :func:`jax_blink.topology.presets.gpu_model`: NVLink generation, PCIe generation and width);
   without it the NVLink generation is read from the links per GPU (at most 6: NVLink2 as on V100, 12:
   NVLink3 as on A100, more: NVLink4 as on H100; ``topo -m`` names no GPU model), and PCIe is that
   GPU generation's (gen3 x16 with NVLink2, gen4 x16 with NVLink3, gen5 x16 with NVLink4; gen3 x16
@@ -46,9 +46,10 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from .errors import TopologyError
+from ..errors import TopologyError
 from .presets import gpu_model, nvlink_gbps as _nvlink_rate, pcie_gen_gbps
-from .topology import Topology
+from . import model
+from .model import Topology
 
 PCIE_LEVELS = ("PIX", "PXB", "PHB", "NODE", "SYS")
 _ALIASES = {"SOC": "SYS"}
@@ -89,7 +90,7 @@ def parse_topo(text: str, *, nvlink_gbps: float | None = None, pcie_gbps: float 
         module docstring; 22.9 for V100, 17.3 for A100, 20.6 for H100).
       pcie_gbps: achieved GB/s per direction of every PCIe hop (None: from ``gpu`` or the NVLink
         generation; 12 for gen3 x16, 24 for gen4).
-      gpu: the GPU model name (e.g. "A100 80GB PCIe", "RTX 2080 Ti"; :data:`jax_blink.presets.GPU_MODELS`).
+      gpu: the GPU model name (e.g. "A100 80GB PCIe", "RTX 2080 Ti"; :data:`jax_blink.topology.presets.GPU_MODELS`).
       inter_socket_gbps: GB/s per direction between two CPU sockets (QPI/UPI/xGMI).
       max_nvlinks_per_gpu: links per GPU above which ``NV<n>`` rows mean an NVSwitch fabric.
       nvswitch: force (True) or forbid (False) the NVSwitch reading; None infers it.
@@ -495,3 +496,6 @@ def build_topology(n_gpus: int, nics: list[str], pcie: dict, nvlinks: dict, *, n
     for a, b in itertools.combinations(range(len(sockets)), 2):
         t.add_link(f"cpu{a}", f"cpu{b}", inter_socket_gbps, "host")
     return t
+
+
+model.register_source("nvidia_smi", parse_topo)

@@ -37,8 +37,9 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from .errors import TopologyError
-from .topology import Topology
+from ..errors import TopologyError
+from . import model
+from .model import Topology
 
 NVLINK1_GBPS = 20.0   # P100, per link per direction, line rate
 NVLINK_GBPS = 25.0    # V100 (NVLink2), A100 (NVLink3), H100 (NVLink4), per link per direction, line rate
@@ -378,3 +379,6 @@ def is_preset(name: str) -> bool:
     key = name.strip().lower().replace("_", "-")
     m = _HOST_RE.fullmatch(key)
     return key in PRESETS or bool(m and int(m.group(1)) >= 1)
+
+
+model.register_source("preset", preset)

@@ -1,0 +1,191 @@
+"""Fewer trees for a packing's rate (Blink's TreeGen ILP step) and dropping light trees.
+
+Column generation (:mod:`jax_blink.planner.colgen`) returns an optimal basic solution, often with more
+trees than needed. :func:`fewest_trees` picks few trees among the generated columns: reweighted-L1 LPs
+and, over small column sets, the exact minimum-count ILP (``scipy.optimize.milp``); with
+``max_trees=k`` the ILP maximises the rate with at most k trees. :func:`drop_light_trees` trades a
+bounded rate loss for fewer, larger trees (``plan(rate_tolerance=...)``). Both re-optimise the
+weights of the kept trees with the rate LP (:func:`jax_blink.planner.colgen.rate_lp`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+
+from .colgen import rate_lp
+
+MILP_NODE_LIMIT = 200
+L1_ROUNDS = 6            # most reweighted-L1 LPs in the tree-count reduction
+MILP_MAX_COLUMNS = 24    # exact min-count ILP only over at most this many generated trees (its root LP
+
+
+def _quiet_milp(*args, **kw):
+    """``scipy.optimize.milp`` with file descriptor 1 muted: HiGHS's MIP solver prints debug lines
+    ("HighsMipSolverData::transformNewIntegerFeasibleSolution") straight to the C stdout, which
+    would corrupt ``jax-blink plan --json`` and user programs' output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            return milp(*args, **kw)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _equal_share_rows(groups, cols) -> np.ndarray | None:
+    """Rows D with D w = 0 iff every group (root) of the columns ``cols`` carries the same total
+    weight (sharded collectives: one group per shard owner); None for one group."""
+    if groups is None:
+        return None
+    g = np.asarray(groups)[cols]
+    ids = sorted(set(g.tolist()))
+    if len(ids) < 2:
+        return None
+    member = (g[None, :] == np.array(ids)[:, None]).astype(np.float64)
+    return member[:-1] - member[1:]
+
+
+def _reoptimise(a: np.ndarray, cap: np.ndarray, keep, groups=None) -> np.ndarray | None:
+    """LP (HiGHS): the largest total weight of the columns ``keep`` within the link capacities,
+    every group carrying the same total (see :func:`_equal_share_rows`). Weights [len(keep)], or None
+    when the LP fails or some group has no column in ``keep``."""
+    if groups is not None and set(np.asarray(groups)[keep].tolist()) != set(groups):
+        return None
+    eq = _equal_share_rows(groups, keep)
+    lp = rate_lp(a[:, keep], cap, eq)
+    return None if lp.status != 0 else np.asarray(lp.x, dtype=np.float64)
+
+
+def _fewest_possible(a: np.ndarray, cap: np.ndarray, rate: float, groups=None) -> int:
+    """A lower bound on the number of trees (columns of usage matrix ``a`` [L, T]) that carry
+    ``rate`` (1 - 1e-7) within the link capacities ``cap`` [L]: a tree weighs at most its bottleneck
+    min cap / usage, so per group (root; one group when ``groups`` is None) at least as many trees
+    as the heaviest bottlenecks needed to sum to the group's share. Lets the tree-count reduction
+    stop when a solution already has this many trees."""
+    with np.errstate(divide="ignore"):
+        bott = np.min(np.where(a > 0, cap[:, None] / np.maximum(a, 1), np.inf), axis=0)
+    g = np.zeros(a.shape[1], dtype=np.int64) if groups is None else np.asarray(groups)
+    ids = sorted(set(g.tolist()))
+    need = 0
+    for i in ids:
+        top = np.cumsum(np.sort(bott[g == i])[::-1])
+        need += min(int(np.searchsorted(top, rate / len(ids) * (1 - 1e-7))) + 1, len(top))
+    return need
+
+
+def fewest_trees(cap: np.ndarray, cols, rate: float, max_trees: int | None, lp_weights, groups=None):
+    """Fewer trees over the generated columns (Blink's TreeGen ILP step).
+
+    Without ``max_trees``: reweighted-L1 LPs (Candes, Wakin, Boyd 2008) minimise sum w_t / (w_t' + eps)
+    subject to the link capacities and total rate >= ``rate`` (1 - 1e-7), keeping the sparsest
+    support found; then, over at most MILP_MAX_COLUMNS trees, the exact minimum-count ILP (larger
+    column sets, e.g. with PCIe links: the ILP took 0.1-1 s, so the L1 result stands). With
+    ``max_trees=k``: the ILP (scipy.optimize.milp, HiGHS, node-limited so deterministic) maximising
+    the total weight using at most k trees.
+    ``groups`` (sharded collectives): the root of each column; every root then carries rate / (number
+    of roots) and the same share of any re-optimised total.
+    ``cap``: float64 [L], the link capacities (GB/s); ``cols``: the columns (``usage`` int [L] each);
+    ``lp_weights``: the LP's weights [T].
+    Returns weights [T] re-optimised by an LP on the chosen trees, or None on failure.
+    """
+    t = len(cols)
+    a = np.stack([c.usage for c in cols], axis=1).astype(np.float64)
+    allcols = np.arange(t)
+    eq = _equal_share_rows(groups, allcols)
+    if groups is None:
+        share_rows, share = -np.ones((1, t)), np.array([-rate * (1 - 1e-7)])
+    else:
+        ids = sorted(set(groups))
+        share_rows = -(np.asarray(groups)[None, :] == np.array(ids)[:, None]).astype(np.float64)
+        share = np.full(len(ids), -rate / len(ids) * (1 - 1e-7))
+    if max_trees is None:
+        fewest = _fewest_possible(a, cap, rate, groups)
+        if np.count_nonzero(lp_weights > 1e-9) <= fewest:  # the LP's basic solution is already minimal
+            return np.where(lp_weights > 1e-9, lp_weights, 0.0)
+        best = lp_weights
+        w = lp_weights
+        for _ in range(L1_ROUNDS):
+            cost = 1.0 / (w + 1e-3 * rate / t)
+            res = linprog(cost, A_ub=np.vstack([a, share_rows]),
+                          b_ub=np.concatenate([cap, share]), bounds=(0, None), method="highs")
+            if res.status != 0:
+                break
+            w = res.x
+            if np.count_nonzero(w > 1e-9) < np.count_nonzero(best > 1e-9):
+                best = w
+            else:  # no sparser support this round: the reweighting has settled
+                break
+        chosen = np.flatnonzero(best > 1e-9)
+        if t <= MILP_MAX_COLUMNS and len(chosen) > fewest:
+            # exact minimum count over the generated trees while the ILP is small (milliseconds)
+            nl = a.shape[0]
+            res = _quiet_milp(np.concatenate([np.zeros(t), np.ones(t)]),
+                       constraints=[LinearConstraint(np.hstack([a, np.zeros((nl, t))]), -np.inf, cap),
+                                    LinearConstraint(np.hstack([np.eye(t), -rate * np.eye(t)]), -np.inf, 0.0),
+                                    LinearConstraint(np.hstack([share_rows, np.zeros_like(share_rows)]),
+                                                     -np.inf, share)],
+                       integrality=np.concatenate([np.zeros(t), np.ones(t)]),
+                       bounds=Bounds(np.zeros(2 * t), np.concatenate([np.full(t, rate), np.ones(t)])),
+                       options={"node_limit": MILP_NODE_LIMIT, "presolve": True})
+            if res.x is not None and np.count_nonzero(res.x[t:] > 0.5) < len(chosen):
+                chosen = np.flatnonzero(res.x[t:] > 0.5)
+    else:
+        nl = a.shape[0]
+        link = LinearConstraint(np.hstack([a, np.zeros((nl, t))]), -np.inf, cap)
+        tie = LinearConstraint(np.hstack([np.eye(t), -rate * np.eye(t)]), -np.inf, 0.0)
+        count = LinearConstraint(np.concatenate([np.zeros(t), np.ones(t)])[None, :], -np.inf, max_trees)
+        cons = [link, tie, count]
+        if eq is not None:
+            cons.append(LinearConstraint(np.hstack([eq, np.zeros_like(eq)]), 0.0, 0.0))
+        res = _quiet_milp(np.concatenate([-np.ones(t), np.zeros(t)]), constraints=cons,
+                   integrality=np.concatenate([np.zeros(t), np.ones(t)]),
+                   bounds=Bounds(np.zeros(2 * t), np.concatenate([np.full(t, rate), np.ones(t)])),
+                   options={"node_limit": MILP_NODE_LIMIT, "presolve": True})
+        if res.x is None:
+            return None
+        chosen = np.flatnonzero(res.x[t:] > 0.5)
+    if not len(chosen):
+        return None
+    if max_trees is None and np.array_equal(chosen, np.flatnonzero(lp_weights > 1e-9)):
+        return np.where(lp_weights > 1e-9, lp_weights, 0.0)  # no fewer trees: the LP's weights stand
+    x = _reoptimise(a, cap, chosen, groups)
+    if x is None:
+        return None
+    w = np.zeros(t)
+    w[chosen] = x
+    return w
+
+
+def drop_light_trees(cap: np.ndarray, cols, w, rate: float, tolerance: float, groups=None):
+    """Drop the lightest trees while the re-optimised rate of the rest stays >= (1 - tolerance) * rate.
+
+    Trees sorted by weight (ties by index); binary search on how many of the lightest to drop, each
+    probe an LP (HiGHS) re-optimising the weights of the kept trees (``groups``: equal per-root
+    totals, see :func:`_reoptimise`). Returns (weights [T], dropped)."""
+    order = sorted((i for i in range(len(w)) if w[i] > 1e-9), key=lambda i: (w[i], i))
+    a = np.stack([c.usage for c in cols], axis=1).astype(np.float64)
+
+    def solve(k):
+        keep = sorted(order[k:])
+        x = _reoptimise(a, cap, keep, groups)
+        if x is None or x.sum() < rate * (1 - tolerance) - 1e-9:
+            return None
+        out = np.zeros(len(w))
+        out[keep] = x
+        return out
+
+    lo, hi, best = 0, len(order) - 1, w  # invariant: dropping lo trees is fine
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        got = solve(mid)
+        if got is None:
+            hi = mid - 1
+        else:
+            lo, best = mid, got
+    return best, lo
