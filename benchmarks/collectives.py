@@ -25,13 +25,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import jax_blink  # noqa: E402
-from jax_blink import collectives, lowering  # noqa: E402
 import jax_blink.api  # noqa: E402,F401  (registers the lowerings, "ffi" included, before impls are listed)
+from jax_blink import collectives, lowering  # noqa: E402
 
 
 def _time(f, x, iters: int) -> float:

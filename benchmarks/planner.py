@@ -25,7 +25,6 @@ import statistics
 import time
 
 import networkx as nx
-
 from rich.console import Console
 from rich.table import Table
 

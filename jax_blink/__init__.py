@@ -5,9 +5,11 @@ Pipeline: topology -> planner (plan) -> schedule -> lowering -> API.
 
 from .errors import BlinkError, PlanError, ScheduleError, TopologyError
 from .topology import PRESETS, Topology, detect, load_topology, multi_node
+
 # jax_blink.probe(...) is the measuring function of the module jax_blink.topology.probe (import that
 # module for cached_probe, build_topology, ...); jax loads lazily, when a probe runs.
 from .topology.probe import probe
+
 
 def _installed_version() -> str:
     """The version in pyproject.toml, as installed (one source of truth); '0+unknown' for a source

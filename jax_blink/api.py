@@ -16,18 +16,24 @@ from __future__ import annotations
 import math
 import operator
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import collectives, lowering, mapping
-from ._jax_compat import abstract_mesh, check_vma, core, dtypes, lax_const, skip_one_sized_axes
-from ._jax_compat import validate_axis_index_groups
+from . import primitives as P  # registers the lowerings (ppermute, ffi where built)
+from ._jax_compat import (
+    abstract_mesh,
+    check_vma,
+    core,
+    dtypes,
+    lax_const,
+    skip_one_sized_axes,
+    validate_axis_index_groups,
+)
 from .errors import TopologyError
 from .topology import Topology
-from . import primitives as P  # registers the lowerings (ppermute, ffi where built)
 
 _SUPPORTED = {np.dtype(t) for t in (
     np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,

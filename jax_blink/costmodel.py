@@ -59,8 +59,8 @@ from .simulate import DEFAULT_LATENCY_US, simulate
 #: ``plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
 CANDIDATE_MAX_TREES = (None, 4, 2, 1)
 
-_CHOICES: "collections.OrderedDict" = collections.OrderedDict()
-_TIMES: "collections.OrderedDict" = collections.OrderedDict()
+_CHOICES: collections.OrderedDict = collections.OrderedDict()
+_TIMES: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 4096
 
 

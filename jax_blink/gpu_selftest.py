@@ -136,7 +136,8 @@ def check_jax(out=print) -> tuple[list[str], object]:
     """With >= 2 GPUs: jit(shard_map) psum/broadcast/reduce (impl='ffi') against lax.psum / NumPy."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from . import api
     gpus = jax.devices("gpu") if any(d.platform == "gpu" for d in jax.devices()) else []
@@ -201,7 +202,8 @@ def _jax_time(jax_ctx, impl, count):
         return ["-", "-", "-"]
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from . import api
     mesh, step = jax_ctx

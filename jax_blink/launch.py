@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from .errors import BlinkError
 
@@ -41,7 +41,7 @@ ENV_LOCAL_DEVICES = "JAX_BLINK_LOCAL_DEVICES"
 class LaunchError(BlinkError, RuntimeError):
     """A launched process failed, or the run timed out. ``result`` holds every process's output."""
 
-    def __init__(self, message: str, result: "LaunchResult"):
+    def __init__(self, message: str, result: LaunchResult):
         super().__init__(message)
         self.result = result
 

@@ -21,7 +21,8 @@ import dataclasses
 import functools
 import os
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

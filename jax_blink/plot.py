@@ -105,7 +105,8 @@ def plan_figure(topology, plan, *, link_util: dict | None = None, title: str | N
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib import cm, colors as mcolors
+    from matplotlib import cm
+    from matplotlib import colors as mcolors
 
     pos = layout(topology)
     # panels: (title, hops, GB/s, root or None); a ring plan is drawn ring by ring

@@ -36,9 +36,8 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
-
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import collectives, costmodel, mapping

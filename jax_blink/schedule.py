@@ -107,7 +107,7 @@ class Schedule:
         return np.concatenate([np.asarray(p, np.int64).reshape(-1) for p in parts])
 
     @classmethod
-    def from_array(cls, arr) -> "Schedule":
+    def from_array(cls, arr) -> Schedule:
         """Inverse of :meth:`to_array`; also reads version-1 arrays (no seg_phases: derived from the
         collective, wire ids 0-2). Validates. Raises ScheduleError on a malformed array."""
         a = np.asarray(arr, np.int64).reshape(-1)

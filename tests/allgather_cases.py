@@ -20,7 +20,8 @@ _spec.loader.exec_module(rc)  # sets XLA_FLAGS (8 CPU devices) before jax is imp
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import jax_blink  # noqa: E402
 from jax_blink import lowering  # noqa: E402

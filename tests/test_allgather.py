@@ -14,7 +14,6 @@ import pathlib
 
 import numpy as np
 import pytest
-
 from test_rendezvous import check_batch
 
 HERE = pathlib.Path(__file__).resolve().parent

@@ -3,11 +3,11 @@ environment preferences that do not apply fall back instead of failing."""
 
 import warnings
 
+import jax
 import numpy as np
 import pytest
-
-import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jax_blink
 from jax_blink import mapping

@@ -83,7 +83,8 @@ def test_psum_runs_the_baseline_auto_picks():
     import jax
     import jax.numpy as jnp
     from jax import lax
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     import jax_blink
     from jax_blink import mapping

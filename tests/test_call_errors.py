@@ -6,13 +6,13 @@ it is a trace-time error, not one wrapped in JAX's lowering traceback).
 
 import math
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jax_blink
 from jax_blink import TopologyError

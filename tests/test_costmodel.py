@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jax_blink
 import jax_blink.primitives  # noqa: F401  (registers the lowering records)

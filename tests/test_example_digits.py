@@ -4,11 +4,10 @@ Checked against the same run with jax.lax.psum (loss per step within 1e-5 relati
 accuracy target, and the broadcast of the initial parameters.
 """
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from jax_blink import Topology
 from jax_blink.cli.demo_cmd import load_example

@@ -4,11 +4,10 @@ step checked in lockstep against lax.all_gather / lax.psum_scatter from the same
 
 import re
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from jax_blink import Topology
 from jax_blink.cli.demo_cmd import load_example

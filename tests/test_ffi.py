@@ -13,13 +13,13 @@ import shutil
 import subprocess
 import time
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jax_blink
 import jax_blink.api  # noqa: F401  (registers the lowerings)

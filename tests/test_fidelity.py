@@ -107,8 +107,8 @@ def test_staged_route_without_a_cpu_is_an_error():
 
 # ----------------------------------------------------------------------------- achieved rates
 def _xml(speed: str, width: int) -> str:
-    gpu = ('<pci busid="0000:11:00.0" class="0x030200" link_speed="{s}" link_width="{w}">'
-           '<gpu dev="0" sm="80" rank="0" gdr="1"/></pci>').format(s=speed, w=width)
+    gpu = (f'<pci busid="0000:11:00.0" class="0x030200" link_speed="{speed}" link_width="{width}">'
+           '<gpu dev="0" sm="80" rank="0" gdr="1"/></pci>')
     return ('<system version="1"><cpu numaid="0"><pci busid="0000:10:00.0" class="0x060400" '
             f'link_speed="{speed}" link_width="{width}">' + gpu + '</pci></cpu></system>')
 

@@ -62,7 +62,6 @@ def test_dropping_any_wait_or_record_is_a_race(preset, collective, root, layout)
 def test_interior_node_reduces_while_it_receives():
     """A chain (every node interior): R and B streams per node let chunk c+1 reduce while chunk c
     broadcasts, so the critical path is chunks + depth - 1 exactly."""
-    from jax_blink.topology import Topology
     s = build_schedule(plan(PRESETS["dgx1v"]().subset([0, 1, 2, 3]), "allreduce", algorithm="ring"), 4000,
                        chunk_elems=100)
     r = g.check_schedule(s, "int32", layout="peer", seeds=3)

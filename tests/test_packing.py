@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_blink
-
 from jax_blink.errors import PlanError
 from jax_blink.planner import bounds, rings
 from jax_blink.planner.model import Plan

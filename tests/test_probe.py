@@ -11,14 +11,14 @@ import json
 import math
 import re
 
+import jax
+import jax.numpy as jnp
 import networkx as nx
 import numpy as np
 import pytest
-
-import jax
-import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jax_blink
 from jax_blink import mapping

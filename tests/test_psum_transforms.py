@@ -1,12 +1,12 @@
 """jax_blink collectives under grad (1st/2nd order), vmap, scan/fori_loop; topology choice; bad input."""
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jax_blink
 from jax_blink import lowering

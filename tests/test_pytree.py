@@ -7,13 +7,13 @@ bucket taking the leaves as operands (no concatenate / slice), results aliased t
 computed in the function. The native executor: tiles split at leaf boundaries, in == out.
 """
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jax_blink
 import jax_blink.api  # noqa: F401  (registers the lowerings, "ffi" included, before IMPLS is read)

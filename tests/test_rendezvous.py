@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from jax_blink import lowering
 import jax_blink.api  # noqa: F401  (registers the lowerings)
+from jax_blink import lowering
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "rendezvous_cases.py"

@@ -3,7 +3,8 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jax_blink import ScheduleError
 from jax_blink.planning import plan

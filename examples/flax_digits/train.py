@@ -32,7 +32,7 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -50,7 +50,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_blink
 
@@ -438,7 +439,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def accuracy_shortfall(res: "Result", min_accuracy: float) -> str | None:
+def accuracy_shortfall(res: Result, min_accuracy: float) -> str | None:
     """Why the run fails its accuracy target (a sentence for stderr), or None when it meets it."""
     if res.test_accuracy >= min_accuracy:
         return None

@@ -35,14 +35,14 @@ import math
 import pathlib
 import sys
 import time
-from typing import Callable, Sequence
-
-import numpy as np
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_blink
 
@@ -78,7 +78,7 @@ class Layout:
     n: int
 
     @classmethod
-    def of(cls, params, n: int) -> "Layout":
+    def of(cls, params, n: int) -> Layout:
         leaves, treedef = jax.tree.flatten(params)
         return cls(treedef, tuple(v.shape for v in leaves), tuple(-(-math.prod(v.shape) // n) for v in leaves), n)
 

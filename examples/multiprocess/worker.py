@@ -35,9 +35,9 @@ def main(argv=None) -> int:
 
     import jax
     import numpy as np
+    import train as digits  # examples/flax_digits/train.py
 
     import jax_blink
-    import train as digits  # examples/flax_digits/train.py
 
     digits.add_arguments(p)
     args = p.parse_args(argv)

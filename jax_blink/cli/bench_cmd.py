@@ -18,8 +18,17 @@ import re
 import sys
 
 from ..errors import BlinkError, PlanError
-from ._args import (HOST_FLAG, add_job_arguments, check_plan_fits_topology, check_root, force_host_devices,
-                    number_type, parse_devices, positive_int, read_text)
+from ._args import (
+    HOST_FLAG,
+    add_job_arguments,
+    check_plan_fits_topology,
+    check_root,
+    force_host_devices,
+    number_type,
+    parse_devices,
+    positive_int,
+    read_text,
+)
 
 __all__ = ["add_common", "human_bytes", "human_time", "load_inputs", "parse_devices", "parse_size",
            "parse_sizes", "run"]

@@ -10,7 +10,14 @@ import sys
 from ..errors import BlinkError
 from ..topology import Topology
 from ..topology.load import load_topology
-from ..topology.presets import NVLINK_EFFICIENCY, NVLINK_LINE_GBPS, PCIE_EFFICIENCY, is_preset, nvlink_gbps, pcie_gen_gbps
+from ..topology.presets import (
+    NVLINK_EFFICIENCY,
+    NVLINK_LINE_GBPS,
+    PCIE_EFFICIENCY,
+    is_preset,
+    nvlink_gbps,
+    pcie_gen_gbps,
+)
 from ._args import HOST_FLAG, PROBE_HOST_DEVICES, TOPOLOGY_HELP, force_host_devices, positive_gbps, positive_int
 
 

@@ -34,9 +34,8 @@ import math
 import os
 from collections import OrderedDict
 
-import numpy as np
-
 import jax
+import numpy as np
 
 from .. import _native, collectives
 from .._jax_compat import ir
@@ -53,7 +52,7 @@ UNAVAILABLE: dict[str, str] = {}
 # Per-module call counters (module -> next ordinal), so two call sites with identical operands get
 # different ids while re-lowering the same program gives the same ids. Holds the module so its id is
 # not reused while counted; only the most recent modules are kept.
-_ordinals: "OrderedDict[int, tuple[object, int]]" = OrderedDict()
+_ordinals: OrderedDict[int, tuple[object, int]] = OrderedDict()
 
 
 def _ordinal(ctx) -> int:

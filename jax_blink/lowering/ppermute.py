@@ -18,9 +18,8 @@ Works across processes wherever XLA's collective_permute does.
 
 from __future__ import annotations
 
-import numpy as np
-
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import collectives

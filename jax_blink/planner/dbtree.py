@@ -19,6 +19,7 @@ from .model import Plan, Tree, _hops, job_devices
 from .rings import _nccl_note, nccl_links
 from .routes import route
 
+
 def nccl_tree_plan(topology, *, devices=None) -> Plan:
     """NCCL's double binary tree all-reduce over the links NCCL's rings use (:func:`nccl_links`),
     except that at the "nvlink" level a pair of ranks without an NVLink route goes over PCIe (NCCL's

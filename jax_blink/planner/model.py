@@ -25,14 +25,14 @@ CACHE_SIZE = 1024  # plans kept per cache (least recently used dropped)
 _CACHES: list = []
 
 
-def plan_cache() -> "collections.OrderedDict":
+def plan_cache() -> collections.OrderedDict:
     """A new LRU plan cache (an OrderedDict), emptied by :func:`clear_caches` with every other."""
     cache = collections.OrderedDict()
     _CACHES.append(cache)
     return cache
 
 
-def cached(cache: "collections.OrderedDict", key, make, size: int = CACHE_SIZE):
+def cached(cache: collections.OrderedDict, key, make, size: int = CACHE_SIZE):
     """``cache[key]``, computed by ``make()`` on a miss; at most ``size`` entries (least recently
     used dropped)."""
     hit = cache.get(key)
@@ -238,7 +238,7 @@ class Plan:
         return json.dumps(self.to_dict(), **kw)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Plan":
+    def from_dict(cls, d: dict) -> Plan:
         """Inverse of :meth:`to_dict`. Raises PlanError on a malformed dict, naming the missing or bad
         field and what a plan holds (:data:`PLAN_FIELDS`)."""
         if not isinstance(d, dict):
@@ -266,7 +266,7 @@ class Plan:
             raise PlanError(f"malformed plan JSON: {err!r}; see Plan.to_dict for the format") from None
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         try:
             return cls.from_dict(json.loads(text))
         except json.JSONDecodeError as err:

@@ -52,7 +52,7 @@ class RouteTable:
     relays: tuple = ()
 
     @classmethod
-    def build(cls, topology: Topology, devices, relays=()) -> "RouteTable":
+    def build(cls, topology: Topology, devices, relays=()) -> RouteTable:
         """Enumerate routes for every ordered pair of ``devices`` (at most MAX_ROUTES_PER_PAIR each,
         ordered by hop count, then by bottleneck bandwidth descending, then by node ids).
         ``relays``: extra GPU ids that may forward inside routes (like a switch node)."""
@@ -151,7 +151,7 @@ class _Pricer:
     prices every route under link prices y. "spanning" rows are a route u->v plus its reverse
     v->u (u before v in ``table.devices``); "in-arborescence" rows are the route child -> parent."""
 
-    def __init__(self, table: "RouteTable", mode: str):
+    def __init__(self, table: RouteTable, mode: str):
         pos = {d: i for i, d in enumerate(table.devices)}
         n = len(pos)
         self.n, self.mode = n, mode
@@ -212,7 +212,7 @@ class _Pricer:
         return r, self.rows[k][i]
 
 
-def pricer(table: "RouteTable", mode: str) -> _Pricer:
+def pricer(table: RouteTable, mode: str) -> _Pricer:
     """The table's :class:`_Pricer` for ``mode`` (kept on the table: a replaced table gets its own)."""
     cache = table.__dict__.setdefault("_pricers", {})
     if mode not in cache:

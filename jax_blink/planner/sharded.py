@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import PlanError
 from .model import Plan, Tree, _round
 
+
 def rsag_plan(devices, rs: Plan, ag: Plan, max_trees) -> Plan:
     """All-reduce as reduce-scatter then all-gather on the optimal forests (ForestColl, Zhao et al.
     2024, section 3), as one executable all-reduce plan.

@@ -24,6 +24,7 @@ from .model import Plan, Tree, _hops, _orient, _round
 from .routes import Column, RouteTable, price_tree
 from .trees import _mode, _spread_roots
 
+
 def node_groups(topology: Topology, devices) -> list:
     """GPUs of ``devices`` grouped by node: components of the job graph without "network" nodes."""
     g = topology.subset(devices).graph

@@ -12,13 +12,13 @@ Importing this package imports every source module, which registers itself behin
 ``Topology.preset / from_nvidia_smi / detect / load`` classmethods (``model`` imports none of them).
 """
 
+from .load import load_topology
 from .model import LINK_KINDS, MAX_HOST_DEVICES, NODE_KINDS, Topology, parse_gpu_ids
-from .presets import PRESETS, is_preset, multi_node, preset
-from .nvsmi import parse_topo
 from .ncclxml import parse_nccl_xml
 from .nvml import detect
+from .nvsmi import parse_topo
+from .presets import PRESETS, is_preset, multi_node, preset
 from .probe import default_gpu_id
-from .load import load_topology
 
 __all__ = ["LINK_KINDS", "MAX_HOST_DEVICES", "NODE_KINDS", "PRESETS", "Topology", "default_gpu_id", "detect",
            "is_preset", "load_topology", "multi_node", "parse_gpu_ids", "parse_nccl_xml", "parse_topo", "preset"]

@@ -19,11 +19,11 @@ modules of this package through :data:`_SOURCES`, which each source module fills
 from __future__ import annotations
 
 import hashlib
-import math
 import json
+import math
 import numbers
 import re
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import networkx as nx
 
@@ -42,16 +42,16 @@ HOW_TO_PASS = ("pass a topology explicitly instead: " + ", ".join(SUPPORTED_FORM
                "`jax-blink topology topo.txt`")
 #: Topology sources by name ("preset", "nvidia_smi", "detect", "load") -> function; filled by the
 #: source modules of this package when they are imported.
-_SOURCES: dict[str, Callable[..., "Topology"]] = {}
+_SOURCES: dict[str, Callable[..., Topology]] = {}
 
 
-def register_source(name: str, fn: Callable[..., "Topology"]) -> None:
+def register_source(name: str, fn: Callable[..., Topology]) -> None:
     """Make ``fn`` the topology source ``name`` behind the Topology classmethods (called by each
     source module of :mod:`jax_blink.topology` when it is imported)."""
     _SOURCES[name] = fn
 
 
-def _source(name: str) -> Callable[..., "Topology"]:
+def _source(name: str) -> Callable[..., Topology]:
     """The registered source ``name``; TopologyError when its module was never imported (it always
     is once :mod:`jax_blink.topology` is)."""
     try:
@@ -203,7 +203,7 @@ class Topology:
             raise TopologyError(f"duplicate devices in {devices}")
         return devices
 
-    def subset(self, devices: Iterable[int]) -> "Topology":
+    def subset(self, devices: Iterable[int]) -> Topology:
         """The part of the machine a job got: the given GPUs, the links among them, and the shared
         nodes (switches, CPUs, NICs) that can carry traffic between them.
 
@@ -246,7 +246,7 @@ class Topology:
         return json.dumps(self.to_dict(), **kw)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Topology":
+    def from_dict(cls, data: dict) -> Topology:
         """Inverse of :meth:`to_dict`. Raises TopologyError naming the bad entry."""
         if not isinstance(data, dict) or "nodes" not in data or "links" not in data:
             raise TopologyError("topology JSON must be an object with 'nodes' and 'links'")
@@ -282,7 +282,7 @@ class Topology:
         return t
 
     @classmethod
-    def from_json(cls, text: str) -> "Topology":
+    def from_json(cls, text: str) -> Topology:
         """Parse :meth:`to_json` output. Raises TopologyError on malformed JSON."""
         try:
             data = json.loads(text)
@@ -309,7 +309,7 @@ class Topology:
 
     # ----------------------------------------------------------------- constructors
     @classmethod
-    def host(cls, n: int, gbps: float = 10.0) -> "Topology":
+    def host(cls, n: int, gbps: float = 10.0) -> Topology:
         """n CPU devices sharing host memory: each joined to one "host" node at ``gbps`` GB/s.
 
         The embedded default on machines without GPUs (``--xla_force_host_platform_device_count``).
@@ -328,25 +328,25 @@ class Topology:
 
 
     @classmethod
-    def preset(cls, name: str) -> "Topology":
+    def preset(cls, name: str) -> Topology:
         """A machine preset by name (see :data:`jax_blink.topology.presets.PRESETS`; ``host<N>`` too).
         Raises TopologyError for an unknown name, listing the known ones."""
         return _source("preset")(name)
 
     @classmethod
-    def from_nvidia_smi(cls, text: str, **kw) -> "Topology":
+    def from_nvidia_smi(cls, text: str, **kw) -> Topology:
         """Parse ``nvidia-smi topo -m`` output (optionally followed by ``topo -p2p``); see
         :func:`jax_blink.topology.nvsmi.parse_topo` for keywords (``nvlink_gbps``, ``pcie_gbps``, ...)."""
         return _source("nvidia_smi")(text, **kw)
 
     @classmethod
-    def detect(cls, **kw) -> "Topology":
+    def detect(cls, **kw) -> Topology:
         """This machine's topology: NVML, else ``nvidia-smi topo -m``; see
         :func:`jax_blink.topology.nvml.detect`. Raises TopologyError saying how to pass one instead."""
         return _source("detect")(**kw)
 
     @classmethod
-    def load(cls, source, **kw) -> "Topology":
+    def load(cls, source, **kw) -> Topology:
         """A Topology from a preset name, a ``topo -m`` text file, a JSON file, or a Topology;
         see :func:`jax_blink.topology.load.load_topology`."""
         return _source("load")(source, **kw)

@@ -58,9 +58,9 @@ import re
 import xml.etree.ElementTree as ET
 
 from ..errors import TopologyError
+from .model import Topology
 from .presets import INTER_SOCKET_GBPS, NET_EFFICIENCY, NVLINK_EFFICIENCY, PCIE_GEN3_GBPS, pcie_link_gbps
 from .presets import nvlink_gbps as _nvlink_rate
-from .model import Topology
 
 # ----------------------------------------------------------------------------- rates
 NVSWITCH_CLASS = "0x068000"   # NCCL kvDictPciClass: NVS
@@ -100,7 +100,7 @@ def nvlink_gbps_for_sm(sm: int) -> float | None:
 class _Dev:
     """One kept node of the PCI tree while parsing (a socket, a bridge, a GPU or a NIC)."""
 
-    def __init__(self, kind: str, busid: str | None, parent: "_Dev | None", up_gbps: float | None):
+    def __init__(self, kind: str, busid: str | None, parent: _Dev | None, up_gbps: float | None):
         self.kind, self.busid, self.parent, self.up_gbps = kind, busid, parent, up_gbps
         self.children: list[_Dev] = []
         self.node = None          # Topology node id, assigned once the tree is pruned

@@ -47,9 +47,10 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from ..errors import TopologyError
-from .presets import gpu_model, nvlink_gbps as _nvlink_rate, pcie_gen_gbps
 from . import model
 from .model import Topology
+from .presets import gpu_model, pcie_gen_gbps
+from .presets import nvlink_gbps as _nvlink_rate
 
 PCIE_LEVELS = ("PIX", "PXB", "PHB", "NODE", "SYS")
 _ALIASES = {"SOC": "SYS"}

@@ -35,7 +35,7 @@ Modelling choices (documented once here):
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import TopologyError
 from . import model
