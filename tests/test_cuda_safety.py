@@ -176,3 +176,38 @@ def test_selftest_flow_with_a_cpu_backed_fake_gpu(monkeypatch, tmp_path):
     fake.execute = lambda s, d, i, o, it, k: (1e-3, "")  # leaves outputs unwritten
     assert gpu_selftest.selftest(out=lambda *_: None) == 1
     assert not gpu_selftest.has_passed()
+
+
+def test_cuda_lowering_is_one_aliased_custom_call_per_bucket(monkeypatch):
+    """A pytree psum lowered for CUDA (cross-platform lowering, no GPU needed) is one jax_blink_cuda
+    custom call over every leaf, each result aliased to its operand when the operand is computed in
+    the function (as on CPU), not aliased when it is the function's argument."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_blink
+    usable = dataclasses.replace(_lowering.record("ffi", "cuda"), unavailable=None)
+    monkeypatch.setitem(_lowering.LOWERINGS["ffi"], "cuda", usable)
+    # CPU devices have no CUDA ordinal: the table stays keyed by device id here
+    monkeypatch.setattr(ffi_lowering, "cuda_device_table", lambda table, devices, p: np.asarray(table, np.int64).reshape(-1))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    topo = jax_blink.PRESETS["dgx1v"]().subset([0, 1, 2, 3])
+
+    def lowered(computed):
+        def step(t):
+            if computed:
+                t = jax.tree.map(lambda v: v * 2, t)
+            return jax_blink.psum(t, "d", topology=topo, impl="ffi")
+        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        x = {"a": jnp.ones((4 * 37,), jnp.float32), "b": jnp.ones((4 * 5, 3), jnp.float32)}
+        text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        return [line for line in text.splitlines() if "custom_call @jax_blink_cuda" in line]
+
+    for computed in (False, True):
+        calls = lowered(computed)
+        assert len(calls) == 1, calls
+        assert re.search(r"@jax_blink_cuda\(%[\w#]+, %[\w#]+\)", calls[0]), calls[0]
+        assert calls[0].count("#stablehlo.output_operand_alias<") == (2 if computed else 0), calls[0]

@@ -500,8 +500,13 @@ int64_t CheckRaces(const GpuProgram& p, std::string* first) {
     int64_t lo, hi;
     bool write;
   };
-  std::map<std::array<int32_t, 3>, std::vector<Access>> by_buf;  // (kind, owner, leaf)
-  auto buf_key = [](const BufRef& b) { return std::array<int32_t, 3>{static_cast<int32_t>(b.kind), b.owner, b.leaf}; };
+  // (kind, owner, leaf); an aliased leaf's input is its output buffer, whatever the builder wrote
+  std::map<std::array<int32_t, 3>, std::vector<Access>> by_buf;
+  auto buf_key = [&](const BufRef& b) {
+    const bool alias = b.kind == BufKind::kIn && b.leaf >= 0 && static_cast<size_t>(b.leaf) < p.leaf_aliased.size() &&
+                       p.leaf_aliased[b.leaf];
+    return std::array<int32_t, 3>{static_cast<int32_t>(alias ? BufKind::kOut : b.kind), b.owner, b.leaf};
+  };
   for (size_t i = 0; i < p.ops.size(); ++i) {
     const GpuOp& op = p.ops[i];
     if (!op.IsMemory()) continue;

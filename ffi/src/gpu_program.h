@@ -133,7 +133,8 @@ std::string BuildGpuProgram(const ExecPlan& plan, int64_t elem_size, int64_t lan
 // Happens-before race check over byte ranges, from the program alone (issue order + stream order +
 // record/wait pairs, CUDA semantics). Reports every pair of memory ops (pseudo ops included) on
 // different streams whose ranges overlap, at least one writing, with neither ordered before the
-// other. Returns the number of races; `first` (if not null) gets a description of the first few.
+// other (an aliased leaf's input and output are one buffer, p.leaf_aliased). Returns the number of
+// races; `first` (if not null) gets a description of the first few.
 int64_t CheckRaces(const GpuProgram& p, std::string* first);
 
 // Longest path in steps when every memory op costs one step (the pieces of an op whose chunk spans
