@@ -148,11 +148,16 @@ def test_selftest_flow_with_a_cpu_backed_fake_gpu(monkeypatch, tmp_path):
     impl='auto' choose the native executor."""
     calls = []
 
-    def execute(schedule, dtype, inputs, outputs, iters, cache_key):
+    def execute(schedule, dtype, inputs, outputs, iters, cache_key, leaf_sizes=(), in_place=False):
         n = len(inputs)
         table = np.asarray([(d, 0, r) for r, d in enumerate(range(n))], np.int64).reshape(-1)
-        err = cpu.simulate(schedule, table, list(range(n)), inputs, outputs, [dtype] * n, 5000, cache_key)
-        calls.append((dtype, iters))
+        if in_place:  # the executor's results are its operands: outputs start as copies of the inputs
+            for i, o in zip(inputs, outputs):
+                o[...] = i
+            inputs = outputs
+        err = cpu.simulate(schedule, table, list(range(n)), inputs, outputs, [dtype] * n, 5000, cache_key,
+                           leaf_sizes=list(leaf_sizes), in_place=in_place)
+        calls.append((dtype, iters, len(leaf_sizes), in_place))
         return 1e-3, err
 
     so = tmp_path / "_cuda_fake.so"
@@ -167,13 +172,15 @@ def test_selftest_flow_with_a_cpu_backed_fake_gpu(monkeypatch, tmp_path):
     assert gpu_selftest.selftest(out=lines.append) == 0, "\n".join(lines)
     text = "\n".join(lines)
     assert "PASSED" in text and "recorded in" in text
-    assert text.count(": ok") == 6                       # 3 collectives x (peer, forced staging)
-    assert len([c for c in calls if c[1] == 0]) == 6 * len(gpu_selftest.DTYPES)
+    assert text.count(": ok") == 8                       # (3 collectives + buckets) x (peer, forced staging)
+    assert len([c for c in calls if c[1] == 0 and not c[2]]) == 6 * len(gpu_selftest.DTYPES)
+    nb = len(gpu_selftest.BUCKET_LEAVES)                 # buckets: 3 collectives x dtypes x (separate, in place)
+    assert [c[2:] for c in calls if c[2]] == [(nb, False), (nb, True)] * (2 * 3 * len(gpu_selftest.BUCKET_DTYPES))
     assert "busbw" in text and "134217728" in text       # the nccl-tests-style table reached 128 MiB
     assert gpu_selftest.has_passed()
     # a wrong executor fails the self-test and records nothing
     (tmp_path / "selftest.json").unlink()
-    fake.execute = lambda s, d, i, o, it, k: (1e-3, "")  # leaves outputs unwritten
+    fake.execute = lambda s, d, i, o, it, k, **kw: (1e-3, "")  # leaves outputs unwritten
     assert gpu_selftest.selftest(out=lambda *_: None) == 1
     assert not gpu_selftest.has_passed()
 
