@@ -3,7 +3,8 @@
 // Every ordering decision is made by the plain C++ builder (gpu_program.cc: streams, ops, event
 // records and waits), which CI emulates and race-checks without a GPU. This file only:
 //  1. sets up everything that can fail before anything is enqueued (peer access per buffer, the
-//     program (cached per call site), streams, events, scratch, a kernel image for each device);
+//     program (cached per call site, a bounded LRU: program_cache.h), streams, events, scratch, a
+//     kernel image for each device);
 //  2. issues the program's ops in order (cudaMemcpy[Peer]Async, the fused reduce kernel,
 //     cudaMemsetAsync, cudaEventRecord, cudaStreamWaitEvent): either captured once into a CUDA graph
 //     per (program, buffer pointers) and launched each call (all ranks on one device), or op by op
@@ -860,8 +861,9 @@ ffi::ErrorCode CodeFor(const std::string& msg) {
 // XLA:GPU runs each device's program on its own host thread, so the host meeting may block (bounded by
 // the timeout, enforced by the shared watchdog). Identity: the device table of the CUDA lowering is
 // keyed by each device's local hardware id (its CUDA ordinal in this process, jax's
-// Device.local_hardware_id); the handler finds its own from the operand's pointer, falling back to the
-// FFI device ordinal only when the pointer query fails.
+// Device.local_hardware_id); the handler finds its own from its first non-empty operand's pointer,
+// falling back to the FFI device ordinal only when the pointer query fails. Operands: a bucket of
+// leaves, as the CPU handler takes (the schedule runs over their concatenation; gpu_program.h).
 ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, ffi::RemainingArgs args,
                          ffi::RemainingRets rets, ffi::Span<const int64_t> schedule,
                          ffi::Span<const int64_t> device_table, int64_t call_site, int64_t timeout_ms) {
