@@ -5,9 +5,12 @@ What it checks (exit status 0 pass, 1 failure, 2 no GPU):
 - the build runs here (``_cuda.check_compatibility()``: driver version, an architecture for every GPU);
 - the executor outside XLA (``_cuda.execute``; rank r on GPU r % ndev, so one GPU hosts several ranks):
   all-reduce, broadcast and reduce, every dtype, an odd size, with peer access and with forced
-  copy-engine staging (``JAX_BLINK_CUDA_FORCE_STAGING``), bitwise against ``schedule.execute``;
+  copy-engine staging (``JAX_BLINK_CUDA_FORCE_STAGING``), bitwise against ``schedule.execute``; then
+  each as a bucket (``BUCKET_LEAVES``: odd leaf sizes, every leaf its own allocation, results
+  separate and in place), as one custom call of a pytree gets it;
 - with two or more GPUs, a jit-compiled ``shard_map`` step (``jax_blink.psum(impl="ffi")`` against
-  ``lax.psum``, broadcast and reduce against NumPy), one rank per GPU;
+  ``lax.psum``, of one array and of a two-leaf pytree; broadcast and reduce against NumPy), one rank
+  per GPU;
 - an nccl-tests-style table: size, time, algbw, busbw (all-reduce: busbw = algbw * 2(n-1)/n) for the
   native executor, and with two or more GPUs for the ppermute lowering and ``lax.psum``.
 
@@ -90,14 +93,21 @@ def _schedule(collective: str, n: int, nelems: int, chunk_elems: int | None = No
 
 _key_counter = [1 << 40]
 
+#: Leaf sizes (elements) of the self-test's buckets: odd, the 613-element chunks span leaves.
+BUCKET_LEAVES = (1, 700, 3, 2048, 5, 7250)
+BUCKET_DTYPES = ("float32", "bfloat16", "int32", "complex64")
 
-def run_executor(schedule, xs, iters: int = 0) -> tuple[np.ndarray, float, str]:
-    """Runs ``schedule`` on the GPUs through ``_cuda.execute``; (outputs [n, nelems], s per call, error)."""
+
+def run_executor(schedule, xs, iters: int = 0, leaf_sizes=(), in_place: bool = False) -> tuple[np.ndarray, float, str]:
+    """Runs ``schedule`` on the GPUs through ``_cuda.execute``; (outputs [n, nelems], s per call, error).
+    ``leaf_sizes``: each rank's array as a bucket of leaves of these sizes (separate allocations);
+    ``in_place``: results alias the operands."""
     outs = [np.empty_like(x) for x in xs]
     _key_counter[0] += 1
+    kw = dict(leaf_sizes=list(leaf_sizes), in_place=in_place) if len(leaf_sizes) or in_place else {}
     t, err = _native.cuda.execute(np.asarray(schedule.to_array(), np.int64), xs[0].dtype.name,
                                   [raw_bits(np.ascontiguousarray(x)) for x in xs], [raw_bits(o) for o in outs], iters,
-                                  _key_counter[0])
+                                  _key_counter[0], **kw)
     return np.stack(outs), t, err
 
 
@@ -124,6 +134,24 @@ def check_executor(nranks: int, out=print) -> list[str]:
                 label = f"executor {coll:9s} {nranks} ranks, {len(DTYPES)} dtypes, staging {'forced' if staging == '1' else 'auto  '}"
                 out(f"  {label}: {'ok' if not bad else 'FAIL ' + '; '.join(bad[:3])}")
                 failures += [f"{label}: {b}" for b in bad]
+            bad = []
+            for coll in ("allreduce", "broadcast", "reduce"):
+                s = _schedule(coll, nranks, sum(BUCKET_LEAVES), chunk_elems=613)
+                for i, dt in enumerate(BUCKET_DTYPES):
+                    xs = [random_operand(np.random.default_rng(7 * i + r), s.nelems, dt) for r in range(nranks)]
+                    want = execute(s, np.stack(xs))
+                    for in_place in (False, True):
+                        got, _, err = run_executor(s, xs, leaf_sizes=BUCKET_LEAVES, in_place=in_place)
+                        how = f"{coll} {dt} {'in place' if in_place else 'separate'}"
+                        if err:
+                            bad.append(f"{how}: {err}")
+                        elif got.tobytes() != want.tobytes():
+                            bad.append(f"{how}: ranks {[r for r in range(nranks) if got[r].tobytes() != want[r].tobytes()]} "
+                                       "differ from schedule.execute")
+            label = (f"executor buckets   {nranks} ranks, {len(BUCKET_LEAVES)} leaves, 3 collectives, "
+                     f"{len(BUCKET_DTYPES)} dtypes, in place and not, staging {'forced' if staging == '1' else 'auto'}")
+            out(f"  {label}: {'ok' if not bad else 'FAIL ' + '; '.join(bad[:3])}")
+            failures += [f"{label}: {b}" for b in bad]
     finally:
         if saved is None:
             os.environ.pop("JAX_BLINK_CUDA_FORCE_STAGING", None)
@@ -159,6 +187,16 @@ def check_jax(out=print) -> tuple[list[str], object]:
     out(f"  jax shard_map psum (impl='ffi') vs lax.psum, {n} GPUs: {'ok' if ok else 'FAIL'}")
     if not ok:
         failures.append("shard_map psum differs from lax.psum")
+
+    def pytree(v):  # two leaves, one custom call; "b" is computed here, so its result is aliased
+        return {"a": v, "b": v[:, :1031] * 2.0}
+
+    ours = step(lambda v: api.psum(pytree(v), "i", impl="ffi"))(x)
+    ref = step(lambda v: jax.lax.psum(pytree(v), "i"))(x)
+    ok = all(np.allclose(np.asarray(ours[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-4) for k in ref)
+    out(f"  jax shard_map psum of a 2-leaf pytree (impl='ffi') vs lax.psum, {n} GPUs: {'ok' if ok else 'FAIL'}")
+    if not ok:
+        failures.append("shard_map pytree psum differs from lax.psum")
     for name, fn in (("broadcast", lambda v: api.broadcast(v, "i", root=0, impl="ffi")),
                      ("reduce", lambda v: api.reduce(v, "i", root=0, impl="ffi"))):
         try:

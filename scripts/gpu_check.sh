@@ -9,7 +9,7 @@
 #              hosts several ranks), bitwise against the host, then timed; int32 too; each on both issue
 #              paths (path=op: op by op; path=graph: one CUDA graph per call site) plus a pointer change
 #   staging    the same with JAX_BLINK_CUDA_FORCE_STAGING=1 (no peer loads: copy-engine staging)
-#   selftest   jax-blink selftest (executor for every dtype, shard_map step with >= 2 GPUs, table)
+#   selftest   jax-blink selftest (executor for every dtype, buckets of odd leaves in place and not, shard_map step and a 2-leaf pytree psum with >= 2 GPUs, table)
 #   sanitizer  compute-sanitizer memcheck, racecheck, synccheck on a small harness run (if installed)
 #   emulator   the GPU programs of every preset / topology file: race checker + stream emulator (CPU)
 # The whole run is bounded by GPU_CHECK_BUDGET_S (default 420 s): each stage's timeout is cut to what

@@ -148,11 +148,16 @@ def test_selftest_flow_with_a_cpu_backed_fake_gpu(monkeypatch, tmp_path):
     impl='auto' choose the native executor."""
     calls = []
 
-    def execute(schedule, dtype, inputs, outputs, iters, cache_key):
+    def execute(schedule, dtype, inputs, outputs, iters, cache_key, leaf_sizes=(), in_place=False):
         n = len(inputs)
         table = np.asarray([(d, 0, r) for r, d in enumerate(range(n))], np.int64).reshape(-1)
-        err = cpu.simulate(schedule, table, list(range(n)), inputs, outputs, [dtype] * n, 5000, cache_key)
-        calls.append((dtype, iters))
+        if in_place:  # the executor's results are its operands: outputs start as copies of the inputs
+            for i, o in zip(inputs, outputs):
+                o[...] = i
+            inputs = outputs
+        err = cpu.simulate(schedule, table, list(range(n)), inputs, outputs, [dtype] * n, 5000, cache_key,
+                           leaf_sizes=list(leaf_sizes), in_place=in_place)
+        calls.append((dtype, iters, len(leaf_sizes), in_place))
         return 1e-3, err
 
     so = tmp_path / "_cuda_fake.so"
@@ -167,12 +172,49 @@ def test_selftest_flow_with_a_cpu_backed_fake_gpu(monkeypatch, tmp_path):
     assert gpu_selftest.selftest(out=lines.append) == 0, "\n".join(lines)
     text = "\n".join(lines)
     assert "PASSED" in text and "recorded in" in text
-    assert text.count(": ok") == 6                       # 3 collectives x (peer, forced staging)
-    assert len([c for c in calls if c[1] == 0]) == 6 * len(gpu_selftest.DTYPES)
+    assert text.count(": ok") == 8                       # (3 collectives + buckets) x (peer, forced staging)
+    assert len([c for c in calls if c[1] == 0 and not c[2]]) == 6 * len(gpu_selftest.DTYPES)
+    nb = len(gpu_selftest.BUCKET_LEAVES)                 # buckets: 3 collectives x dtypes x (separate, in place)
+    assert [c[2:] for c in calls if c[2]] == [(nb, False), (nb, True)] * (2 * 3 * len(gpu_selftest.BUCKET_DTYPES))
     assert "busbw" in text and "134217728" in text       # the nccl-tests-style table reached 128 MiB
     assert gpu_selftest.has_passed()
     # a wrong executor fails the self-test and records nothing
     (tmp_path / "selftest.json").unlink()
-    fake.execute = lambda s, d, i, o, it, k: (1e-3, "")  # leaves outputs unwritten
+    fake.execute = lambda s, d, i, o, it, k, **kw: (1e-3, "")  # leaves outputs unwritten
     assert gpu_selftest.selftest(out=lambda *_: None) == 1
     assert not gpu_selftest.has_passed()
+
+
+def test_cuda_lowering_is_one_aliased_custom_call_per_bucket(monkeypatch):
+    """A pytree psum lowered for CUDA (cross-platform lowering, no GPU needed) is one jax_blink_cuda
+    custom call over every leaf, each result aliased to its operand when the operand is computed in
+    the function (as on CPU), not aliased when it is the function's argument."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import jax_blink
+    usable = dataclasses.replace(_lowering.record("ffi", "cuda"), unavailable=None)
+    monkeypatch.setitem(_lowering.LOWERINGS["ffi"], "cuda", usable)
+    # CPU devices have no CUDA ordinal: the table stays keyed by device id here
+    monkeypatch.setattr(ffi_lowering, "cuda_device_table", lambda table, devices, p: np.asarray(table, np.int64).reshape(-1))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    topo = jax_blink.PRESETS["dgx1v"]().subset([0, 1, 2, 3])
+
+    def lowered(computed):
+        def step(t):
+            if computed:
+                t = jax.tree.map(lambda v: v * 2, t)
+            return jax_blink.psum(t, "d", topology=topo, impl="ffi")
+        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        x = {"a": jnp.ones((4 * 37,), jnp.float32), "b": jnp.ones((4 * 5, 3), jnp.float32)}
+        text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        return [line for line in text.splitlines() if "custom_call @jax_blink_cuda" in line]
+
+    for computed in (False, True):
+        calls = lowered(computed)
+        assert len(calls) == 1, calls
+        assert re.search(r"@jax_blink_cuda\(%[\w#]+, %[\w#]+\)", calls[0]), calls[0]
+        assert calls[0].count("#stablehlo.output_operand_alias<") == (2 if computed else 0), calls[0]

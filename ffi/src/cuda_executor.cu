@@ -3,7 +3,8 @@
 // Every ordering decision is made by the plain C++ builder (gpu_program.cc: streams, ops, event
 // records and waits), which CI emulates and race-checks without a GPU. This file only:
 //  1. sets up everything that can fail before anything is enqueued (peer access per buffer, the
-//     program (cached per call site), streams, events, scratch, a kernel image for each device);
+//     program (cached per call site, a bounded LRU: program_cache.h), streams, events, scratch, a
+//     kernel image for each device);
 //  2. issues the program's ops in order (cudaMemcpy[Peer]Async, the fused reduce kernel,
 //     cudaMemsetAsync, cudaEventRecord, cudaStreamWaitEvent): either captured once into a CUDA graph
 //     per (program, buffer pointers) and launched each call (all ranks on one device), or op by op
@@ -26,10 +27,12 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 
 #include "cuda_compat.h"
 #include "cuda_executor.h"
+#include "program_cache.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_dtype.h"
 
@@ -212,20 +215,84 @@ std::set<std::pair<int, Dtype>> g_kernel_ok;             // (device, dtype) with
 
 // One instantiated CUDA graph of a cached program, for one set of buffer pointers.
 struct GraphEntry {
-  std::vector<const void*> ptrs;  // in[0], out[0], in[1], out[1], ...
+  std::vector<const void*> ptrs;  // rank 0's leaves (in, out), then rank 1's, ...
   cudaGraphExec_t exec = nullptr;
 };
 
 struct CachedProgram {
   GpuProgram prog;
   std::vector<void*> scratch;  // device pointers, one per prog.scratch
+  std::vector<int> scratch_device;
   // CUDA graphs (single-device programs only): most recently used first, at most GraphCacheSize().
   std::list<GraphEntry> graphs;
   int64_t graph_calls = 0, graph_misses = 0;
   bool graphs_off = false;     // a capture failed, or pointers change on most calls: op by op from now on
   std::string graphs_off_why;
+  // Completion of the latest call: an event recorded on each of its XLA streams after the call's work
+  // (every op of a call precedes an XLA stream's final wait). fence_failed: a record failed, so
+  // completion is unknown and the program is never freed (leaked rather than freed in flight).
+  std::vector<std::pair<int, cudaEvent_t>> fences;  // (device, event)
+  bool fence_failed = false;
 };
-std::map<std::string, std::shared_ptr<CachedProgram>> g_programs;
+
+// Programs by call site, at most JAX_BLINK_CUDA_CACHE_PROGRAMS sites (read once).
+ProgramCache<CachedProgram>& Programs() {
+  static ProgramCache<CachedProgram> cache(ProgramCacheCapacity(std::getenv("JAX_BLINK_CUDA_CACHE_PROGRAMS")));
+  return cache;
+}
+
+// Has the latest call of an evicted program completed? (cudaErrorNotReady or any other answer: no.)
+bool ProgramIdle(const CachedProgram& cp) {
+  if (cp.fence_failed) return false;
+  for (auto& [dev, ev] : cp.fences) {
+    cudaError_t e = cudaEventQuery(ev);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+  }
+  return true;
+}
+
+// Frees an evicted program whose work completed: scratch, executable graphs, fence events.
+void ReleaseProgram(CachedProgram& cp) {
+  for (size_t i = 0; i < cp.scratch.size(); ++i) {
+    cudaSetDevice(cp.scratch_device[i]);
+    cudaFree(cp.scratch[i]);
+  }
+  for (auto& g : cp.graphs) cudaGraphExecDestroy(g.exec);
+  for (auto& [dev, ev] : cp.fences) {
+    cudaSetDevice(dev);
+    cudaEventDestroy(ev);
+  }
+  cudaGetLastError();
+  cp.scratch.clear();
+  cp.graphs.clear();
+  cp.fences.clear();
+}
+
+// Records the fences of `cp` after a call: on `xla` (device, stream) pairs after whose current work the
+// call's work is complete (the graph path: its launch stream; op by op: every rank's XLA stream).
+// Best effort: a failure marks the program fence_failed.
+void RecordFences(CachedProgram& cp, const std::vector<std::pair<int, cudaStream_t>>& xla) {
+  for (size_t i = 0; i < xla.size(); ++i) {
+    const int dev = xla[i].first;
+    cudaError_t e = cudaSetDevice(dev);
+    if (e == cudaSuccess && (i >= cp.fences.size() || cp.fences[i].first != dev)) {
+      cudaEvent_t ev = nullptr;
+      e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+      if (e == cudaSuccess) {
+        if (i < cp.fences.size()) cp.fences[i] = {dev, ev};  // the old one stays unfreed: it may be pending
+        else cp.fences.push_back({dev, ev});
+      }
+    }
+    if (e == cudaSuccess) e = cudaEventRecord(cp.fences[i].second, xla[i].second);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      cp.fence_failed = true;
+    }
+  }
+}
 
 bool EnvFlag(const char* name) {
   const char* v = std::getenv(name);
@@ -319,10 +386,11 @@ std::string TakeEvent(int device, std::map<int, size_t>* next, cudaEvent_t* ev, 
   return "";
 }
 
-std::string ProgramKey(int64_t cache_key, int64_t plan_id, Dtype dt, const std::vector<CudaRank>& ranks,
-                       const std::vector<uint8_t>& peer, int cap) {
-  std::string k = std::to_string(cache_key) + "/" + std::to_string(plan_id) + "/" +
-                  std::to_string(static_cast<int>(dt)) + "/" + std::to_string(cap) + "/";
+std::string ProgramKey(int64_t plan_id, Dtype dt, const std::vector<CudaRank>& ranks, const std::vector<int64_t>& leaves,
+                       const std::vector<uint8_t>& aliased, const std::vector<uint8_t>& peer, int cap) {
+  std::string k = std::to_string(plan_id) + "/" + std::to_string(static_cast<int>(dt)) + "/" + std::to_string(cap) + "/";
+  for (size_t l = 0; l < leaves.size(); ++l) k += std::to_string(leaves[l]) + (aliased[l] ? "a," : ",");
+  k += "/";
   for (auto& r : ranks) k += std::to_string(r.device) + ",";
   k += "/";
   for (uint8_t p : peer) k += static_cast<char>('0' + p);
@@ -352,8 +420,8 @@ std::string IssueOps(const GpuProgram& prog, const CachedProgram& cp, Dtype dt, 
                      const std::vector<cudaStream_t>& streams, const std::vector<cudaEvent_t>& events,
                      std::vector<uint8_t>* used, int current) {
   auto ptr = [&](const ByteRange& b) -> char* {
-    char* base = b.buf.kind == BufKind::kIn ? static_cast<char*>(const_cast<void*>(ranks[b.buf.owner].in))
-                 : b.buf.kind == BufKind::kOut ? static_cast<char*>(ranks[b.buf.owner].out)
+    char* base = b.buf.kind == BufKind::kIn ? static_cast<char*>(const_cast<void*>(ranks[b.buf.owner].in[b.buf.leaf]))
+                 : b.buf.kind == BufKind::kOut ? static_cast<char*>(ranks[b.buf.owner].out[b.buf.leaf])
                                                : static_cast<char*>(cp.scratch[b.buf.owner]);
     return base + b.offset;
   };
@@ -540,10 +608,11 @@ std::string CaptureProgram(const CachedProgram& cp, Dtype dt, const std::vector<
 bool IssueGraph(CachedProgram& cp, Dtype dt, const std::vector<CudaRank>& ranks, CudaStatus* st, std::string* why) {
   const int dev = ranks[0].device;
   std::vector<const void*> ptrs;
-  for (auto& r : ranks) {
-    ptrs.push_back(r.in);
-    ptrs.push_back(r.out);
-  }
+  for (auto& r : ranks)
+    for (size_t l = 0; l < r.in.size(); ++l) {
+      ptrs.push_back(r.in[l]);
+      ptrs.push_back(r.out[l]);
+    }
   ++cp.graph_calls;
   auto it = std::find_if(cp.graphs.begin(), cp.graphs.end(), [&](const GraphEntry& g) { return g.ptrs == ptrs; });
   if (it != cp.graphs.end()) {
@@ -648,9 +717,24 @@ bool IssueGraph(CachedProgram& cp, Dtype dt, const std::vector<CudaRank>& ranks,
 }
 
 CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaRank>& ranks, int64_t cache_key,
-                         int64_t group) {
+                         int64_t group, std::vector<int64_t> leaves) {
   const int32_t n = static_cast<int32_t>(ranks.size());
   if (n != plan.schedule.nranks) return Fail(1, "jax_blink: rank count differs from the schedule's");
+  if (leaves.empty()) leaves = {plan.schedule.nelems};
+  std::vector<uint8_t> aliased(leaves.size(), 0);
+  for (int32_t r = 0; r < n; ++r) {
+    if (ranks[r].in.size() != leaves.size() || ranks[r].out.size() != leaves.size())
+      return Fail(1, "jax_blink: rank " + std::to_string(r) + " brings " + std::to_string(ranks[r].in.size()) +
+                         " operands for " + std::to_string(leaves.size()) + " leaves");
+    for (size_t l = 0; l < leaves.size(); ++l) {
+      const uint8_t a = ranks[r].in[l] == ranks[r].out[l];
+      if (r == 0) aliased[l] = a;
+      else if (a != aliased[l])
+        return Fail(1, "jax_blink: leaf " + std::to_string(l) + " is aliased (result = operand) on some ranks only");
+    }
+  }
+  // Evicted programs whose last call completed are freed first.
+  g_graph_stats.released_programs += static_cast<int64_t>(Programs().Collect(ProgramIdle, ReleaseProgram));
   // ---- 1. set-up: nothing is enqueued until all of it succeeded
   const bool force_staging = EnvFlag("JAX_BLINK_CUDA_FORCE_STAGING");
   std::vector<uint8_t> peer(static_cast<size_t>(n) * n, 1);
@@ -664,22 +748,23 @@ CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
         bool dev_ok = false;
         std::string e = DevicePeer(ranks[r].device, ranks[o].device, &dev_ok);
         if (!e.empty()) return Fail(2, e);
-        ok = dev_ok && PointerReadable(ranks[r].device, ranks[o].in) && PointerReadable(ranks[r].device, ranks[o].out);
+        ok = dev_ok;
+        for (size_t l = 0; l < leaves.size() && ok; ++l)
+          ok = PointerReadable(ranks[r].device, ranks[o].in[l]) && PointerReadable(ranks[r].device, ranks[o].out[l]);
       }
       peer[static_cast<size_t>(r) * n + o] = ok;
     }
   const int cap = MaxConnections();
-  const std::string key = ProgramKey(cache_key, group, dt, ranks, peer, cap);
-  std::shared_ptr<CachedProgram> cp;
-  auto it = g_programs.find(key);
-  if (it != g_programs.end()) {
-    cp = it->second;
-  } else {
+  const std::string key = ProgramKey(group, dt, ranks, leaves, aliased, peer, cap);
+  std::shared_ptr<CachedProgram> cp = Programs().Find(cache_key, key);
+  if (!cp) {
     cp = std::make_shared<CachedProgram>();
     GpuProgramOptions opt;
     for (auto& r : ranks) opt.rank_device.push_back(r.device);
     opt.peer_ok = peer;
     opt.max_streams_per_device = cap;
+    opt.leaf_elems = leaves;
+    opt.leaf_aliased = aliased;
     const bool cplx = dt == Dtype::kC64 || dt == Dtype::kC128;
     std::string e = BuildGpuProgram(plan, static_cast<int64_t>(DtypeSize(dt)), cplx ? 2 : 1, opt, &cp->prog);
     if (!e.empty()) return Fail(1, e);
@@ -696,8 +781,11 @@ CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
         return Fail(2, CudaErr("cudaMalloc (staging scratch)", ce));
       }
       cp->scratch.push_back(p);
+      cp->scratch_device.push_back(ranks[sb.rank].device);
     }
-    g_programs[key] = cp;
+    const int64_t evicted = Programs().evicted_sites();
+    Programs().Insert(cache_key, key, cp);
+    g_graph_stats.evicted_sites += Programs().evicted_sites() - evicted;
   }
   for (auto& r : ranks) {
     if (g_kernel_ok.count({r.device, dt})) continue;
@@ -721,11 +809,21 @@ CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
   } else {
     CudaStatus st;
     std::string why;
-    if (IssueGraph(*cp, dt, ranks, &st, &why)) return st;
+    if (IssueGraph(*cp, dt, ranks, &st, &why)) {
+      RecordFences(*cp, {{ranks[0].device, g_graph_streams[{ranks[0].device, -1}]}});
+      return st;
+    }
     g_graph_stats.last_fallback = why;
     if (cp->graphs_off) cp->graphs_off_why = why;
   }
-  return IssueOpByOp(*cp, dt, ranks);
+  CudaStatus st = IssueOpByOp(*cp, dt, ranks);
+  std::vector<std::pair<int, cudaStream_t>> xla;  // distinct XLA streams
+  for (auto& r : ranks) {
+    const std::pair<int, cudaStream_t> x{r.device, static_cast<cudaStream_t>(r.stream)};
+    if (std::find(xla.begin(), xla.end(), x) == xla.end()) xla.push_back(x);
+  }
+  RecordFences(*cp, xla);
+  return st;
 }
 
 }  // namespace
@@ -736,11 +834,11 @@ CudaGraphStats GetCudaGraphStats() {
 }
 
 CudaStatus EnqueueOnCuda(const ExecPlan& plan, Dtype dt, const std::vector<CudaRank>& ranks, int64_t cache_key,
-                         int64_t group) {
+                         int64_t group, const std::vector<int64_t>& leaf_elems) {
   std::lock_guard<std::mutex> lock(g_mu);
   int saved = 0;
   if (cudaGetDevice(&saved) != cudaSuccess) { cudaGetLastError(); saved = -1; }
-  CudaStatus st = EnqueueLocked(plan, dt, ranks, cache_key, group);
+  CudaStatus st = EnqueueLocked(plan, dt, ranks, cache_key, group, leaf_elems);
   if (saved >= 0) cudaSetDevice(saved);
   return st;
 }
@@ -763,15 +861,54 @@ ffi::ErrorCode CodeFor(const std::string& msg) {
 // XLA:GPU runs each device's program on its own host thread, so the host meeting may block (bounded by
 // the timeout, enforced by the shared watchdog). Identity: the device table of the CUDA lowering is
 // keyed by each device's local hardware id (its CUDA ordinal in this process, jax's
-// Device.local_hardware_id); the handler finds its own from the operand's pointer, falling back to the
-// FFI device ordinal only when the pointer query fails.
-ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> schedule,
+// Device.local_hardware_id); the handler finds its own from its first non-empty operand's pointer,
+// falling back to the FFI device ordinal only when the pointer query fails. Operands: a bucket of
+// leaves, as the CPU handler takes (the schedule runs over their concatenation; gpu_program.h).
+ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets, ffi::Span<const int64_t> schedule,
                          ffi::Span<const int64_t> device_table, int64_t call_site, int64_t timeout_ms) {
-  const int64_t nelems = static_cast<int64_t>(x.element_count());
-  if (nelems == 0) return ffi::Error::Success();
-  int hw = DeviceOfPointer(x.untyped_data());
+  // The bucket: operand i -> result i, one dtype, equal element counts (XLA may alias result i to
+  // operand i); zero-size leaves take no part (the same shapes on every device).
+  CudaRank me{-1, stream, {}, {}};
+  std::vector<Leaf> leaves;
+  std::optional<Dtype> dt;
+  std::string bad;  // a malformed call: reported to the peers below, once the generation is known
+  if (args.size() != rets.size() || args.size() == 0)
+    bad = "the custom call has " + std::to_string(args.size()) + " operands and " + std::to_string(rets.size()) +
+          " results (expected as many of each, at least one)";
+  int64_t nelems = 0;
+  const void* any_ptr = nullptr;  // identifies the device
+  for (size_t i = 0; bad.empty() && i < args.size(); ++i) {
+    auto x = args.get<ffi::AnyBuffer>(i);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (!x.has_value() || !y.has_value()) {
+      bad = "operand/result " + std::to_string(i) + " is not a buffer";
+      break;
+    }
+    auto t = DtypeFromXla(x->element_type());
+    if (!t || (dt && *t != *dt) || (*y)->element_type() != x->element_type()) {
+      bad = "operand " + std::to_string(i) + " has an unsupported dtype, another dtype than operand 0, or a "
+            "result of another type";
+      break;
+    }
+    dt = t;
+    const int64_t n = static_cast<int64_t>(x->element_count());
+    if (static_cast<int64_t>((*y)->element_count()) != n) {
+      bad = "operand " + std::to_string(i) + " has " + std::to_string(n) + " elements and its result " +
+            std::to_string((*y)->element_count()) + " (the CUDA target takes full buffers, not shards)";
+      break;
+    }
+    if (n == 0) continue;
+    if (!any_ptr) any_ptr = x->untyped_data();
+    leaves.push_back(Leaf{x->untyped_data(), (*y)->untyped_data(), n});
+    me.in.push_back(x->untyped_data());
+    me.out.push_back((*y)->untyped_data());
+    nelems += n;
+  }
+  if (bad.empty() && nelems == 0) return ffi::Error::Success();
+  int hw = any_ptr ? DeviceOfPointer(any_ptr) : -1;
   if (hw < 0) hw = ordinal;
+  me.device = hw;
   if (IsTestAbsentDevice(hw)) return ffi::Error::Success();
   const int64_t generation = NextGeneration(run.run_id, call_site, hw);
   auto cannot_join = [&](ffi::ErrorCode code, const std::string& why) {
@@ -779,8 +916,7 @@ ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, f
     FailCall(run.run_id, call_site, generation, msg);
     return ffi::Error(code, msg);
   };
-  auto dt = DtypeFromXla(x.element_type());
-  if (!dt) return cannot_join(ffi::ErrorCode::kInvalidArgument, "unsupported dtype for the ffi collective");
+  if (!bad.empty()) return cannot_join(ffi::ErrorCode::kInvalidArgument, bad);
   std::shared_ptr<const CallSiteInfo> info;
   std::string err = GetCallSiteInfo(call_site, schedule.begin(), schedule.size(), device_table.begin(),
                                     device_table.size(), &info);
@@ -789,7 +925,6 @@ ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, f
   if (!e)
     return cannot_join(ffi::ErrorCode::kInvalidArgument,
                        "CUDA device " + std::to_string(hw) + " is not in the device table (keyed by local hardware id)");
-  CudaRank me{hw, stream, x.untyped_data(), y->untyped_data()};
   auto result = std::make_shared<std::promise<std::string>>();
   std::future<std::string> fut = result->get_future();
   Arrival a;
@@ -797,7 +932,7 @@ ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, f
   a.rank = e->rank;
   a.dtype = *dt;
   a.nelems = nelems;
-  a.leaves = {Leaf{me.in, me.out, nelems}};
+  a.leaves = std::move(leaves);
   a.backend = &me;  // valid: this thread waits below until the meeting finished
   a.done = [result](const std::string& msg) { result->set_value(msg); };
   MeetingKey key{run.run_id, call_site, e->group, generation};
@@ -805,7 +940,9 @@ ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, f
   if (meeting) {
     std::vector<CudaRank> ranks;
     for (auto& arr : meeting->arrivals) ranks.push_back(*static_cast<CudaRank*>(arr.backend));
-    CudaStatus st = EnqueueOnCuda(*meeting->plan, *dt, ranks, call_site, e->group);
+    std::vector<int64_t> leaf_elems;  // Arrive checked that every participant brings these sizes
+    for (auto& l : meeting->arrivals[0].leaves) leaf_elems.push_back(l.nelems);
+    CudaStatus st = EnqueueOnCuda(*meeting->plan, *dt, ranks, call_site, e->group, leaf_elems);
     meeting->Finish(st.message, e->rank);
   }
   std::string msg = fut.get();
@@ -820,8 +957,8 @@ XLA_FFI_DEFINE_HANDLER(BlinkCuda, BlinkCudaImpl,
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::RunId>()
                            .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
+                           .RemainingArgs()
+                           .RemainingRets()
                            .Attr<ffi::Span<const int64_t>>("schedule")
                            .Attr<ffi::Span<const int64_t>>("device_table")
                            .Attr<int64_t>("call_site")

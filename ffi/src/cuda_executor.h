@@ -16,8 +16,8 @@ namespace jax_blink {
 struct CudaRank {
   int device = 0;          // CUDA device ordinal (in this process) holding this rank's buffers
   void* stream = nullptr;  // the rank's cudaStream_t (XLA's stream for the call)
-  const void* in = nullptr;
-  void* out = nullptr;
+  std::vector<const void*> in;  // per leaf: the operand (separate allocations)
+  std::vector<void*> out;       // per leaf: the result (== in[leaf] when XLA aliased them)
 };
 
 // Error from the CUDA layer. kind: 0 none, 1 invalid argument (bad plan / sizes), 2 internal (a CUDA
@@ -28,12 +28,17 @@ struct CudaStatus {
   bool ok() const { return kind == 0; }
 };
 
-// Enqueues `plan` over the ranks' buffers. First all fallible set-up (peer access per buffer, program
-// build or cache lookup by `cache_key`, streams, events, scratch, kernel image check) with nothing
-// enqueued; then the program's ops. (cache_key, group) must identify `plan` for the life of the
-// process (the handler passes the call site id and the group): the program and its scratch are cached
-// under it, with the dtype, the ranks' devices and the peer-access map. If issuing fails midway, every rank's XLA stream is still made to
-// wait for all work already enqueued (so XLA never reuses a buffer a peer still reads). Env:
+// Enqueues `plan` over the ranks' buffers: a bucket of leaves of `leaf_elems` elements each (empty:
+// one leaf of the schedule's nelems), the schedule running over their concatenation; every rank
+// brings one pointer per leaf, and a leaf is aliased (result = operand) on every rank or on none
+// (else kind 1). First all fallible set-up (peer access per buffer, program build or cache lookup by
+// `cache_key`, streams, events, scratch, kernel image check) with nothing enqueued; then the
+// program's ops. (cache_key, group) must identify `plan` for the life of the process (the handler
+// passes the call site id and the group): the program and its scratch are cached under it, with the
+// dtype, the leaf layout (sizes, aliasing), the ranks' devices and the peer-access map, for at most
+// JAX_BLINK_CUDA_CACHE_PROGRAMS call sites (default 64; least recently used evicted, freed once the
+// work of its last call completed: program_cache.h). If issuing fails midway, every rank's XLA stream
+// is still made to wait for all work already enqueued (so XLA never reuses a buffer a peer still reads). Env:
 // JAX_BLINK_CUDA_FORCE_STAGING=1 stages every cross-rank reduce source through the copy engine (as
 // when peer access is missing); CUDA_DEVICE_MAX_CONNECTIONS (default 8) caps work streams per device.
 // Thread-safe (one global lock: pooled events are re-recorded only after all waits on them were issued).
@@ -45,7 +50,7 @@ struct CudaStatus {
 // capture / instantiate / launch failure (the capture is ended and dropped: nothing enqueued), or
 // pointers that change on most calls: op by op (the same ops, one CUDA call each).
 CudaStatus EnqueueOnCuda(const ExecPlan& plan, Dtype dtype, const std::vector<CudaRank>& ranks, int64_t cache_key,
-                         int64_t group);
+                         int64_t group, const std::vector<int64_t>& leaf_elems = {});
 
 // Counters of the issue paths since the process started (the gpu_check harness prints them).
 struct CudaGraphStats {
@@ -53,6 +58,8 @@ struct CudaGraphStats {
   int64_t op_by_op = 0;          // calls issued op by op
   int64_t captures = 0, capture_failures = 0, instantiates = 0, updates = 0;
   std::string last_fallback;     // why the latest call that did not launch a graph went op by op
+  int64_t evicted_sites = 0;     // call sites evicted from the program cache
+  int64_t released_programs = 0; // evicted programs freed (after their work completed)
 };
 CudaGraphStats GetCudaGraphStats();
 

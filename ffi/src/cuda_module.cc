@@ -35,9 +35,12 @@ void Check(cudaError_t e, const char* what) {
 // Runs the first group's schedule over `inputs` (one array per rank, host memory) with rank r's buffers
 // and stream on GPU r % ndev, `iters` + 1 times (the first checked, the rest timed), writing the first
 // run's results into `outputs`. Returns (seconds per call, wall clock, all GPUs synchronised; "" or the
-// executor's error). cache_key: the program cache key (distinct per schedule).
+// executor's error). cache_key: the program cache key (distinct per schedule). leaf_sizes: each rank's
+// array is cut into leaves of these sizes (elements, summing to nelems; empty: one leaf), each a
+// separate device allocation, as a bucket's operands; in_place: each leaf's result is its operand.
 std::pair<double, std::string> Execute(I64Array schedule, std::string dtype, std::vector<AnyArray> inputs,
-                                       std::vector<AnyArray> outputs, int iters, int64_t cache_key) {
+                                       std::vector<AnyArray> outputs, int iters, int64_t cache_key,
+                                       std::vector<int64_t> leaf_sizes, bool in_place) {
   Dtype dt = DtypeByName(dtype);
   std::vector<Schedule> scheds;
   std::string err = DecodeSchedules(schedule.data(), schedule.shape(0), &scheds);
@@ -51,6 +54,14 @@ std::pair<double, std::string> Execute(I64Array schedule, std::string dtype, std
   for (int64_t r = 0; r < n; ++r)
     if (inputs[r].nbytes() != bytes || outputs[r].nbytes() != bytes)
       throw std::invalid_argument("array sizes differ from the schedule's nelems x dtype size");
+  if (leaf_sizes.empty()) leaf_sizes = {plan->schedule.nelems};
+  int64_t total = 0;
+  for (int64_t l : leaf_sizes) {
+    if (l <= 0) throw std::invalid_argument("leaf sizes must be positive");
+    total += l;
+  }
+  if (total != plan->schedule.nelems) throw std::invalid_argument("leaf sizes must sum to the schedule's nelems");
+  const size_t es = DtypeSize(dt);
   int ndev = 0;
   Check(cudaGetDeviceCount(&ndev), "cudaGetDeviceCount");
   if (ndev == 0) throw std::runtime_error("no CUDA device visible");
@@ -64,9 +75,24 @@ std::pair<double, std::string> Execute(I64Array schedule, std::string dtype, std
   auto release = [&] {
     for (auto& r : ranks) {
       cudaSetDevice(r.device);
-      if (r.in) cudaFree(const_cast<void*>(r.in));
-      if (r.out) cudaFree(r.out);
+      for (size_t l = 0; l < r.in.size(); ++l)
+        if (r.in[l] != r.out[l]) cudaFree(const_cast<void*>(r.in[l]));
+      for (void* p : r.out) cudaFree(p);
       if (r.stream) cudaStreamDestroy(static_cast<cudaStream_t>(r.stream));
+    }
+  };
+  // Copies between a rank's host array and its leaves (to_device: host -> inputs, else outputs -> host).
+  auto transfer = [&](int64_t r, bool to_device) {
+    size_t pos = 0;
+    for (size_t l = 0; l < leaf_sizes.size(); ++l) {
+      const size_t b = static_cast<size_t>(leaf_sizes[l]) * es;
+      if (to_device)
+        Check(cudaMemcpy(const_cast<void*>(ranks[r].in[l]), static_cast<const char*>(inputs[r].data()) + pos, b,
+                         cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+      else
+        Check(cudaMemcpy(static_cast<char*>(outputs[r].data()) + pos, ranks[r].out[l], b, cudaMemcpyDeviceToHost),
+              "cudaMemcpy D2H");
+      pos += b;
     }
   };
   double per_call = 0;
@@ -78,26 +104,32 @@ std::pair<double, std::string> Execute(I64Array schedule, std::string dtype, std
       cudaStream_t st;
       Check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
       ranks[r].stream = st;
-      void *in = nullptr, *out = nullptr;
-      Check(cudaMalloc(&in, bytes + 16), "cudaMalloc");
-      ranks[r].in = in;
-      Check(cudaMalloc(&out, bytes + 16), "cudaMalloc");
-      ranks[r].out = out;
-      Check(cudaMemcpy(in, inputs[r].data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
-      Check(cudaMemset(out, 0x5a, bytes), "cudaMemset");
+      for (int64_t l : leaf_sizes) {
+        const size_t b = static_cast<size_t>(l) * es;
+        void *in = nullptr, *out = nullptr;
+        Check(cudaMalloc(&out, b + 16), "cudaMalloc");
+        ranks[r].out.push_back(out);
+        if (in_place) {
+          in = out;
+        } else {
+          Check(cudaMalloc(&in, b + 16), "cudaMalloc");
+          Check(cudaMemset(out, 0x5a, b), "cudaMemset");
+        }
+        ranks[r].in.push_back(in);
+      }
+      transfer(r, true);
     }
     sync();
     {
       nb::gil_scoped_release unlock;
-      CudaStatus st = EnqueueOnCuda(*plan, dt, ranks, cache_key, 0);
+      CudaStatus st = EnqueueOnCuda(*plan, dt, ranks, cache_key, 0, leaf_sizes);
       if (!st.ok()) run_err = st.message;
       sync();
       if (run_err.empty()) {
-        for (int64_t r = 0; r < n; ++r)
-          Check(cudaMemcpy(outputs[r].data(), ranks[r].out, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+        for (int64_t r = 0; r < n; ++r) transfer(r, false);
         auto t0 = std::chrono::steady_clock::now();
         for (int i = 0; i < iters && run_err.empty(); ++i) {
-          st = EnqueueOnCuda(*plan, dt, ranks, cache_key, 0);
+          st = EnqueueOnCuda(*plan, dt, ranks, cache_key, 0, leaf_sizes);
           if (!st.ok()) run_err = st.message;
         }
         sync();
@@ -145,6 +177,8 @@ NB_MODULE(_cuda, m) {
   m.def("driver_version", &jax_blink::DriverVersion, "cudaDriverGetVersion (0 without a driver).");
   m.def("device_names", &jax_blink::DeviceNames, "Names and architectures of the visible CUDA devices.");
   m.def("execute", &jax_blink::Execute, nb::arg("schedule"), nb::arg("dtype"), nb::arg("inputs"), nb::arg("outputs"),
-        nb::arg("iters"), nb::arg("cache_key"),
-        "Run the executor outside XLA (rank r on GPU r % ndev); (seconds per call, error or '').");
+        nb::arg("iters"), nb::arg("cache_key"), nb::arg("leaf_sizes") = std::vector<int64_t>{},
+        nb::arg("in_place") = false,
+        "Run the executor outside XLA (rank r on GPU r % ndev; each rank's array cut into leaves of leaf_sizes "
+        "elements, separate allocations; in_place: results alias the operands); (seconds per call, error or '').");
 }

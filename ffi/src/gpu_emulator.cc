@@ -16,19 +16,34 @@ std::string EmulateGpuProgram(const GpuProgram& p, Dtype dtype, int64_t nelems,
   if (static_cast<int32_t>(inputs.size()) != n) return "emulator: need one input per rank";
   if (static_cast<int64_t>(DtypeSize(dtype)) != p.elem_size) return "emulator: dtype size differs from the program's";
   const size_t bytes = static_cast<size_t>(nelems) * p.elem_size;
+  const size_t nleaves = p.leaf_elems.size();
+  if (p.leaf_aliased.size() != nleaves) return "emulator: leaf_aliased size differs from the leaves'";
+  std::vector<size_t> leaf_off(nleaves + 1, 0);  // byte offset of each leaf in the concatenation
+  for (size_t l = 0; l < nleaves; ++l) leaf_off[l + 1] = leaf_off[l] + static_cast<size_t>(p.leaf_elems[l] * p.elem_size);
+  if (leaf_off[nleaves] != bytes) return "emulator: the leaves' sizes differ from nelems";
   std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + 1);
   auto garbage = [&](std::vector<uint8_t>& v) {
     for (auto& b : v) b = static_cast<uint8_t>(rng() | 1);  // never all-zero bytes
   };
-  std::vector<std::vector<uint8_t>> in(n, std::vector<uint8_t>(bytes)), out(n, std::vector<uint8_t>(bytes));
+  // Every buffer its own allocation: in[r][leaf], out[r][leaf] (an aliased leaf's input is its
+  // output), scratch[i].
+  std::vector<std::vector<std::vector<uint8_t>>> in(n), out(n);
+  for (int32_t r = 0; r < n; ++r)
+    for (size_t l = 0; l < nleaves; ++l) {
+      in[r].emplace_back(p.leaf_aliased[l] ? 0 : leaf_off[l + 1] - leaf_off[l]);
+      out[r].emplace_back(leaf_off[l + 1] - leaf_off[l]);
+      garbage(in[r].back());
+      garbage(out[r].back());
+    }
   std::vector<std::vector<uint8_t>> scratch;
   for (auto& s : p.scratch) scratch.emplace_back(static_cast<size_t>(s.bytes));
-  for (auto& v : in) garbage(v);
-  for (auto& v : out) garbage(v);
   for (auto& v : scratch) garbage(v);
   outputs->assign(n, std::vector<uint8_t>());
+  std::vector<uint8_t> none;
   auto mem = [&](const BufRef& b) -> std::vector<uint8_t>& {
-    return b.kind == BufKind::kIn ? in[b.owner] : b.kind == BufKind::kOut ? out[b.owner] : scratch[b.owner];
+    if (b.kind == BufKind::kScratch) return static_cast<size_t>(b.owner) < scratch.size() ? scratch[b.owner] : none;
+    if (b.owner < 0 || b.owner >= n || b.leaf < 0 || static_cast<size_t>(b.leaf) >= nleaves) return none;
+    return b.kind == BufKind::kIn && !p.leaf_aliased[b.leaf] ? in[b.owner][b.leaf] : out[b.owner][b.leaf];
   };
   auto check = [&](const ByteRange& r) {
     return r.offset >= 0 && r.bytes >= 0 && static_cast<size_t>(r.offset + r.bytes) <= mem(r.buf).size();
@@ -81,7 +96,12 @@ std::string EmulateGpuProgram(const GpuProgram& p, Dtype dtype, int64_t nelems,
         break;
       }
       case GpuOpKind::kZero: res.assign(static_cast<size_t>(op.dst.bytes), 0); break;
-      case GpuOpKind::kXlaAfter: (*outputs)[op.rank] = out[op.rank]; break;
+      case GpuOpKind::kXlaAfter: {
+        auto& o = (*outputs)[op.rank];
+        o.clear();
+        for (auto& leaf : out[op.rank]) o.insert(o.end(), leaf.begin(), leaf.end());
+        break;
+      }
       default: break;
     }
   };
@@ -90,11 +110,17 @@ std::string EmulateGpuProgram(const GpuProgram& p, Dtype dtype, int64_t nelems,
     if (op.kind == GpuOpKind::kCopy || op.kind == GpuOpKind::kReduce || op.kind == GpuOpKind::kZero) {
       std::memcpy(mem(op.dst.buf).data() + op.dst.offset, pending[i].data(), pending[i].size());
     } else if (op.kind == GpuOpKind::kXlaBefore) {
-      if (bytes) std::memcpy(in[op.rank].data(), inputs[op.rank], bytes);
-      garbage(out[op.rank]);
+      for (size_t l = 0; l < nleaves; ++l) {
+        const bool alias = p.leaf_aliased[l];
+        auto& dst = alias ? out[op.rank][l] : in[op.rank][l];
+        if (!dst.empty()) std::memcpy(dst.data(), static_cast<const uint8_t*>(inputs[op.rank]) + leaf_off[l], dst.size());
+        if (!alias) garbage(out[op.rank][l]);
+      }
     } else if (op.kind == GpuOpKind::kXlaAfter) {
-      garbage(in[op.rank]);
-      garbage(out[op.rank]);
+      for (size_t l = 0; l < nleaves; ++l) {
+        garbage(in[op.rank][l]);
+        garbage(out[op.rank][l]);
+      }
     }
     pending[i].clear();
     pending[i].shrink_to_fit();

@@ -24,9 +24,10 @@ const char* GpuOpKindName(GpuOpKind k) {
 namespace {
 
 std::string BufName(const BufRef& b) {
+  const std::string leaf = b.leaf ? ".leaf" + std::to_string(b.leaf) : "";
   switch (b.kind) {
-    case BufKind::kIn: return "in[" + std::to_string(b.owner) + "]";
-    case BufKind::kOut: return "out[" + std::to_string(b.owner) + "]";
+    case BufKind::kIn: return "in[" + std::to_string(b.owner) + "]" + leaf;
+    case BufKind::kOut: return "out[" + std::to_string(b.owner) + "]" + leaf;
     case BufKind::kScratch: return "scratch[" + std::to_string(b.owner) + "]";
   }
   return "?";
@@ -37,9 +38,15 @@ struct Track {
   int64_t last_writer = -1;
   std::vector<int64_t> readers;
 };
-using RegionKey = std::array<int64_t, 3>;  // (kind, owner, region)
+// (kind, owner, region, piece): region = chunk and piece = its piece (one per leaf it spans) for
+// inputs and outputs; region = slot, piece 0 for scratch.
+using RegionKey = std::array<int64_t, 4>;
 
-RegionKey Key(const BufRef& b, int64_t region) { return {static_cast<int64_t>(b.kind), b.owner, region}; }
+// A chunk's part inside one leaf: virtual elements [begin, end) of the leaves' concatenation.
+struct Piece {
+  int32_t leaf;
+  int64_t begin, end;
+};
 
 // Merges a chunk's reduce steps into the same destination into one fused step placed at the LAST of
 // them (FuseOps only joins a step to an earlier one, so a parent whose children finish at different
@@ -98,8 +105,39 @@ std::string BuildGpuProgram(const ExecPlan& plan, int64_t elem_size, int64_t lan
   p.nranks = n;
   p.elem_size = elem_size;
   p.lanes = lanes;
+  p.leaf_elems = opt.leaf_elems.empty() ? std::vector<int64_t>{s.nelems} : opt.leaf_elems;
+  const int32_t nleaves = static_cast<int32_t>(p.leaf_elems.size());
+  p.leaf_aliased = opt.leaf_aliased.empty() ? std::vector<uint8_t>(nleaves, 0) : opt.leaf_aliased;
+  if (static_cast<int32_t>(p.leaf_aliased.size()) != nleaves)
+    return "jax_blink: gpu program: leaf_aliased must have one entry per leaf";
+  std::vector<int64_t> leaf_start(nleaves + 1, 0);
+  for (int32_t l = 0; l < nleaves; ++l) {
+    if (!opt.leaf_elems.empty() && p.leaf_elems[l] <= 0) return "jax_blink: gpu program: a leaf has no elements";
+    leaf_start[l + 1] = leaf_start[l] + p.leaf_elems[l];
+  }
+  if (leaf_start[nleaves] != s.nelems)
+    return "jax_blink: gpu program: the leaves hold " + std::to_string(leaf_start[nleaves]) +
+           " elements, the schedule " + std::to_string(s.nelems);
   const int64_t nchunks = static_cast<int64_t>(plan.chunks.size());
   const int64_t slot_bytes = plan.max_chunk * elem_size;
+  // Each chunk's pieces, one per leaf it touches (every rank has the same leaves).
+  std::vector<std::vector<Piece>> pieces(nchunks);
+  for (int64_t c = 0; c < nchunks; ++c) {
+    int64_t a = plan.chunks[c].offset;
+    const int64_t b = a + plan.chunks[c].length;
+    int32_t l = static_cast<int32_t>(std::upper_bound(leaf_start.begin(), leaf_start.end(), a) - leaf_start.begin()) - 1;
+    l = std::min(std::max(l, 0), nleaves - 1);
+    do {
+      const int64_t e = std::min(b, leaf_start[l + 1]);
+      pieces[c].push_back(Piece{l, a, e});
+      a = e;
+      ++l;
+    } while (a < b && l < nleaves);
+  }
+  // An aliased leaf's input is its output buffer.
+  auto resolve = [&](BufKind k, int32_t leaf) {
+    return k == BufKind::kIn && p.leaf_aliased[leaf] ? BufKind::kOut : k;
+  };
 
   // ---- streams
   for (int32_t r = 0; r < n; ++r) {
@@ -169,22 +207,38 @@ std::string BuildGpuProgram(const ExecPlan& plan, int64_t elem_size, int64_t lan
   std::vector<GpuOp> mem;
   std::vector<std::vector<int64_t>> deps;
   std::map<RegionKey, Track> tracks;
-  auto add = [&](GpuOp op, const std::vector<std::pair<BufRef, int64_t>>& rd,
-                 const std::vector<std::pair<BufRef, int64_t>>& wr) {
+  // (buffer, region) -> the tracked keys: a chunk of an input or output, one per piece (aliased
+  // inputs resolved to the output); a scratch slot as is.
+  auto keys = [&](const std::vector<std::pair<BufRef, int64_t>>& acc) {
+    std::vector<RegionKey> out;
+    for (auto& [b, reg] : acc) {
+      if (b.kind == BufKind::kScratch) {
+        out.push_back({static_cast<int64_t>(b.kind), b.owner, reg, 0});
+        continue;
+      }
+      for (size_t k = 0; k < pieces[reg].size(); ++k)
+        out.push_back({static_cast<int64_t>(resolve(b.kind, pieces[reg][k].leaf)), b.owner, reg,
+                       static_cast<int64_t>(k)});
+    }
+    return out;
+  };
+  auto add = [&](GpuOp op, const std::vector<std::pair<BufRef, int64_t>>& rd_acc,
+                 const std::vector<std::pair<BufRef, int64_t>>& wr_acc) {
     const int64_t id = static_cast<int64_t>(mem.size());
+    const std::vector<RegionKey> rd = keys(rd_acc), wr = keys(wr_acc);
     std::vector<int64_t> d;
-    for (auto& [b, reg] : rd) {
-      Track& t = tracks[Key(b, reg)];
+    for (auto& k : rd) {
+      Track& t = tracks[k];
       if (t.last_writer >= 0) d.push_back(t.last_writer);
     }
-    for (auto& [b, reg] : wr) {
-      Track& t = tracks[Key(b, reg)];
+    for (auto& k : wr) {
+      Track& t = tracks[k];
       if (t.last_writer >= 0) d.push_back(t.last_writer);
       d.insert(d.end(), t.readers.begin(), t.readers.end());
     }
-    for (auto& [b, reg] : rd) tracks[Key(b, reg)].readers.push_back(id);
-    for (auto& [b, reg] : wr) {
-      Track& t = tracks[Key(b, reg)];
+    for (auto& k : rd) tracks[k].readers.push_back(id);
+    for (auto& k : wr) {
+      Track& t = tracks[k];
       t.last_writer = id;
       t.readers.clear();
     }
@@ -198,19 +252,26 @@ std::string BuildGpuProgram(const ExecPlan& plan, int64_t elem_size, int64_t lan
     const ChunkPlan& cp = plan.chunks[c];
     return ByteRange{BufRef{k, rank}, cp.offset * elem_size, cp.length * elem_size};
   };
+  // A rank's whole buffers, leaf by leaf (the pseudo ops' ranges): its output's, and its input's
+  // unless aliased to the output.
+  auto whole = [&](int32_t r, bool with_input) {
+    std::vector<ByteRange> v;
+    for (int32_t l = 0; l < nleaves; ++l) {
+      if (with_input && !p.leaf_aliased[l]) v.push_back(ByteRange{BufRef{BufKind::kIn, r, l}, 0, p.leaf_elems[l] * elem_size});
+      v.push_back(ByteRange{BufRef{BufKind::kOut, r, l}, 0, p.leaf_elems[l] * elem_size});
+    }
+    return v;
+  };
   // XLA wrote every rank's input (and may have used its output buffer) before the call.
   for (int32_t r = 0; r < n; ++r) {
     GpuOp op;
     op.kind = GpuOpKind::kXlaBefore;
     op.stream = r;
     op.rank = r;
+    op.writes = whole(r, true);
     std::vector<std::pair<BufRef, int64_t>> wr;
-    for (int64_t c = 0; c < nchunks; ++c) {
-      for (BufKind k : {BufKind::kIn, BufKind::kOut}) {
-        op.writes.push_back(chunk_range(k, r, c));
-        wr.push_back({BufRef{k, r}, c});
-      }
-    }
+    for (int64_t c = 0; c < nchunks; ++c)
+      for (BufKind k : {BufKind::kIn, BufKind::kOut}) wr.push_back({BufRef{k, r}, c});
     add(std::move(op), {}, wr);
   }
   for (int64_t c = 0; c < nchunks; ++c) {
@@ -272,6 +333,9 @@ std::string BuildGpuProgram(const ExecPlan& plan, int64_t elem_size, int64_t lan
       }
     }
     for (int32_t r : cp.copy_in) {
+      bool all_aliased = true;  // out = in is then already true
+      for (const Piece& pc : pieces[c]) all_aliased = all_aliased && p.leaf_aliased[pc.leaf];
+      if (all_aliased) continue;
       GpuOp op;
       op.kind = GpuOpKind::kCopy;
       op.stream = work_stream(r, cp.segment, 1);
@@ -300,13 +364,11 @@ std::string BuildGpuProgram(const ExecPlan& plan, int64_t elem_size, int64_t lan
     op.kind = GpuOpKind::kXlaAfter;
     op.stream = r;
     op.rank = r;
+    op.reads = whole(r, false);
+    op.writes = whole(r, true);
     std::vector<std::pair<BufRef, int64_t>> rd, wr;
     for (int64_t c = 0; c < nchunks; ++c) {
-      op.reads.push_back(chunk_range(BufKind::kOut, r, c));
-      for (BufKind k : {BufKind::kIn, BufKind::kOut}) {
-        op.writes.push_back(chunk_range(k, r, c));
-        wr.push_back({BufRef{k, r}, c});
-      }
+      for (BufKind k : {BufKind::kIn, BufKind::kOut}) wr.push_back({BufRef{k, r}, c});
       rd.push_back({BufRef{BufKind::kOut, r}, c});
     }
     add(std::move(op), rd, wr);
@@ -344,7 +406,15 @@ std::string BuildGpuProgram(const ExecPlan& plan, int64_t elem_size, int64_t lan
     waits[i] = std::move(keep);
   }
 
-  // ---- pass 2: emit waits, the op, its record
+  // A chunk op's range (whole chunk, in the leaves' concatenation; scratch: its slot) cut to piece pc.
+  auto piece_range = [&](const ByteRange& r, const Piece& pc, int64_t chunk_offset) {
+    const int64_t len = (pc.end - pc.begin) * elem_size;
+    if (r.buf.kind == BufKind::kScratch) return ByteRange{r.buf, r.offset + (pc.begin - chunk_offset) * elem_size, len};
+    return ByteRange{BufRef{resolve(r.buf.kind, pc.leaf), r.buf.owner, pc.leaf},
+                     (pc.begin - leaf_start[pc.leaf]) * elem_size, len};
+  };
+
+  // ---- pass 2: emit waits, the op (one per piece of its chunk), its record
   std::vector<int32_t> event_of(mem.size(), -1);
   for (size_t i = 0; i < mem.size(); ++i) {
     for (int64_t d : waits[i]) {
@@ -354,7 +424,25 @@ std::string BuildGpuProgram(const ExecPlan& plan, int64_t elem_size, int64_t lan
       w.event = event_of[d];
       p.ops.push_back(std::move(w));
     }
-    p.ops.push_back(mem[i]);
+    if (mem[i].chunk < 0) {
+      p.ops.push_back(mem[i]);
+    } else {
+      bool first = true;
+      const int64_t off = plan.chunks[mem[i].chunk].offset;
+      for (const Piece& pc : pieces[mem[i].chunk]) {
+        GpuOp q = mem[i];
+        q.dst = piece_range(mem[i].dst, pc, off);
+        for (auto& r : q.src) r = piece_range(r, pc, off);
+        if (q.kind == GpuOpKind::kCopy && q.src[0].buf == q.dst.buf && q.src[0].offset == q.dst.offset)
+          continue;  // copy-in of an aliased leaf: nothing to do
+        q.elems = pc.end - pc.begin;
+        q.reads = q.src;
+        q.writes = {q.dst};
+        q.continued = !first;
+        first = false;
+        p.ops.push_back(std::move(q));
+      }
+    }
     if (needs_record[i]) {
       GpuOp rec;
       rec.kind = GpuOpKind::kRecord;
@@ -412,14 +500,18 @@ int64_t CheckRaces(const GpuProgram& p, std::string* first) {
     int64_t lo, hi;
     bool write;
   };
-  std::map<std::pair<int, int32_t>, std::vector<Access>> by_buf;
+  // (kind, owner, leaf); an aliased leaf's input is its output buffer, whatever the builder wrote
+  std::map<std::array<int32_t, 3>, std::vector<Access>> by_buf;
+  auto buf_key = [&](const BufRef& b) {
+    const bool alias = b.kind == BufKind::kIn && b.leaf >= 0 && static_cast<size_t>(b.leaf) < p.leaf_aliased.size() &&
+                       p.leaf_aliased[b.leaf];
+    return std::array<int32_t, 3>{static_cast<int32_t>(alias ? BufKind::kOut : b.kind), b.owner, b.leaf};
+  };
   for (size_t i = 0; i < p.ops.size(); ++i) {
     const GpuOp& op = p.ops[i];
     if (!op.IsMemory()) continue;
-    for (auto& r : op.reads)
-      by_buf[{static_cast<int>(r.buf.kind), r.buf.owner}].push_back({i, r.offset, r.offset + r.bytes, false});
-    for (auto& w : op.writes)
-      by_buf[{static_cast<int>(w.buf.kind), w.buf.owner}].push_back({i, w.offset, w.offset + w.bytes, true});
+    for (auto& r : op.reads) by_buf[buf_key(r.buf)].push_back({i, r.offset, r.offset + r.bytes, false});
+    for (auto& w : op.writes) by_buf[buf_key(w.buf)].push_back({i, w.offset, w.offset + w.bytes, true});
   }
   int64_t races = 0;
   std::ostringstream os;
@@ -436,7 +528,7 @@ int64_t CheckRaces(const GpuProgram& p, std::string* first) {
         if (op_vc[j][si] >= op_pos[i]) continue;  // i happens before j
         ++races;
         if (races <= 3) {
-          BufRef br{static_cast<BufKind>(buf.first), buf.second};
+          BufRef br{static_cast<BufKind>(buf[0]), buf[1], buf[2]};
           os << (races > 1 ? "; " : "") << "race on " << BufName(br) << " bytes [" << std::max(x.lo, y.lo) << ", "
              << std::min(x.hi, y.hi) << "): op " << i << " (" << GpuOpKindName(p.ops[i].kind) << ", stream " << si
              << " " << p.streams[si].role << ", chunk " << p.ops[i].chunk << ") and op " << j << " ("
@@ -465,7 +557,8 @@ int64_t CriticalPath(const GpuProgram& p) {
     } else if (op.kind == GpuOpKind::kWait) {
       int64_t r = op.event >= 0 && op.event < static_cast<int32_t>(last_record.size()) ? last_record[op.event] : -1;
       if (r >= 0) t = std::max(t, rec_time[r]);
-    } else if (op.kind == GpuOpKind::kCopy || op.kind == GpuOpKind::kReduce || op.kind == GpuOpKind::kZero) {
+    } else if ((op.kind == GpuOpKind::kCopy || op.kind == GpuOpKind::kReduce || op.kind == GpuOpKind::kZero) &&
+               !op.continued) {
       t += 1;
     }
     end = std::max(end, t);
@@ -493,7 +586,7 @@ std::string Describe(const GpuProgram& p) {
     if (op.event >= 0) os << " e" << op.event;
     if (op.rank >= 0) os << " rank " << op.rank;
     if (op.kind == GpuOpKind::kCopy || op.kind == GpuOpKind::kReduce || op.kind == GpuOpKind::kZero) {
-      os << " chunk " << op.chunk << " " << BufName(op.dst.buf) << "@" << op.dst.offset << "+" << op.dst.bytes;
+      os << " chunk " << op.chunk << (op.continued ? " (cont.)" : "") << " " << BufName(op.dst.buf) << "@" << op.dst.offset << "+" << op.dst.bytes;
       for (size_t k = 0; k < op.src.size(); ++k) os << (k ? " + " : " <- ") << BufName(op.src[k].buf) << "@" << op.src[k].offset;
     }
     os << "\n";

@@ -28,6 +28,12 @@
 //  * Staging: a reduce source the reader cannot load (peer_ok false) is first copied by the copy
 //    engine (cudaMemcpyPeerAsync works without peer access) into the reader's scratch, slot j for the
 //    j-th staged source, on the same stream.
+//  * Leaves: a call's operands (a bucket's leaves) are one virtual concatenation the schedule runs
+//    over; each leaf is a separate buffer per rank (input and output). A chunk that spans leaves
+//    becomes one memory op per piece, issued back to back on the op's stream (waits before the first
+//    piece, the record after the last). A leaf whose result XLA aliased to its operand (in == out)
+//    has one buffer: its input ranges are its output's, so the dependencies and the race checker see
+//    the reuse, and its copy-in (out = in) is dropped.
 #pragma once
 
 #include <cstdint>
@@ -40,11 +46,13 @@ namespace jax_blink {
 
 enum class BufKind : int8_t { kIn = 0, kOut = 1, kScratch = 2 };
 
-// A buffer: a rank's input or output (owner = rank), or a scratch buffer (owner = scratch index).
+// A buffer: leaf `leaf` of a rank's input or output (owner = rank), or a scratch buffer (owner =
+// scratch index, leaf 0). Every buffer is a separate allocation.
 struct BufRef {
   BufKind kind = BufKind::kOut;
   int32_t owner = 0;
-  bool operator==(const BufRef& o) const { return kind == o.kind && owner == o.owner; }
+  int32_t leaf = 0;
+  bool operator==(const BufRef& o) const { return kind == o.kind && owner == o.owner && leaf == o.leaf; }
 };
 
 struct ByteRange {
@@ -73,6 +81,7 @@ struct GpuOp {
   ByteRange dst;                    // kCopy / kReduce / kZero
   std::vector<ByteRange> src;       // kCopy: one; kReduce: first operand, then sources in order
   std::vector<ByteRange> reads, writes;  // every byte range the op reads / writes (race checker)
+  bool continued = false;           // a later piece of the previous op (its chunk spans leaves)
   bool IsMemory() const { return kind != GpuOpKind::kRecord && kind != GpuOpKind::kWait; }
 };
 
@@ -96,6 +105,8 @@ struct GpuProgram {
   std::vector<GpuStream> streams;
   std::vector<ScratchBuf> scratch;
   int32_t nevents = 0;
+  std::vector<int64_t> leaf_elems;   // elements per leaf (the schedule's nelems in all)
+  std::vector<uint8_t> leaf_aliased; // per leaf: output buffer = input buffer (no kIn refs to it)
   std::vector<GpuOp> ops;            // host issue order
   // Pipelining figures (unit cost per memory op, pseudo ops free): see CriticalPath().
   int64_t max_segment_chunks = 0;    // most chunks of one segment
@@ -108,26 +119,31 @@ struct GpuProgramOptions {
   // true. Entries with reader == owner are ignored (a rank's own buffers are always loadable).
   std::vector<uint8_t> peer_ok;
   int max_streams_per_device = 0;    // 0: no cap
+  // Elements per leaf, each > 0, summing to the schedule's nelems. Empty: one leaf of nelems.
+  std::vector<int64_t> leaf_elems;
+  // Per leaf: XLA aliased the result to the operand (one buffer). Empty: no leaf aliased.
+  std::vector<uint8_t> leaf_aliased;
 };
 
 // Builds the program for `plan` with elements of `elem_size` bytes (`lanes` scalars each).
-// Returns "" or an error (bad options: rank_device / peer_ok sizes).
+// Returns "" or an error (bad options: rank_device / peer_ok / leaf sizes).
 std::string BuildGpuProgram(const ExecPlan& plan, int64_t elem_size, int64_t lanes, const GpuProgramOptions& opt,
                             GpuProgram* out);
 
 // Happens-before race check over byte ranges, from the program alone (issue order + stream order +
 // record/wait pairs, CUDA semantics). Reports every pair of memory ops (pseudo ops included) on
 // different streams whose ranges overlap, at least one writing, with neither ordered before the
-// other. Returns the number of races; `first` (if not null) gets a description of the first few.
+// other (an aliased leaf's input and output are one buffer, p.leaf_aliased). Returns the number of
+// races; `first` (if not null) gets a description of the first few.
 int64_t CheckRaces(const GpuProgram& p, std::string* first);
 
-// Longest path in steps when every memory op costs one step and records, waits and pseudo ops cost
-// nothing (an as-soon-as-possible execution with unlimited hardware). With perfect pipelining it is
+// Longest path in steps when every memory op costs one step (the pieces of an op whose chunk spans
+// leaves one step together) and records, waits and pseudo ops cost nothing (an as-soon-as-possible execution with unlimited hardware). With perfect pipelining it is
 // max_segment_chunks + chunk_depth - 1. Returns -1 if the program deadlocks (cannot happen with
 // CUDA events, whose waits only see earlier records; kept as a check).
 int64_t CriticalPath(const GpuProgram& p);
 
-// Counts: {memory ops, records, waits}.
+// Counts: {memory ops (pieces counted one by one), records, waits, streams}.
 struct GpuProgramStats {
   int64_t memory_ops = 0, records = 0, waits = 0, streams = 0;
 };

@@ -55,7 +55,7 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
     CHECK(cudaMalloc(&out, ne * sizeof(T) + 16));
     CHECK(cudaMemcpy(in, host[r].data(), ne * sizeof(T), cudaMemcpyHostToDevice));
     CHECK(cudaMemset(out, 0x7f, ne * sizeof(T)));
-    ranks[r] = CudaRank{dev, st, in, out};
+    ranks[r] = CudaRank{dev, st, {in}, {out}};
   }
   std::vector<std::vector<T>> ref = host;
   for (const Transfer& t : s.transfers) {
@@ -74,7 +74,7 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
   auto checked = [&](const char* what, double* us) -> int {
     for (auto& r : ranks) {
       cudaSetDevice(r.device);
-      if (cudaMemset(r.out, 0x7f, ne * sizeof(T)) != cudaSuccess) return 2;
+      if (cudaMemset(r.out[0], 0x7f, ne * sizeof(T)) != cudaSuccess) return 2;
     }
     sync();
     auto t0 = std::chrono::steady_clock::now();
@@ -86,7 +86,7 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
     int bad = 0;
     std::vector<T> got(ne);
     for (int64_t r = 0; r < n; ++r) {
-      if (cudaMemcpy(got.data(), ranks[r].out, ne * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess) return 2;
+      if (cudaMemcpy(got.data(), ranks[r].out[0], ne * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess) return 2;
       if (std::memcmp(got.data(), ref[r].data(), ne * sizeof(T)) != 0) {
         int64_t i = 0;
         while (i < ne && std::memcmp(&got[i], &ref[r][i], sizeof(T)) == 0) ++i;
@@ -162,11 +162,11 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
     for (int64_t r = 0; r < n; ++r) {
       CHECK(cudaSetDevice(ranks[r].device));
       CHECK(cudaMalloc(&alt[r], ne * sizeof(T) + 16));
-      first_out[r] = ranks[r].out;
-      ranks[r].out = alt[r];
+      first_out[r] = ranks[r].out[0];
+      ranks[r].out[0] = alt[r];
     }
     int rc = checked("graph new pointers", nullptr);
-    for (int64_t r = 0; r < n; ++r) ranks[r].out = first_out[r];
+    for (int64_t r = 0; r < n; ++r) ranks[r].out[0] = first_out[r];
     if (!rc) rc = checked("graph first pointers again", nullptr);
     sync();
     for (int64_t r = 0; r < n; ++r) { cudaSetDevice(ranks[r].device); cudaFree(alt[r]); }
@@ -200,9 +200,9 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
       cudaEventElapsedTime(&ms, e0, e1);
       return ms / 1e3 / iters;
     };
-    const void* src1[1] = {ranks[1].in};
-    double ta = timeit([&] { LaunchReduce(dt, ranks[0].out, ranks[0].in, src1, 1, ne, s0); });
-    double tc = timeit([&] { cudaMemcpyAsync(ranks[0].out, ranks[0].in, ne * sizeof(T), cudaMemcpyDeviceToDevice, s0); });
+    const void* src1[1] = {ranks[1].in[0]};
+    double ta = timeit([&] { LaunchReduce(dt, ranks[0].out[0], ranks[0].in[0], src1, 1, ne, s0); });
+    double tc = timeit([&] { cudaMemcpyAsync(ranks[0].out[0], ranks[0].in[0], ne * sizeof(T), cudaMemcpyDeviceToDevice, s0); });
     std::printf("gpu_check: kernel out=a+b %.1f GB/s (r+w), device copy %.1f GB/s (r+w)\n", 3 * bytes / ta / 1e9,
                 2 * bytes / tc / 1e9);
   }

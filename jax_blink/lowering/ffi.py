@@ -176,16 +176,14 @@ def _cpu_rule(ctx, xs, request_for):
 
 
 def _cuda_rule(ctx, xs, request_for):
-    """One custom call per leaf: the CUDA handler takes one operand (not yet variadic like the CPU
-    one), no aliasing; its device table is keyed by local hardware id (``cuda_device_table``)."""
-    outs = []
+    """One custom call for the whole bucket, as on CPU (operand i -> result i, one schedule over the
+    leaves' virtual concatenation, results aliased to operands that die at the call); the GPU program
+    maps chunks onto the leaf buffers and treats an aliased leaf as one buffer, race-checked in CI
+    (``ffi/src/gpu_program.h``). Its device table is keyed by local hardware id (``cuda_device_table``)."""
+    request = request_for(sum(math.prod(a.shape) for a in ctx.avals_out))
     devices = list(ctx.module_context.axis_context.mesh.devices.flat)
-    for x, a_in, a_out in zip(xs, ctx.avals_in, ctx.avals_out):
-        sub = ctx.replace(avals_in=[a_in], avals_out=[a_out])
-        request = request_for(math.prod(a_in.shape))
-        table = cuda_device_table(request.device_table, devices, jax.process_index())
-        outs += _call(CUDA_TARGET, sub, [x], request, False, table)
-    return outs
+    table = cuda_device_table(request.device_table, devices, jax.process_index())
+    return _call(CUDA_TARGET, ctx, xs, request, _ALIAS, table)
 
 
 # ------------------------------------------------------------------------------ safe default on GPUs

@@ -3,7 +3,7 @@ jax_blink.lowering.gpu_program_check`` (what ``scripts/gpu_sim_check.sh`` runs).
 
 The CUDA executor (``ffi/src/cuda_executor.cu``) only issues a *GPU program* built by plain C++
 (``ffi/src/gpu_program.cc``): streams, copies, fused reduces, zeroing, event records and waits. This
-module drives, through ``jax_blink._native._cpu.gpu_program_check``, for the plans of every preset and
+module drives, through ``jax_blink._native._gpusim.gpu_program_check``, for the plans of every preset and
 every topology file in ``tests/data/topologies`` (every collective of ``jax_blink.collectives``:
 all-reduce, broadcast, reduce, all-gather, reduce-scatter; odd sizes; every dtype across the set):
 
@@ -16,7 +16,10 @@ all-reduce, broadcast, reduce, all-gather, reduce-scatter; odd sizes; every dtyp
 
 Three layouts per plan: one GPU per rank with peer access (the ratio is measured here), every rank
 on one GPU with at most 8 streams per device (how ``ffi/tests/gpu_check.cu`` runs on one GPU), and
-no peer access at all (reduce sources staged through the copy engine), 8 streams per device.
+no peer access at all (reduce sources staged through the copy engine), 8 streams per device. Then
+each plan once more as a *bucket* (what one custom call of a pytree gets): the elements cut into
+leaves of odd sizes (``bucket_leaves``: chunks span leaves), every leaf a separate buffer, every
+other leaf aliased (result = operand), layouts and dtypes rotating.
 """
 
 from __future__ import annotations
@@ -56,19 +59,40 @@ def raw_bits(a):
     return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
 
 
+def _gpusim():
+    """``jax_blink._native._gpusim`` (built with the CPU module); RuntimeError when missing."""
+    try:
+        from jax_blink._native import _gpusim
+    except ImportError as e:
+        raise RuntimeError(f"jax_blink native module '_gpusim' is not available ({e}); reinstall with "
+                           "`pip install -e .`") from e
+    return _gpusim
+
+
+def bucket_leaves(nelems: int, sizes=(7, 30, 1, 58, 113, 3)) -> list[int]:
+    """Leaf sizes (elements) of a test bucket of ``nelems`` elements: ``sizes`` repeated, the last
+    leaf the remainder (every leaf >= 1; with 29-element chunks, chunks span leaves)."""
+    out, k = [], 0
+    while sum(out) < nelems:
+        out.append(min(sizes[k % len(sizes)], nelems - sum(out)))
+        k += 1
+    return out
+
+
 def check_schedule(schedule, dtype: str, *, layout: str = "peer", seeds: int = 8, mutate=("", 0),
-                   max_streams: int | None = None) -> dict:
+                   max_streams: int | None = None, leaves=None, aliased=None) -> dict:
     """Builds, race-checks and emulates the GPU program of ``schedule`` (one group).
 
+    ``leaves``: elements per leaf (a bucket: every leaf a separate buffer per rank; default one leaf
+    of ``schedule.nelems``); ``aliased``: per leaf, the result is the operand's buffer (default none).
     Returns the native result dict (``races``, ``race_info``, ``critical_path``, ``chunk_depth``,
-    ``segment_chunks``, ``memory_ops``, ``records``, ``waits``, ``streams``, ``mismatched_seeds``,
-    ``emulator_error``) plus ``ratio`` = critical_path / (segment_chunks + chunk_depth - 1).
-    Raises RuntimeError when the native CPU module is missing.
+    ``segment_chunks``, ``memory_ops``, ``continued_pieces``, ``records``, ``waits``, ``streams``,
+    ``leaves``, ``mismatched_seeds``, ``emulator_error``) plus ``ratio`` = critical_path /
+    (segment_chunks + chunk_depth - 1). Raises RuntimeError when the native module is missing,
+    ValueError on bad leaves (sizes not positive or not summing to ``schedule.nelems``).
     """
-    from jax_blink import _native
     from jax_blink.schedule import execute
-    if _native.cpu is None:
-        raise RuntimeError(_native.cpu_error)
+    gpusim = _gpusim()
     n, ne = schedule.nranks, schedule.nelems
     rng = np.random.default_rng(ne * 31 + n)
     xs = np.stack([random_operand(rng, ne, dtype) for _ in range(n)])
@@ -83,9 +107,11 @@ def check_schedule(schedule, dtype: str, *, layout: str = "peer", seeds: int = 8
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if max_streams is not None:
         cap = max_streams
-    r = _native.cpu.gpu_program_check(np.asarray(schedule.to_array(), np.int64), dtype,
-                                      [raw_bits(x) for x in xs], [raw_bits(np.ascontiguousarray(w)) for w in want],
-                                      devices, peer, cap, seeds, tuple(mutate))
+    leaves = [] if leaves is None else [int(x) for x in leaves]
+    aliased = [] if aliased is None else [int(bool(a)) for a in aliased]
+    r = gpusim.gpu_program_check(np.asarray(schedule.to_array(), np.int64), dtype,
+                                 [raw_bits(x) for x in xs], [raw_bits(np.ascontiguousarray(w)) for w in want],
+                                 devices, peer, cap, seeds, tuple(mutate), leaves, aliased)
     ideal = r["segment_chunks"] + r["chunk_depth"] - 1
     r["ratio"] = r["critical_path"] / ideal if ideal > 0 else 1.0
     return dict(r)
@@ -126,25 +152,34 @@ def cases(nelems: int = 1031, chunk_elems: int = 29):
 
 
 def run(seeds: int = 8, layouts=LAYOUTS, nelems: int = 1031, chunk_elems: int = 29, verbose: bool = True,
-        max_ranks: int | None = None) -> dict:
-    """Checks every case in every layout; returns {programs, races, mismatches, worst_ratio, failures}."""
-    total = dict(programs=0, races=0, mismatches=0, worst_ratio=0.0, failures=[])
+        max_ranks: int | None = None, buckets: bool = True) -> dict:
+    """Checks every case in every layout, and (``buckets``) once more as a bucket of leaves
+    (``bucket_leaves``, every other leaf aliased; layout and dtype rotating); returns {programs,
+    bucketed, races, mismatches, worst_ratio, failures}."""
+    total = dict(programs=0, bucketed=0, races=0, mismatches=0, worst_ratio=0.0, failures=[])
     k = 0
     for case in cases(nelems, chunk_elems):
         if max_ranks and case.schedule.nranks > max_ranks:
             continue
-        for layout in layouts:
+        runs = [(layout, None) for layout in layouts]
+        if buckets:
+            runs.append((layouts[total["bucketed"] % len(layouts)], bucket_leaves(case.schedule.nelems)))
+        for layout, leaves in runs:
             dtype = DTYPES[k % len(DTYPES)]
             k += 1
             t0 = time.perf_counter()
-            r = check_schedule(case.schedule, dtype, layout=layout, seeds=seeds)
+            aliased = None if leaves is None else [i % 2 for i in range(len(leaves))]
+            r = check_schedule(case.schedule, dtype, layout=layout, seeds=seeds, leaves=leaves, aliased=aliased)
             bad = r["races"] > 0 or r["mismatched_seeds"] > 0 or r["emulator_error"]
             total["programs"] += 1
+            total["bucketed"] += leaves is not None
             total["races"] += r["races"]
             total["mismatches"] += r["mismatched_seeds"] + (1 if r["emulator_error"] else 0)
             if layout == "peer":
                 total["worst_ratio"] = max(total["worst_ratio"], r["ratio"])
             label = f"{case.name} {case.collective} n={case.schedule.nranks} {layout} {dtype}"
+            if leaves is not None:
+                label += f" {len(leaves)} leaves"
             if bad:
                 total["failures"].append(f"{label}: {r['races']} races {r['race_info']} "
                                          f"{r['mismatched_seeds']} mismatched seeds {r['emulator_error']}")
@@ -164,8 +199,8 @@ def main(argv=None) -> int:
     t = run(seeds=args.seeds, verbose=not args.quiet)
     for f in t["failures"]:
         print("FAIL", f, file=sys.stderr)
-    print(f"gpu program check: {t['programs']} programs, {t['races']} races, {t['mismatches']} mismatches, "
-          f"worst pipeline ratio {t['worst_ratio']:.2f}")
+    print(f"gpu program check: {t['programs']} programs ({t['bucketed']} bucketed, multi-leaf), {t['races']} races, "
+          f"{t['mismatches']} mismatches, worst pipeline ratio {t['worst_ratio']:.2f}")
     return 0 if not t["failures"] and t["worst_ratio"] <= 1.1 else 1
 
 
