@@ -193,7 +193,8 @@ def test_cuda_lowering_is_one_aliased_custom_call_per_bucket(monkeypatch):
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     import jax_blink
     usable = dataclasses.replace(_lowering.record("ffi", "cuda"), unavailable=None)
