@@ -555,9 +555,14 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
         def post(v):
             me = jnp.asarray(ranks)[_position_p.bind()]
             return lax.dynamic_slice(v, (me * m,), (m,)).reshape(aval_out.shape)
+    shard = core.ShapedArray((m,), aval_in.dtype)
     if gather and getattr(rule, "shard_input", False):  # the executor places the shard itself
-        out, = rule(ctx.replace(avals_in=[core.ShapedArray((m,), aval_in.dtype)], avals_out=[full]),
-                    [mlir.reshape(ctx, x, core.ShapedArray((m,), aval_in.dtype))], request_for)
+        out, = rule(ctx.replace(avals_in=[shard], avals_out=[full]), [mlir.reshape(ctx, x, shard)], request_for)
+    elif not gather and getattr(rule, "shard_output", False):  # the executor writes only the own shard
+        placed, = mlir.lower_fun(pre, multiple_results=False)(
+            ctx.replace(primitive=None, avals_in=[plain_in], avals_out=[full]), x)
+        out, = rule(ctx.replace(avals_in=[full], avals_out=[shard]), [placed], request_for)
+        return mlir.reshape(ctx, out, plain_out)
     else:
         placed, = mlir.lower_fun(pre, multiple_results=False)(
             ctx.replace(primitive=None, avals_in=[plain_in], avals_out=[full]), x)

@@ -213,13 +213,16 @@ std::string BuildExecPlan(const Schedule& s, ExecPlan* out) {
     mat[t.chunk][t.dst] = 1;
     byc[t.chunk].ops.push_back(op);
   }
+  out->owner_writes_only = true;
   for (int64_t c = 0; c < C; ++c) {
     byc[c].steps = FuseOps(byc[c].ops);
     int64_t root = s.seg_root[byc[c].segment];
+    for (const Op& op : byc[c].ops) out->owner_writes_only &= op.dst == root;
     for (int32_t r = 0; r < nr; ++r) {
       if (CollectiveRowOf(static_cast<int64_t>(s.collective))->zero_non_root && r != root) byc[c].zero.push_back(r);
       else if (!mat[c][r]) byc[c].copy_in.push_back(r);
     }
+    out->owner_writes_only &= byc[c].zero.empty();
   }
   if (C == 0 && s.nelems > 0) {  // one rank: the result is the input
     ChunkPlan cp;

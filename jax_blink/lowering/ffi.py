@@ -170,12 +170,16 @@ def _cpu_rule(ctx, xs, request_for):
     (no fresh output pages) where an operand dies at the call; where it is still used, XLA copies it
     first. The executor reads a rank's input only before it first writes its output, so in == out is
     safe (ffi/src/blink_core.h, Leaf). An all-gather may pass its shard as the one operand with the
-    full buffer as result (``shard_input``): the executor copies the shard straight into place."""
-    request = request_for(sum(math.prod(a.shape) for a in ctx.avals_out))
+    full buffer as result (``shard_input``): the executor copies the shard straight into place; a
+    reduce-scatter may return only the rank's shard (``shard_output``): the executor sums it straight
+    into the result, with no full-size result buffer (fresh pages) and no slice copy after the call."""
+    request = request_for(sum(max(math.prod(a.shape), math.prod(b.shape))
+                              for a, b in zip(ctx.avals_in, ctx.avals_out)))
     return _call(CPU_TARGET, ctx, xs, request, _ALIAS)
 
 
 _cpu_rule.shard_input = True  # see _cpu_rule: all-gather operand = this rank's shard
+_cpu_rule.shard_output = True  # see _cpu_rule: reduce-scatter result = this rank's shard
 
 
 def _cuda_rule(ctx, xs, request_for):
