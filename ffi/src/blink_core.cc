@@ -461,7 +461,9 @@ class Registry {
           p.meeting->arrivals.resize(info->table.group_devices[key.group].size());
           p.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
           p.timeout_ms = timeout_ms;
-          cv_.notify_all();
+          // Wake the watchdog only when it would sleep past this deadline: a call usually completes
+          // long before its timeout, and a wake-up per call costs a thread switch on a busy machine.
+          if (p.deadline < watch_until_) cv_.notify_all();
         }
         Meeting& m = *p.meeting;
         const Arrival* first = nullptr;
@@ -551,12 +553,15 @@ class Registry {
         }
       }
       if (!expired.empty()) {
+        watch_until_ = Clock::time_point::min();  // meetings added meanwhile are seen by the rescan
         lock.unlock();
         for (auto& [m, msg] : expired) m->Finish(msg);
         lock.lock();
         continue;
       }
+      watch_until_ = next;
       cv_.wait_until(lock, next);
+      watch_until_ = Clock::time_point::min();  // scanning (under the lock) before it sleeps again
     }
   }
 
@@ -586,6 +591,8 @@ class Registry {
 
   std::mutex mu_;
   std::condition_variable cv_;
+  // When the watchdog wakes next (it waits for the earliest deadline); min() while it is scanning.
+  Clock::time_point watch_until_ = Clock::time_point::min();
   std::map<MeetingKey, Pending> pending_;
   std::map<MeetingKey, std::string> failed_;
   std::deque<MeetingKey> failed_order_;
