@@ -509,7 +509,9 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
                    all_gather_dimension=None, scatter_dimension=None):
     """All-gather: place the shard at the rank's position of a zero full buffer, run the schedule,
     fold to the output shape. Reduce-scatter: lay the operand out as n shards, run, slice the own shard.
-    Both lowerings (ppermute, ffi) see only full buffers."""
+    The ppermute lowering sees only full buffers; a rule marked ``shard_input`` (all-gather) takes the
+    rank's shard as its operand and one marked ``shard_output`` (reduce-scatter) returns the rank's
+    shard as its result (the CPU ffi rule: no placement, no full-size result, no slice)."""
     from .lowering.ppermute import _position_p
     axis_ctx = ctx.module_context.axis_context
     if not isinstance(axis_ctx, SPMDAxisContext) or isinstance(axis_ctx.mesh, AbstractMesh):
