@@ -6,10 +6,12 @@ Usage: python benchmarks/collectives.py [--collective allreduce|allgather|reduce
 float32 inside jax.jit(jax.shard_map(..., check_vma=False)); the size is the full buffer per device
 (all-reduce: the operand; all-gather: the gathered output, each device contributing 1/n of it;
 reduce-scatter: the input, each device keeping 1/n), as nccl-tests counts it. References:
-lax.psum, lax.all_gather(tiled=True), lax.psum_scatter(tiled=True). Reports the median wall time per
-call (after one warm-up), the ratio t(impl) / t(lax) measured in the same process (lower is faster)
-and lax's busbw = bytes / t * factor (nccl-tests: 2(n-1)/n for all-reduce, (n-1)/n for all-gather
-and reduce-scatter; ``jax_blink.collectives``).
+lax.psum, lax.all_gather(tiled=True), lax.psum_scatter(tiled=True). The calls of lax and every impl are
+interleaved (lax, impl 1, impl 2, lax, ...), so load from other jobs on a shared machine hits them
+alike. Reports the median wall time per call (after three warm-up calls each), the ratio t(impl) /
+t(lax) of the medians (lower is faster) with its spread (the 25th-75th percentile of the per-round
+ratios), and lax's busbw = bytes / t * factor (nccl-tests: 2(n-1)/n for all-reduce, (n-1)/n for
+all-gather and reduce-scatter; ``jax_blink.collectives``).
 """
 
 from __future__ import annotations
@@ -35,14 +37,18 @@ import jax_blink.api  # noqa: E402,F401  (registers the lowerings, "ffi" include
 from jax_blink import collectives, lowering  # noqa: E402
 
 
-def _time(f, x, iters: int) -> float:
-    jax.block_until_ready(f(x))  # compile + warm-up
-    ts = []
+def _time(fns: dict, x, iters: int) -> dict:
+    """{name: array of wall seconds per call}, the calls of ``fns`` interleaved over ``iters`` rounds."""
+    for f in fns.values():
+        for _ in range(3):  # compile + warm-up (thread pools, allocator)
+            jax.block_until_ready(f(x))
+    ts = {k: [] for k in fns}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x))
+            ts[k].append(time.perf_counter() - t0)
+    return {k: np.asarray(v) for k, v in ts.items()}
 
 
 def _functions(collective: str, impls, topology):
@@ -82,16 +88,15 @@ def run(collective: str, args, impls, console) -> None:
         table.add_column(f"{k} ms", justify="right")
         if k != ref_name:
             table.add_column(f"{k}/lax", justify="right")
+            table.add_column("(25-75%)", justify="right")
     table.add_column("lax busbw GB/s", justify="right")
     for nbytes in sizes:
         nelems = nbytes // 4
         per_device = nelems // n if collective == "allgather" else nelems  # all-gather input: one shard
         x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal(n * per_device), jnp.float32),
                            NamedSharding(mesh, P("i")))
-        iters = args.iters or max(3, min(50, (64 << 20) // (nbytes * 4)))
+        iters = args.iters or max(9, min(100, (256 << 20) // (nbytes * 4)))
         ref = None
-        row = [f"{nbytes:,}"]
-        times = {}
         for k, f in jitted.items():
             out = f(x)
             if ref is None:
@@ -99,10 +104,15 @@ def run(collective: str, args, impls, console) -> None:
             else:  # a benchmark of a wrong result is worthless
                 np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
             del out
-            times[k] = _time(f, x, iters)
+        samples = _time(jitted, x, iters)
+        times = {k: float(np.median(v)) for k, v in samples.items()}
+        row = [f"{nbytes:,}"]
+        for k in jitted:
             row.append(f"{times[k] * 1e3:.3f}")
             if k != ref_name:
+                per_round = samples[k] / samples[ref_name]
                 row.append(f"{times[k] / times[ref_name]:.2f}")
+                row.append(f"{np.percentile(per_round, 25):.2f}-{np.percentile(per_round, 75):.2f}")
         row.append(f"{nbytes / times[ref_name] * factor / 1e9:.2f}")
         table.add_row(*row)
         del x

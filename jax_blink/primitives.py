@@ -357,8 +357,9 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
                    all_gather_dimension=None, scatter_dimension=None):
     """All-gather: place the shard at the rank's position of a zero full buffer, run the schedule,
     fold to the output shape. Reduce-scatter: lay the operand out as n shards, run, slice the own shard.
-    The lowering rules see only full buffers, except an all-gather rule whose record says
-    ``shard_input`` (it takes the shard and places it itself)."""
+    The lowering rules see full buffers, except where the record says ``shard_input`` (an all-gather
+    rule takes the rank's shard as its operand and places it itself) or ``shard_output`` (a
+    reduce-scatter rule returns the rank's shard as its result: no full-size result, no slice)."""
     mesh = _concrete_mesh(collective, ctx)
     aval_in, aval_out = ctx.avals_in[0], ctx.avals_out[0]
     n = axis_size
@@ -398,9 +399,14 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
         def post(v):
             me = jnp.asarray(ranks)[_ppermute._position_p.bind()]
             return lax.dynamic_slice(v, (me * m,), (m,)).reshape(aval_out.shape)
+    shard = core.ShapedArray((m,), aval_in.dtype)
     if gather and rec.shard_input:  # the executor places the shard itself
-        out, = rec.rule(ctx.replace(avals_in=[core.ShapedArray((m,), aval_in.dtype)], avals_out=[full]),
-                        [mlir.reshape(ctx, x, core.ShapedArray((m,), aval_in.dtype))], request_for)
+        out, = rec.rule(ctx.replace(avals_in=[shard], avals_out=[full]), [mlir.reshape(ctx, x, shard)], request_for)
+    elif not gather and rec.shard_output:  # the executor writes only the own shard
+        placed, = mlir.lower_fun(pre, multiple_results=False)(
+            ctx.replace(primitive=None, avals_in=[plain_in], avals_out=[full]), x)
+        out, = rec.rule(ctx.replace(avals_in=[full], avals_out=[shard]), [placed], request_for)
+        return mlir.reshape(ctx, out, plain_out)
     else:
         placed, = mlir.lower_fun(pre, multiple_results=False)(
             ctx.replace(primitive=None, avals_in=[plain_in], avals_out=[full]), x)

@@ -88,6 +88,43 @@ def test_executor_collectives_odd_sizes(collective, root, n):
     assert got.tobytes() == execute(sched, np.stack(xs)).tobytes()
 
 
+@pytest.mark.parametrize("collective", ["allgather", "reducescatter"])
+def test_executor_shard_forms(collective):
+    """One-leaf sharded calls as the CPU lowering makes them (one star per owner): all-gather from the
+    rank's shard, reduce-scatter into the rank's shard alone, bitwise equal to the reference."""
+    from jax_blink.primitives import _shared_memory_stars
+    n, m = 8, 12_347  # a shard of odd length: tiles end unaligned
+    sched = build_schedule(_shared_memory_stars(plan(Topology.host(n), collective)), n * m, chunk_elems=5000)
+    rng = np.random.default_rng(5)
+    full = [rng.standard_normal(n * m).astype(np.float32) for _ in range(n)]
+    want = execute(sched, np.stack(full))
+    if collective == "allgather":
+        ins = [full[r][r * m:(r + 1) * m].copy() for r in range(n)]
+        outs = [np.full(n * m, 7, np.float32) for _ in range(n)]
+        expect = want
+    else:
+        ins = full
+        outs = [np.full(m, 7, np.float32) for _ in range(n)]
+        expect = np.stack([want[r, r * m:(r + 1) * m] for r in range(n)])
+    err = cpu.simulate(sched.to_array(), table_for(n), list(range(n)), ins, outs, ["float32"] * n, 5000, 31)
+    assert err == ""
+    assert np.stack(outs).tobytes() == expect.tobytes()
+
+
+def test_reduce_scatter_shard_output_needs_owner_writes():
+    """A reduce-scatter schedule that keeps partial sums at other ranks (a packing with relaying
+    ranks) cannot return the shard alone: every device reports why, nothing is written."""
+    n, m = 8, 1000
+    sched = build_schedule(plan(Topology.preset("dgx1v"), "reducescatter"), n * m, chunk_elems=500)
+    assert any(int(sched.reduce_parent[s, r]) not in (-1, int(sched.seg_root[s]))
+               for s in range(len(sched.seg_root)) for r in range(n))  # some rank relays
+    ins = [np.ones(n * m, np.float32) for _ in range(n)]
+    outs = [np.full(m, 7, np.float32) for _ in range(n)]
+    err = cpu.simulate(sched.to_array(), table_for(n), list(range(n)), ins, outs, ["float32"] * n, 5000, 32)
+    assert "needs a schedule whose transfers all write into their segment's root" in err, err
+    assert all((o == 7).all() for o in outs)
+
+
 def test_absent_participant_times_out_naming_it():
     sched = schedule_for(4, nelems=100)
     xs = [np.ones(100, np.float32)] * 4

@@ -213,13 +213,16 @@ std::string BuildExecPlan(const Schedule& s, ExecPlan* out) {
     mat[t.chunk][t.dst] = 1;
     byc[t.chunk].ops.push_back(op);
   }
+  out->owner_writes_only = true;
   for (int64_t c = 0; c < C; ++c) {
     byc[c].steps = FuseOps(byc[c].ops);
     int64_t root = s.seg_root[byc[c].segment];
+    for (const Op& op : byc[c].ops) out->owner_writes_only &= op.dst == root;
     for (int32_t r = 0; r < nr; ++r) {
       if (CollectiveRowOf(static_cast<int64_t>(s.collective))->zero_non_root && r != root) byc[c].zero.push_back(r);
       else if (!mat[c][r]) byc[c].copy_in.push_back(r);
     }
+    out->owner_writes_only &= byc[c].zero.empty();
   }
   if (C == 0 && s.nelems > 0) {  // one rank: the result is the input
     ChunkPlan cp;
@@ -329,17 +332,26 @@ class CompletionPool {
     static CompletionPool* p = new CompletionPool();  // leaked: threads may outlive static destruction
     return *p;
   }
-  void Post(std::function<void()> f) {
-    std::lock_guard<std::mutex> lock(mu_);
-    q_.push_back(std::move(f));
-    // Every queued task must have a thread that is free for it: an idle one or one starting.
-    if (idle_ + starting_ >= static_cast<int64_t>(q_.size())) {
-      cv_.notify_one();
-    } else {
-      ++starting_;
-      ++threads_;
-      std::thread([this] { Loop(); }).detach();
+  // Queues the tasks; every queued task must have a thread that is free for it: an idle one (woken
+  // here) or a new one. The wake-ups go out after the lock is released, so a woken thread does not
+  // block on it at once (one thread switch less per task).
+  void Post(std::vector<std::function<void()>> fs) {
+    int64_t wake = 0, start = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& f : fs) {
+        q_.push_back(std::move(f));
+        if (idle_ + starting_ >= static_cast<int64_t>(q_.size())) {
+          ++wake;
+        } else {
+          ++starting_;
+          ++threads_;
+          ++start;
+        }
+      }
     }
+    for (int64_t i = 0; i < wake; ++i) cv_.notify_one();
+    for (int64_t i = 0; i < start; ++i) std::thread([this] { Loop(); }).detach();
   }
   int64_t Threads() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -377,6 +389,7 @@ class CompletionPool {
 // Completes each arrival's `done` on its own thread; arrivals[inline_rank]'s (if any) on this one, last.
 void CompleteAll(std::vector<Arrival>& arrivals, const std::string& err, int64_t inline_rank) {
   std::function<void(const std::string&)> mine;
+  std::vector<std::function<void()>> tasks;
   for (size_t r = 0; r < arrivals.size(); ++r) {
     if (!arrivals[r].done) continue;
     auto done = std::move(arrivals[r].done);
@@ -385,14 +398,19 @@ void CompleteAll(std::vector<Arrival>& arrivals, const std::string& err, int64_t
       mine = std::move(done);
       continue;
     }
-    PostCompletion([done = std::move(done), err]() { done(err); });
+    tasks.push_back([done = std::move(done), err]() { done(err); });
   }
+  if (!tasks.empty()) CompletionPool::Get().Post(std::move(tasks));  // one lock for all
   if (mine) mine(err);
 }
 
 }  // namespace
 
-void PostCompletion(std::function<void()> task) { CompletionPool::Get().Post(std::move(task)); }
+void PostCompletion(std::function<void()> task) {
+  std::vector<std::function<void()>> one;
+  one.push_back(std::move(task));
+  CompletionPool::Get().Post(std::move(one));
+}
 int64_t CompletionThreads() { return CompletionPool::Get().Threads(); }
 
 void Meeting::Finish(const std::string& err, int64_t inline_rank) { CompleteAll(arrivals, err, inline_rank); }
@@ -458,7 +476,9 @@ class Registry {
           p.meeting->arrivals.resize(info->table.group_devices[key.group].size());
           p.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
           p.timeout_ms = timeout_ms;
-          cv_.notify_all();
+          // Wake the watchdog only when it would sleep past this deadline: a call usually completes
+          // long before its timeout, and a wake-up per call costs a thread switch on a busy machine.
+          if (p.deadline < watch_until_) cv_.notify_all();
         }
         Meeting& m = *p.meeting;
         const Arrival* first = nullptr;
@@ -548,12 +568,15 @@ class Registry {
         }
       }
       if (!expired.empty()) {
+        watch_until_ = Clock::time_point::min();  // meetings added meanwhile are seen by the rescan
         lock.unlock();
         for (auto& [m, msg] : expired) m->Finish(msg);
         lock.lock();
         continue;
       }
+      watch_until_ = next;
       cv_.wait_until(lock, next);
+      watch_until_ = Clock::time_point::min();  // scanning (under the lock) before it sleeps again
     }
   }
 
@@ -583,6 +606,8 @@ class Registry {
 
   std::mutex mu_;
   std::condition_variable cv_;
+  // When the watchdog wakes next (it waits for the earliest deadline); min() while it is scanning.
+  Clock::time_point watch_until_ = Clock::time_point::min();
   std::map<MeetingKey, Pending> pending_;
   std::map<MeetingKey, std::string> failed_;
   std::deque<MeetingKey> failed_order_;

@@ -96,6 +96,9 @@ struct ExecPlan {
   Schedule schedule;
   std::vector<ChunkPlan> chunks;    // covers [0, nelems) in offset order
   int64_t max_chunk = 0;
+  // Every transfer writes into its segment's root (stars into the owners): a rank's output is
+  // written only inside the segments it roots.
+  bool owner_writes_only = true;
 };
 std::string BuildExecPlan(const Schedule& s, ExecPlan* out);
 
@@ -137,6 +140,11 @@ struct Leaf {
   const void* in = nullptr;
   void* out = nullptr;
   int64_t nelems = 0;
+  // Reduce-scatter from a one-leaf call whose result is the rank's shard alone: `out` points
+  // rank * nelems / nranks elements before that result, so the shard sits at its place in the
+  // virtual full buffer; the plan writes a rank's output only inside the shard it owns
+  // (ExecPlan::owner_writes_only), so no other output address is used.
+  bool out_shard = false;
 };
 
 struct Arrival {

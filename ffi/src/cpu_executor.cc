@@ -369,13 +369,20 @@ void ExecuteOnCpu(std::shared_ptr<Meeting> meeting, int64_t caller_rank) {
   const int64_t tile = std::max<int64_t>(1, kTileBytes / static_cast<int64_t>(job->esize));
   job->tiles = MakeTiles(m.plan->chunks, m.arrivals[0].leaves, tile);
   const int64_t rank_bytes = m.plan->schedule.nelems * static_cast<int64_t>(job->esize);
+  const int64_t esize = static_cast<int64_t>(job->esize);
   for (auto& a : m.arrivals) {
     job->in.emplace_back();
     job->out.emplace_back();
     for (const Leaf& leaf : a.leaves) {
       job->in.back().push_back(static_cast<const char*>(leaf.in));
       job->out.back().push_back(static_cast<char*>(leaf.out));
-      if (huge && leaf.out != leaf.in) AdviseHugePages(leaf.out, leaf.nelems * static_cast<int64_t>(job->esize));
+      if (!huge || leaf.out == leaf.in) continue;
+      if (leaf.out_shard) {  // only the rank's shard is memory
+        const int64_t shard = leaf.nelems / m.plan->schedule.nranks;
+        AdviseHugePages(static_cast<char*>(leaf.out) + a.rank * shard * esize, shard * esize);
+      } else {
+        AdviseHugePages(leaf.out, leaf.nelems * esize);
+      }
     }
   }
   const int64_t total = static_cast<int64_t>(job->tiles.size());

@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 #include <nanobind/stl/pair.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -40,21 +41,37 @@ ffi::Future Ready() {
   return f;
 }
 
-// Operands equal to their results, or (all-gather, one leaf) the rank's shard: then the operand is the
-// shard r of a full buffer of nranks shards, and the leaf's input pointer is set as if it pointed at
-// the full buffer. The executor reads an all-gather rank's input only inside its own shard (the only
-// segments it roots), so no other address is formed for reading. Returns "" or the error.
-std::string ShardInputs(const ExecPlan& plan, int64_t rank, const std::vector<int64_t>& in_counts, size_t esize,
-                        std::vector<Leaf>* leaves) {
+// Operands equal to their results, or one of two shard forms of a one-leaf sharded collective:
+// - all-gather, operand = the rank's shard (result = nranks x operand): the leaf's input pointer is
+//   set as if it pointed at the full buffer. The executor reads an all-gather rank's input only inside
+//   its own shard (the only segments it roots), so no other address is formed for reading.
+// - reduce-scatter, result = the rank's shard (operand = nranks x result): the output pointer likewise
+//   (Leaf::out_shard); needs a plan whose transfers write only into their segment's root (the star
+//   per owner the CPU lowering builds), else no other rank's partial sums would have a place.
+// in_counts / out_counts: per leaf, the operand's and the result's element count; leaf.nelems is the
+// larger. Returns "" or the error.
+std::string ShardBuffers(const ExecPlan& plan, int64_t rank, const std::vector<int64_t>& in_counts,
+                         const std::vector<int64_t>& out_counts, size_t esize, std::vector<Leaf>* leaves) {
   const Schedule& s = plan.schedule;
   const CollectiveRow& row = *CollectiveRowOf(static_cast<int64_t>(s.collective));
   for (size_t i = 0; i < leaves->size(); ++i) {
     Leaf& l = (*leaves)[i];
-    if (in_counts[i] == l.nelems) continue;
-    if (!row.sharded || row.reduces || leaves->size() != 1 || in_counts[i] * s.nranks != l.nelems)
+    if (in_counts[i] == out_counts[i]) continue;
+    const bool gather = row.sharded && !row.reduces && in_counts[i] * s.nranks == out_counts[i];
+    const bool scatter = row.sharded && row.reduces && out_counts[i] * s.nranks == in_counts[i];
+    if (leaves->size() != 1 || !(gather || scatter))
       return "operand " + std::to_string(i) + " has " + std::to_string(in_counts[i]) + " elements and its result " +
-             std::to_string(l.nelems) + " (only a one-operand all-gather takes its shard: result = nranks x operand)";
-    l.in = static_cast<const char*>(l.in) - static_cast<ptrdiff_t>(rank * in_counts[i] * esize);
+             std::to_string(out_counts[i]) + " (only a one-operand all-gather takes its shard, result = nranks x "
+             "operand, and only a one-operand reduce-scatter returns its shard, operand = nranks x result)";
+    if (scatter && !plan.owner_writes_only)
+      return "a reduce-scatter that returns the rank's shard needs a schedule whose transfers all write into "
+             "their segment's root (one star per owner); this one keeps partial sums at other ranks";
+    if (gather) {
+      l.in = static_cast<const char*>(l.in) - static_cast<ptrdiff_t>(rank * in_counts[i] * esize);
+    } else {
+      l.out = static_cast<char*>(l.out) - static_cast<ptrdiff_t>(rank * out_counts[i] * esize);
+      l.out_shard = true;
+    }
   }
   return "";
 }
@@ -74,7 +91,7 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args
           " results (expected as many of each, at least one)";
   }
   int64_t nelems = 0;
-  std::vector<int64_t> in_counts;  // per leaf: the operand's element count
+  std::vector<int64_t> in_counts, out_counts;  // per leaf: the operand's and the result's element count
   for (size_t i = 0; bad.empty() && i < args.size(); ++i) {
     auto x = args.get<ffi::AnyBuffer>(i);
     auto y = rets.get<ffi::AnyBuffer>(i);
@@ -89,11 +106,13 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args
       break;
     }
     dt = t;
-    // The result may be larger than the operand only for an all-gather from the shard (checked below).
-    const int64_t n = static_cast<int64_t>((*y)->element_count());
+    // Operand and result differ only for a sharded collective's shard forms (checked below).
+    const int64_t n_in = static_cast<int64_t>(x->element_count()), n_out = static_cast<int64_t>((*y)->element_count());
+    const int64_t n = std::max(n_in, n_out);
     if (n == 0) continue;  // the same shapes on every device: zero-size leaves take no part
     leaves.push_back(Leaf{x->untyped_data(), (*y)->untyped_data(), n});
-    in_counts.push_back(static_cast<int64_t>(x->element_count()));
+    in_counts.push_back(n_in);
+    out_counts.push_back(n_out);
     nelems += n;
   }
   if (bad.empty() && nelems == 0) return Ready();  // nobody meets
@@ -113,7 +132,7 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args
   if (!err.empty()) return cannot_join(err);
   const DeviceTable::Entry* e = info->table.Find(device);
   if (!e) return cannot_join("it is not in the collective's device table");
-  err = ShardInputs(*info->plans[e->group], e->rank, in_counts, DtypeSize(*dt), &leaves);
+  err = ShardBuffers(*info->plans[e->group], e->rank, in_counts, out_counts, DtypeSize(*dt), &leaves);
   if (!err.empty()) return cannot_join(err);
   ffi::Promise promise;
   ffi::Future future(promise);
@@ -196,17 +215,29 @@ std::string Simulate(I64Array schedule, I64Array device_table, std::vector<int64
       a.device = devices[i];
       a.rank = e->rank;
       a.dtype = *dt;
-      a.nelems = static_cast<int64_t>(inputs[i].size());
-      // The device's array cut into leaves of leaf_sizes elements (the rest: one more leaf), as
-      // separate operands of one call; in_place: each result aliases its operand (outputs unused).
       const size_t es = DtypeSize(*dt);
-      int64_t pos = 0;
-      for (size_t j = 0; j <= leaf_sizes.size(); ++j) {
-        int64_t n = j < leaf_sizes.size() ? std::min(leaf_sizes[j], a.nelems - pos) : a.nelems - pos;
-        char* in = static_cast<char*>(inputs[i].data()) + pos * es;
-        char* out = in_place ? in : static_cast<char*>(outputs[i].data()) + pos * es;
-        if (n > 0) a.leaves.push_back(Leaf{in, out, n});
-        pos += std::max<int64_t>(n, 0);
+      const int64_t n_in = static_cast<int64_t>(inputs[i].size()), n_out = static_cast<int64_t>(outputs[i].size());
+      a.nelems = std::max(n_in, n_out);
+      if (n_in != n_out) {  // a shard form (one leaf): as the XLA handler takes it (ShardBuffers)
+        a.leaves.push_back(Leaf{inputs[i].data(), outputs[i].data(), a.nelems});
+        std::string why = ShardBuffers(*info->plans[e->group], e->rank, {n_in}, {n_out}, es, &a.leaves);
+        if (!why.empty()) {
+          std::lock_guard<std::mutex> l(mu);
+          errors[i] = why;
+          --pending;
+          continue;
+        }
+      } else {
+        // The device's array cut into leaves of leaf_sizes elements (the rest: one more leaf), as
+        // separate operands of one call; in_place: each result aliases its operand (outputs unused).
+        int64_t pos = 0;
+        for (size_t j = 0; j <= leaf_sizes.size(); ++j) {
+          int64_t n = j < leaf_sizes.size() ? std::min(leaf_sizes[j], a.nelems - pos) : a.nelems - pos;
+          char* in = static_cast<char*>(inputs[i].data()) + pos * es;
+          char* out = in_place ? in : static_cast<char*>(outputs[i].data()) + pos * es;
+          if (n > 0) a.leaves.push_back(Leaf{in, out, n});
+          pos += std::max<int64_t>(n, 0);
+        }
       }
       a.done = [&, i](const std::string& msg) {
         std::lock_guard<std::mutex> l(mu);
@@ -341,7 +372,8 @@ NB_MODULE(_cpu, m) {
         nb::arg("inputs"), nb::arg("outputs"), nb::arg("dtypes"), nb::arg("timeout_ms"), nb::arg("call_site"),
         nb::arg("leaf_sizes") = std::vector<int64_t>{}, nb::arg("in_place") = false,
         "Test entry: run one meeting with the given devices arriving from separate threads (each device's "
-        "array cut into leaves of leaf_sizes elements; in_place: results alias the inputs).");
+        "array cut into leaves of leaf_sizes elements; in_place: results alias the inputs). An input or "
+        "output 1/nranks the size of the other is a shard form (all-gather input, reduce-scatter output).");
   m.def("validate", &jax_blink::Validate, nb::arg("schedule"), "Decode + validate a schedule; '' or the error.");
   m.def("gpu_program_check", &jax_blink::GpuProgramCheck, nb::arg("schedule"), nb::arg("dtype"), nb::arg("inputs"),
         nb::arg("expected"), nb::arg("rank_device"), nb::arg("peer_ok"), nb::arg("max_streams"), nb::arg("seeds"),

@@ -50,9 +50,10 @@ void Fail(const std::string& trial, const std::string& what) {
 
 // ---- schedules in the wire format (docs/architecture.md "Schedule") ----------------------------
 // S segments, each cut into k chunks; even segments use a chain tree from their root, odd ones a
-// star. Allreduce roots rotate over the ranks; broadcast/reduce segments all root at `root`;
-// sharded collectives (all-gather, reduce-scatter) have one segment per shard, rooted at its owner.
-std::vector<int64_t> MakeSchedule(Collective coll, int nr, int64_t ne, int root, int S, int k) {
+// star (`stars`: every segment a star). Allreduce roots rotate over the ranks; broadcast/reduce
+// segments all root at `root`; sharded collectives (all-gather, reduce-scatter) have one segment per
+// shard, rooted at its owner.
+std::vector<int64_t> MakeSchedule(Collective coll, int nr, int64_t ne, int root, int S, int k, bool stars) {
   const CollectiveRow& row = *CollectiveRowOf(static_cast<int64_t>(coll));
   if (row.sharded) S = nr;  // ne is a multiple of nr
   std::vector<int64_t> seg_root, seg_off, seg_len, seg_ph, rp(S * nr, -1), bp(S * nr, -1), cseg, coff, clen, tr;
@@ -66,7 +67,7 @@ std::vector<int64_t> MakeSchedule(Collective coll, int nr, int64_t ne, int root,
     seg_len.push_back(len);
     std::vector<int> order(nr);
     for (int i = 0; i < nr; ++i) order[i] = (r0 + i) % nr;
-    const bool chain = s % 2 == 0;
+    const bool chain = !stars && s % 2 == 0;
     auto parent = [&](int i) { return chain ? order[i - 1] : r0; };
     for (int i = 1; i < nr; ++i) {
       if (row.reduces) rp[s * nr + order[i]] = parent(i);
@@ -161,6 +162,9 @@ struct Trial {
   int fault_group = 0, fault_rank = 0;
   int max_delay_us = 0;
   uint64_t seed = 0;
+  // Reduce-scatter into the rank's shard alone (Leaf::out_shard; star schedules): the output buffer
+  // holds one shard, so a write anywhere else is out of bounds (AddressSanitizer reports it).
+  bool shard_out = false;
 };
 
 constexpr auto kWaitLimit = std::chrono::milliseconds(30000);  // a completion that never comes
@@ -178,7 +182,7 @@ void RunTrial(const Trial& t) {
     }
   std::vector<int64_t> sched;
   for (int g = 0; g < G; ++g) {  // one schedule per group; rooted collectives root differently per group
-    auto s = MakeSchedule(t.coll, nr, t.nelems, (t.root + g) % nr, t.segments, t.chunks);
+    auto s = MakeSchedule(t.coll, nr, t.nelems, (t.root + g) % nr, t.segments, t.chunks, t.shard_out);
     sched.insert(sched.end(), s.begin(), s.end());
   }
   std::shared_ptr<const CallSiteInfo> info;
@@ -217,7 +221,10 @@ void RunTrial(const Trial& t) {
       int64_t n = t.nelems;
       if (is_fault && t.fault == Fault::kDtype) dt = t.dtype == Dtype::kF64 ? Dtype::kF32 : Dtype::kF64;
       if (is_fault && t.fault == Fault::kSize) n -= 1;
-      std::vector<char> in(n * DtypeSize(dt)), out(n * DtypeSize(dt), 0x5a);
+      const int64_t shard = n / nr;
+      std::vector<char> in(n * DtypeSize(dt)), out((t.shard_out ? shard : n) * DtypeSize(dt), 0x5a);
+      // shard_out: the output as the handler passes it, `rank` shards before the one-shard buffer
+      char* out_base = out.data() - (t.shard_out ? r * shard * static_cast<int64_t>(DtypeSize(dt)) : 0);
       FillAny(dt, in.data(), g, r, it, n);
       auto slot = std::make_shared<Slot>();
       std::shared_ptr<Barrier> bar = barriers[it * G + g];
@@ -228,7 +235,7 @@ void RunTrial(const Trial& t) {
         a.rank = r;
         a.dtype = dt;
         a.nelems = n;
-        a.leaves = {Leaf{in.data(), out.data(), n}};
+        a.leaves = {Leaf{in.data(), out_base, n, t.shard_out}};
         a.done = [s, bar, tname, faulty](const std::string& msg) {
           s->Set(msg);
           // As a device entering an XLA collective: wait for every peer's continuation.
@@ -267,7 +274,6 @@ void RunTrial(const Trial& t) {
       }
       // Reference: plain sums over the group's ranks.
       const CollectiveRow& crow = *CollectiveRowOf(static_cast<int64_t>(t.coll));
-      const int64_t shard = n / nr;
       for (int64_t i = 0; i < n; ++i) {
         int64_t want = 0;
         const int root = (t.root + g) % nr;
@@ -276,7 +282,7 @@ void RunTrial(const Trial& t) {
         else if (t.coll == Collective::kBroadcast) want = Value(g, root, it, i);
         else if (t.coll == Collective::kReduce && r != root) want = 0;
         else for (int q = 0; q < nr; ++q) want += Value(g, q, it, i);
-        const int64_t have = GetAny(dt, out.data(), i);
+        const int64_t have = GetAny(dt, out_base, i);
         if (have != want) {
           Fail(t.name, "device " + std::to_string(id) + " rank " + std::to_string(r) + " iteration " +
                            std::to_string(it) + " element " + std::to_string(i) + ": " + std::to_string(have) +
@@ -391,6 +397,22 @@ int main(int argc, char** argv) {
       t.seed = round * 100 + i;
       trials.push_back(t);
     }
+    for (int i = 0; i < 2; ++i) {  // reduce-scatter into the shard alone, with and without helpers
+      Trial t;
+      t.coll = Collective::kReduceScatter;
+      t.dtype = dtypes[(i + round) % 3];
+      t.nr = 4 + 4 * i;
+      t.chunks = 1 + 2 * i;
+      t.nelems = i == 1 ? 100000 : 1000;
+      t.nelems -= t.nelems % t.nr;
+      t.iters = 4;
+      t.run_id = shared_run;
+      t.call_site = 200 + i;
+      t.max_delay_us = 1000;
+      t.seed = round * 100 + 50 + i;
+      t.shard_out = true;
+      trials.push_back(t);
+    }
     // Fault trials, each on its own call site (a device that never arrived leaves its generation behind).
     const Fault faults[] = {Fault::kAbsent, Fault::kLate, Fault::kDtype, Fault::kSize, Fault::kDuplicate,
                             Fault::kFailCall, Fault::kExecError};
@@ -416,7 +438,7 @@ int main(int argc, char** argv) {
     for (auto& t : trials) {
       t.name = "round " + std::to_string(round) + " site " + std::to_string(t.call_site) + " fault " +
                FaultName(t.fault) + " n=" + std::to_string(t.nr) + "x" + std::to_string(t.groups) + " " +
-               DtypeName(t.dtype);
+               DtypeName(t.dtype) + (t.shard_out ? " shard_out" : "");
     }
     std::vector<std::thread> th;
     for (const auto& t : trials) th.emplace_back([&t] { RunTrial(t); });

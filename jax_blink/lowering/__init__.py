@@ -47,6 +47,8 @@ class Lowering:
         collectives: one star per owner) instead of the link simulator's choice.
       shard_input: True when an all-gather may pass its shard as the only operand (the rule's
         executor places it), instead of a zero full buffer with the shard in place.
+      shard_output: True when a reduce-scatter rule returns only the rank's shard (the executor
+        sums it straight into that result), instead of a full buffer sliced after the call.
       description: a few words for users ("rounds of collective_permute").
       unavailable: None when usable here; else why not (native module missing, driver too old):
         :func:`find_lowering` skips such records, error messages quote the reason.
@@ -62,6 +64,7 @@ class Lowering:
     auto_allowed: Callable[[str], bool] | None = None
     host_memory: bool = False
     shard_input: bool = False
+    shard_output: bool = False
     description: str = ""
     unavailable: str | None = None
 

@@ -170,8 +170,11 @@ def _cpu_rule(ctx, xs, request_for):
     (no fresh output pages) where an operand dies at the call; where it is still used, XLA copies it
     first. The executor reads a rank's input only before it first writes its output, so in == out is
     safe (ffi/src/blink_core.h, Leaf). An all-gather may pass its shard as the one operand with the
-    full buffer as result (the record's ``shard_input``): the executor copies the shard into place."""
-    request = request_for(sum(math.prod(a.shape) for a in ctx.avals_out))
+    full buffer as result (the record's ``shard_input``): the executor copies the shard straight into
+    place; a reduce-scatter may return only the rank's shard (the record's ``shard_output``): the executor sums it straight
+    into the result, with no full-size result buffer (fresh pages) and no slice copy after the call."""
+    request = request_for(sum(max(math.prod(a.shape), math.prod(b.shape))
+                              for a, b in zip(ctx.avals_in, ctx.avals_out)))
     return _call(CPU_TARGET, ctx, xs, request, _ALIAS)
 
 
@@ -249,5 +252,6 @@ def _register(platform: str, xla_platform: str, module, target: str, missing: st
                       unavailable=why, **fields))
 
 
-_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule, host_memory=True, shard_input=True)
+_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule, host_memory=True, shard_input=True,
+          shard_output=True)
 _register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error, _cuda_rule)
