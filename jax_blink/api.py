@@ -13,6 +13,7 @@ collective per dtype and no concatenate / slice copies.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -220,9 +221,9 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
         if groups is not None:
             raise NotImplementedError("axis_index_groups is not supported with shard_map(check_vma=True) "
                                       "(as lax.psum); use check_vma=False")
-        bind = lambda *v: P.blink_psum_invariant_p.bind(*v, axes=axes, impl=impl, key=key)
+        bind = functools.partial(P.blink_psum_invariant_p.bind, axes=axes, impl=impl, key=key)
     else:
-        bind = lambda *v: P.blink_psum_p.bind(*v, axes=axes, impl=impl, key=key, axis_index_groups=groups)
+        bind = functools.partial(P.blink_psum_p.bind, axes=axes, impl=impl, key=key, axis_index_groups=groups)
     return jax.tree_util.tree_unflatten(treedef, _bucketed(leaves, axes, bind))
 
 
@@ -264,7 +265,7 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
         if constant:
             out = [jnp.asarray(leaf, bool) if b else leaf for leaf, b in zip(leaves, was_bool)]
             return jax.tree_util.tree_unflatten(treedef, out)
-    bind = lambda *v: prim.bind(*v, axes=axes, root=root, impl=impl, key=key, vma=vma)
+    bind = functools.partial(prim.bind, axes=axes, root=root, impl=impl, key=key, vma=vma)
     out = _bucketed(leaves, axes, bind)
     if copies_only:
         out = [lax.convert_element_type(o, np.bool_) if b else o for o, b in zip(out, was_bool)]

@@ -4,10 +4,10 @@
 bandwidth-optimal tree packing, the same with fewer trees (``max_trees`` in CANDIDATE_MAX_TREES;
 all-gather / reduce-scatter: n and 2n trees, one per rank at least), the LP-optimal ring packing,
 NCCL's rings and double binary tree (:mod:`jax_blink.planner.rings`, :mod:`jax_blink.planner.dbtree`),
-for all-reduce the reduce-scatter + all-gather forests ("rsag", :func:`jax_blink.planner.facade.plan`; its time is the reduce-scatter time
-plus the all-gather time) and, across nodes, Blink's three phases. Every baseline and "rsag" is a
-Plan the schedule format runs (one tree per segment, reduce and broadcast phases), so whichever wins
-runs as a schedule.
+for all-reduce the reduce-scatter + all-gather forests ("rsag", :func:`jax_blink.planner.facade.plan`;
+its time is the reduce-scatter time plus the all-gather time) and, across nodes, Blink's three phases.
+Every baseline and "rsag" is a Plan the schedule format runs (one tree per segment, reduce and
+broadcast phases), so whichever wins runs as a schedule.
 Users: ``jax_blink.plan(nbytes=...)`` and ``jax-blink plan --size`` (:func:`choose_plan`),
 ``jax-blink bench`` (blink column = :func:`choose_plan` per size), and the lowerings
 (:func:`lowering_schedule`, from ``primitives.build_request``).

@@ -160,7 +160,8 @@ class Schedule:
             if np.any(self.chunk_length <= 0) or np.any((self.chunk_seg < 0) | (self.chunk_seg >= len(self.seg_root))):
                 raise ScheduleError("chunks must have positive length and a valid segment")
             lo = self.seg_offset[self.chunk_seg]
-            if np.any(self.chunk_offset < lo) or np.any(self.chunk_offset + self.chunk_length > lo + self.seg_length[self.chunk_seg]):
+            hi = lo + self.seg_length[self.chunk_seg]
+            if np.any(self.chunk_offset < lo) or np.any(self.chunk_offset + self.chunk_length > hi):
                 raise ScheduleError("chunk outside its segment")
         t = self.transfers
         if t.ndim != 2 or t.shape[1] != 5:
@@ -308,14 +309,17 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
     if chunk_elems is None and sum(ks) > max_total_chunks:
         ks = [max(1, k * max_total_chunks // sum(ks)) for k in ks]
     offset = 0
-    for s, ((t, length), k) in enumerate(zip(lengths_kept, ks)):
+    for s, ((_, length), k) in enumerate(zip(lengths_kept, ks)):
         for cl in _split_proportional(length, [1.0] * k):
             if cl:
                 chunk_seg.append(s), chunk_offset.append(offset), chunk_length.append(cl)
                 offset += cl
 
     transfers = _list_schedule(row, n, seg_root, red_par, bc_par, chunk_seg, chunk_length)
-    i64 = lambda x: np.asarray(x, np.int64)
+
+    def i64(x):
+        return np.asarray(x, np.int64)
+
     sched = Schedule(collective, n, int(nelems), i64(seg_root), i64(seg_offset), i64(seg_length),
                      np.full(len(seg_root), phases, np.int64),
                      i64(red_par).reshape(len(seg_root), n), i64(bc_par).reshape(len(seg_root), n),
