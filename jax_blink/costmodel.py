@@ -244,7 +244,7 @@ def lowering_schedule(plans, nelems: int, *, itemsize: int, step_latency_s: floa
     """(plan, schedule, predicted seconds) a lowering runs, among ``plans`` (candidates).
 
     Args:
-      plans: candidate ``packing.Plan`` objects (e.g. ``candidate_plans``), preferred first.
+      plans: candidate ``jax_blink.Plan`` objects (e.g. ``candidate_plans``), preferred first.
       nelems: elements per rank; itemsize: bytes per element.
       step_latency_s: the lowering's seconds per schedule step (> 0).
       round_synchronous: the lowering pays a barrier per round: :func:`choose_schedule` (round
