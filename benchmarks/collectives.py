@@ -97,7 +97,7 @@ def run(collective: str, args, impls, console) -> None:
                            NamedSharding(mesh, P("i")))
         iters = args.iters or max(9, min(100, (256 << 20) // (nbytes * 4)))
         ref = None
-        for k, f in jitted.items():
+        for f in jitted.values():
             out = f(x)
             if ref is None:
                 ref = np.asarray(out)

@@ -2,12 +2,12 @@
 
 For every allocation of 3..8 GPUs of the ``dgx1v`` preset (NVLink cube-mesh + PCIe tree): the
 simulated broadcast (root = first GPU), all-reduce and all-gather (256 MiB gathered) time at 256 MiB of
-jax_blink's choice
-(``jax_blink.plan(nbytes=size)``: the fastest candidate by the simulator) and of NCCL's baselines as
-NCCL builds them (``jax_blink.planner.rings``, ``jax_blink.planner.dbtree``): rings over NVLink, or over PCIe / inter-socket links when
-the allocation has no NVLink ring, and (all-reduce) the double binary tree over the same links; all on
-the same link-level model (``jax_blink.simulate``). Prints min / median / max speedup per GPU count
-over each baseline, saves a plot of the speedup over NCCL's rings (docs/fragmentation.png by default).
+jax_blink's choice (``jax_blink.plan(nbytes=size)``: the fastest candidate by the simulator) and of
+NCCL's baselines as NCCL builds them (``jax_blink.planner.rings``, ``jax_blink.planner.dbtree``): rings
+over NVLink, or over PCIe / inter-socket links when the allocation has no NVLink ring, and (all-reduce)
+the double binary tree over the same links; all on the same link-level model (``jax_blink.simulate``).
+Prints min / median / max speedup per GPU count over each baseline, saves a plot of the speedup over
+NCCL's rings (docs/fragmentation.png by default).
 
 Then the single-pair case of shared/topologies/README.md (DGX-1V, NCCL 2.7.8, 1 GiB): broadcast
 0 -> 1 over the direct NVLink measured 22.90 GB/s; over three paths at once (direct, via GPU 2, via

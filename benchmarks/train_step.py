@@ -138,14 +138,18 @@ def pytree(args) -> list:
             psum_one = _smap(lambda v: jax_blink.psum(v, AXIS, impl=args.impl), mesh)
             lax_tree = _smap(lambda *v: lax.psum(list(v), AXIS), mesh)
             _check(psum_tree(*xs), lax_tree(*xs), f"pytree psum k={k}")
-            fns = {"one": lambda *v: psum_one(one), "tree": psum_tree, "lax_tree": lax_tree}
+
+            def call_one(*_, f=psum_one, x=one):  # this iteration's array, bound now (the loop rebinds both)
+                return f(x)
+
+            fns = {"one": call_one, "tree": psum_tree, "lax_tree": lax_tree}
             t = interleaved(fns, tuple(xs), _reps(total, args.reps))
             r = t["tree"] / t["one"]
             rows.append([_fmt_bytes(total), k, f"{t['one'] * 1e3:.3f}", f"{t['tree'] * 1e3:.3f}", f"{r:.2f}",
                          f"{t['tree cpu'] / t['one cpu']:.2f}", f"{t['lax_tree'] * 1e3:.3f}",
                          f"{t['tree'] / t['lax_tree']:.2f}",
                          "ok" if r <= 1.1 else "MISSED"])
-            del xs, one
+            del xs, one, fns, call_one  # free this size's buffers before the next
     _print("(b) pytree of k float32 leaves vs one array of the same bytes (ms per call, median; target <= 1.1)",
            ["bytes/device", "k", "blink 1 array", "blink k leaves", "ratio", "cpu ratio", "lax k leaves", "blink/lax",
             ""],

@@ -13,6 +13,7 @@ collective per dtype and no concatenate / slice copies.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -182,7 +183,7 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
       impl: "auto" (default: "ffi" where registered, else "ppermute"), "ppermute" or "ffi".
       device_map: ``{device.id: topology GPU}`` or callable; default ``jax_blink.set_device_map``'s or ids.
       chunk_elems: fixed pipeline chunk in elements (default: the schedule's cost model).
-      max_trees: plan with at most this many trees (``packing.plan(max_trees=)``); default None: the
+      max_trees: plan with at most this many trees (``jax_blink.plan(max_trees=)``); default None: the
         tree count and chunks with the least predicted time for this operand size and lowering
         (``jax_blink.costmodel``: few trees for small, latency-bound operands).
       algorithm: the planner's algorithm (``jax_blink.plan``): "auto" (fastest predicted),
@@ -198,6 +199,20 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
     ``topology`` (or ``$JAX_BLINK_TOPOLOGY``) that does not load or has fewer GPUs than the mesh has
     devices. At lowering: TopologyError / PlanError / BlinkError when the mesh's devices do not map
     onto the topology's GPUs.
+
+    Example on 8 host CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before
+    jax starts), under ``pmap`` and under ``jit(shard_map)`` with the DGX-1V's plan::
+
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> import jax_blink
+        >>> jax.pmap(lambda v: jax_blink.psum(v, "i"), axis_name="i")(jnp.arange(8.0).reshape(8, 1)).ravel()
+        Array([28., 28., 28., 28., 28., 28., 28., 28.], dtype=float32)
+        >>> mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+        >>> f = jax.jit(jax.shard_map(lambda v: jax_blink.psum(v, "data", topology="dgx1v"), mesh=mesh,
+        ...                           in_specs=P("data"), out_specs=P()))
+        >>> f(jnp.arange(16.0))
+        Array([56., 64.], dtype=float32)
     """
     _check_operand(x, "jax_blink.psum")
     axes = skip_one_sized_axes(_axes(axis_name))
@@ -220,9 +235,9 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
         if groups is not None:
             raise NotImplementedError("axis_index_groups is not supported with shard_map(check_vma=True) "
                                       "(as lax.psum); use check_vma=False")
-        bind = lambda *v: P.blink_psum_invariant_p.bind(*v, axes=axes, impl=impl, key=key)
+        bind = functools.partial(P.blink_psum_invariant_p.bind, axes=axes, impl=impl, key=key)
     else:
-        bind = lambda *v: P.blink_psum_p.bind(*v, axes=axes, impl=impl, key=key, axis_index_groups=groups)
+        bind = functools.partial(P.blink_psum_p.bind, axes=axes, impl=impl, key=key, axis_index_groups=groups)
     return jax.tree_util.tree_unflatten(treedef, _bucketed(leaves, axes, bind))
 
 
@@ -264,7 +279,7 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
         if constant:
             out = [jnp.asarray(leaf, bool) if b else leaf for leaf, b in zip(leaves, was_bool)]
             return jax.tree_util.tree_unflatten(treedef, out)
-    bind = lambda *v: prim.bind(*v, axes=axes, root=root, impl=impl, key=key, vma=vma)
+    bind = functools.partial(prim.bind, axes=axes, root=root, impl=impl, key=key, vma=vma)
     out = _bucketed(leaves, axes, bind)
     if copies_only:
         out = [lax.convert_element_type(o, np.bool_) if b else o for o, b in zip(out, was_bool)]

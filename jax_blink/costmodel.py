@@ -4,10 +4,10 @@
 bandwidth-optimal tree packing, the same with fewer trees (``max_trees`` in CANDIDATE_MAX_TREES;
 all-gather / reduce-scatter: n and 2n trees, one per rank at least), the LP-optimal ring packing,
 NCCL's rings and double binary tree (:mod:`jax_blink.planner.rings`, :mod:`jax_blink.planner.dbtree`),
-for all-reduce the reduce-scatter + all-gather forests ("rsag", :func:`jax_blink.planner.facade.plan`; its time is the reduce-scatter time
-plus the all-gather time) and, across nodes, Blink's three phases. Every baseline and "rsag" is a
-Plan the schedule format runs (one tree per segment, reduce and broadcast phases), so whichever wins
-runs as a schedule.
+for all-reduce the reduce-scatter + all-gather forests ("rsag", :func:`jax_blink.planner.facade.plan`;
+its time is the reduce-scatter time plus the all-gather time) and, across nodes, Blink's three phases.
+Every baseline and "rsag" is a Plan the schedule format runs (one tree per segment, reduce and
+broadcast phases), so whichever wins runs as a schedule.
 Users: ``jax_blink.plan(nbytes=...)`` and ``jax-blink plan --size`` (:func:`choose_plan`),
 ``jax-blink bench`` (blink column = :func:`choose_plan` per size), and the lowerings
 (:func:`lowering_schedule`, from ``primitives.build_request``).
@@ -244,7 +244,7 @@ def lowering_schedule(plans, nelems: int, *, itemsize: int, step_latency_s: floa
     """(plan, schedule, predicted seconds) a lowering runs, among ``plans`` (candidates).
 
     Args:
-      plans: candidate ``packing.Plan`` objects (e.g. ``candidate_plans``), preferred first.
+      plans: candidate ``jax_blink.Plan`` objects (e.g. ``candidate_plans``), preferred first.
       nelems: elements per rank; itemsize: bytes per element.
       step_latency_s: the lowering's seconds per schedule step (> 0).
       round_synchronous: the lowering pays a barrier per round: :func:`choose_schedule` (round

@@ -14,71 +14,25 @@ What it checks (exit status 0 pass, 1 failure, 2 no GPU):
 - an nccl-tests-style table: size, time, algbw, busbw (all-reduce: busbw = algbw * 2(n-1)/n) for the
   native executor, and with two or more GPUs for the ppermute lowering and ``lax.psum``.
 
-The pass is recorded in ``record_path()`` (``$JAX_BLINK_CACHE_DIR``, else ``$XDG_CACHE_HOME/jax_blink``,
-else ``~/.cache/jax_blink``; file ``selftest.json``) keyed by the GPU names, the driver version and a
-hash of the CUDA module file, so a new driver, GPU or build needs a new self-test.
+The pass is recorded by ``jax_blink.lowering.selftest_record`` (``selftest.json`` in the cache
+directory, keyed by the GPU names, the driver version and a hash of the CUDA module file, so a new
+driver, GPU or build needs a new self-test); the FFI lowering reads it from there.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import pathlib
 import sys
 import time
 
 import numpy as np
 
 from . import _native
+from .lowering import selftest_record
 from .lowering.gpu_program_check import random_operand, raw_bits
 
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8",
           "uint16", "uint32", "uint64", "complex64", "complex128")
-
-
-def record_path() -> pathlib.Path:
-    """Where passes are recorded (see the module docstring)."""
-    from .topology.probe import cache_dir  # one cache directory for probes and self-test records
-    return cache_dir() / "selftest.json"
-
-
-def machine_key() -> dict | None:
-    """{gpus, driver, build} for this machine and CUDA module, or None without the module or a GPU."""
-    cuda = _native.cuda
-    if cuda is None:
-        return None
-    names = list(cuda.device_names())
-    if not names:
-        return None
-    h = hashlib.sha256(pathlib.Path(cuda.__file__).read_bytes()).hexdigest()[:16]
-    return {"gpus": names, "driver": int(cuda.driver_version()), "build": h}
-
-
-def _load() -> list:
-    try:
-        data = json.loads(record_path().read_text())
-        return data if isinstance(data, list) else []
-    except (OSError, ValueError):
-        return []
-
-
-def has_passed(key: dict | None = None) -> bool:
-    """Has the self-test passed for ``key`` (default: this machine and build)?"""
-    key = machine_key() if key is None else key
-    return key is not None and any(entry.get("key") == key for entry in _load())
-
-
-def record_pass(key: dict) -> pathlib.Path:
-    """Adds a pass for ``key`` to the record file; returns its path."""
-    entries = [e for e in _load() if e.get("key") != key]
-    entries.append({"key": key, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    path = record_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(entries, indent=1))
-    tmp.replace(path)
-    return path
 
 
 def _schedule(collective: str, n: int, nelems: int, chunk_elems: int | None = None):
@@ -131,7 +85,8 @@ def check_executor(nranks: int, out=print) -> list[str]:
                     elif got.tobytes() != want.tobytes():
                         diff = [r for r in range(nranks) if got[r].tobytes() != want[r].tobytes()]
                         bad.append(f"{dt}: ranks {diff} differ from schedule.execute")
-                label = f"executor {coll:9s} {nranks} ranks, {len(DTYPES)} dtypes, staging {'forced' if staging == '1' else 'auto  '}"
+                mode = "forced" if staging == "1" else "auto  "
+                label = f"executor {coll:9s} {nranks} ranks, {len(DTYPES)} dtypes, staging {mode}"
                 out(f"  {label}: {'ok' if not bad else 'FAIL ' + '; '.join(bad[:3])}")
                 failures += [f"{label}: {b}" for b in bad]
             bad = []
@@ -146,8 +101,8 @@ def check_executor(nranks: int, out=print) -> list[str]:
                         if err:
                             bad.append(f"{how}: {err}")
                         elif got.tobytes() != want.tobytes():
-                            bad.append(f"{how}: ranks {[r for r in range(nranks) if got[r].tobytes() != want[r].tobytes()]} "
-                                       "differ from schedule.execute")
+                            wrong = [r for r in range(nranks) if got[r].tobytes() != want[r].tobytes()]
+                            bad.append(f"{how}: ranks {wrong} differ from schedule.execute")
             label = (f"executor buckets   {nranks} ranks, {len(BUCKET_LEAVES)} leaves, 3 collectives, "
                      f"{len(BUCKET_DTYPES)} dtypes, in place and not, staging {'forced' if staging == '1' else 'auto'}")
             out(f"  {label}: {'ok' if not bad else 'FAIL ' + '; '.join(bad[:3])}")
@@ -292,12 +247,13 @@ def selftest(*, nranks: int | None = None, record: bool = True, out=print) -> in
         failures.append(f"timing table raised {type(e).__name__}: {e}")
         out(f"  timing: FAIL {type(e).__name__}: {e}")
     if failures:
-        out(f"jax-blink selftest: FAILED ({len(failures)} problems, {time.perf_counter() - t0:.1f} s); impl='auto' keeps "
-            "using ppermute on this machine")
+        out(f"jax-blink selftest: FAILED ({len(failures)} problems, {time.perf_counter() - t0:.1f} s); "
+            "impl='auto' keeps using ppermute on this machine")
         return 1
     msg = ""
     if record:
-        msg = f"; recorded in {record_pass(machine_key())}: impl='auto' now uses the native executor here"
+        path = selftest_record.record_pass(selftest_record.machine_key())
+        msg = f"; recorded in {path}: impl='auto' now uses the native executor here"
     out(f"jax-blink selftest: PASSED ({time.perf_counter() - t0:.1f} s){msg}")
     return 0
 
@@ -305,7 +261,8 @@ def selftest(*, nranks: int | None = None, record: bool = True, out=print) -> in
 def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(prog="jax-blink selftest", description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=None, help="ranks for the executor checks (default: GPUs, min 4 on one GPU)")
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="ranks for the executor checks (default: GPUs, min 4 on one GPU)")
     ap.add_argument("--no-record", action="store_true", help="do not record a pass")
     a = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -64,6 +64,20 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
     among the devices (or any root for all-gather / reduce-scatter), GPUs that cannot reach each other,
     bad ``max_trees`` (fewer than one tree per rank for all-gather / reduce-scatter), ``relays`` or
     ``rate_tolerance``, an algorithm that does not apply to the collective.
+
+    Example: four GPUs of a DGX-1V (rates in GB/s; the packing meets its certificate), and the cost
+    model's choice for a 1 MiB all-reduce::
+
+        >>> from jax_blink import Topology, plan
+        >>> topo = Topology.preset("dgx1v")
+        >>> p = plan(topo, "broadcast", devices=[0, 1, 2, 3], root=0)
+        >>> p.algorithm, round(p.rate_gbps, 1), round(p.bound_gbps, 1)
+        ('trees', 103.6, 103.6)
+        >>> p = plan(topo, "allreduce", devices=[0, 1, 2, 3])
+        >>> p.algorithm, round(p.rate_gbps, 1), round(p.bound_gbps, 1)
+        ('trees', 76.7, 76.7)
+        >>> plan(topo, "allreduce", devices=[0, 1, 2, 3], nbytes=1 << 20).algorithm
+        'ring'
     """
     devices, root, relays, rate_tolerance = facade.check_request(topology, collective, devices, root, max_trees,
                                                                  algorithm, relays, rate_tolerance)

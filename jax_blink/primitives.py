@@ -368,10 +368,10 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
     m = math.prod(shard_shape)
     full = core.ShapedArray((n * m,), aval_in.dtype)
     if m == 0 or n == 1:  # nothing moves: local reshapes only
-        if gather:
-            f = lambda v: v.reshape(aval_out.shape)
-        else:
-            f = lambda v: _rs_layout(v, scatter_dimension, n, tiled)[0].reshape(aval_out.shape)
+        def f(v):
+            if gather:
+                return v.reshape(aval_out.shape)
+            return _rs_layout(v, scatter_dimension, n, tiled)[0].reshape(aval_out.shape)
         return mlir.lower_fun(f, multiple_results=False)(
             ctx.replace(primitive=None, avals_in=[core.ShapedArray(aval_in.shape, aval_in.dtype)],
                         avals_out=[core.ShapedArray(aval_out.shape, aval_out.dtype)]), x)

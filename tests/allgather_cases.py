@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_blink  # noqa: E402
 from jax_blink import lowering  # noqa: E402
@@ -80,17 +80,19 @@ def shapes_case(impl, vma):
         for tiled in (False, True):
             axis = 3 if not tiled and axis_ == -1 else axis_
             name = f"all_gather axis={axis} tiled={tiled}"
-            pair(lambda v: jax_blink.all_gather(v, "i", axis=axis, tiled=tiled, impl=impl),
-                 lambda v: lax.all_gather(v, "i", axis=axis, tiled=tiled), MESH1, vma, x, P("i"), P("i"), True, name)
+            pair(lambda v, axis=axis, tiled=tiled: jax_blink.all_gather(v, "i", axis=axis, tiled=tiled, impl=impl),
+                 lambda v, axis=axis, tiled=tiled: lax.all_gather(v, "i", axis=axis, tiled=tiled),
+                 MESH1, vma, x, P("i"), P("i"), True, name)
     y = operand((8 * 8, 8, 16), "int32")
     for dim in (0, 1, 2):
         for tiled in (False, True):
             if not tiled and dim == 2:
                 continue
             name = f"psum_scatter dim={dim} tiled={tiled}"
-            pair(lambda v: jax_blink.psum_scatter(v, "i", scatter_dimension=dim, tiled=tiled, impl=impl),
-                 lambda v: lax.psum_scatter(v, "i", scatter_dimension=dim, tiled=tiled), MESH1, vma, y, P("i"),
-                 P("i"), True, name)
+            pair(lambda v, dim=dim, tiled=tiled: jax_blink.psum_scatter(v, "i", scatter_dimension=dim, tiled=tiled,
+                                                                         impl=impl),
+                 lambda v, dim=dim, tiled=tiled: lax.psum_scatter(v, "i", scatter_dimension=dim, tiled=tiled),
+                 MESH1, vma, y, P("i"), P("i"), True, name)
     if vma:  # the varying-axes type is lax's (typeof inside the traced body)
         seen = {}
 
@@ -112,10 +114,9 @@ def dtypes_case(impl):
         x = operand((8 * 8, 3), dt, seed=3)
         pair(lambda v: jax_blink.all_gather(v, "i", impl=impl), lambda v: lax.all_gather(v, "i"),
              MESH1, False, x, P("i"), P("i"), True, f"all_gather {dt}")
-        if dt == "bool":
-            want = lambda v: lax.psum_scatter(v.astype(np.int32), "i")
-        else:
-            want = lambda v: lax.psum_scatter(v, "i")
+        def want(v, as_int=dt == "bool"):
+            return lax.psum_scatter(v.astype(np.int32) if as_int else v, "i")
+
         pair(lambda v: jax_blink.psum_scatter(v, "i", impl=impl), want, MESH1, False, x, P("i"), P("i"),
              False, f"psum_scatter {dt}")
 
@@ -123,11 +124,12 @@ def dtypes_case(impl):
 def mesh2d_case(impl, vma):
     x = operand((8 * 8, 4), "int64", seed=5)
     for axes in ("x", "y", ("x", "y"), ("y", "x")):
-        pair(lambda v: jax_blink.all_gather(v, axes, axis=1, impl=impl), lambda v: lax.all_gather(v, axes, axis=1),
+        pair(lambda v, axes=axes: jax_blink.all_gather(v, axes, axis=1, impl=impl),
+             lambda v, axes=axes: lax.all_gather(v, axes, axis=1),
              MESH2, vma, x, P(("x", "y")), P(("x", "y")), True, f"all_gather {axes}")
         k = 2 if axes == "x" else 4 if axes == "y" else 8
-        pair(lambda v: jax_blink.psum_scatter(v, axes, tiled=True, impl=impl),
-             lambda v: lax.psum_scatter(v, axes, tiled=True), MESH2, vma, operand((8 * k * 3, 5), "int32"),
+        pair(lambda v, axes=axes: jax_blink.psum_scatter(v, axes, tiled=True, impl=impl),
+             lambda v, axes=axes: lax.psum_scatter(v, axes, tiled=True), MESH2, vma, operand((8 * k * 3, 5), "int32"),
              P(("x", "y")), P(("x", "y")), True, f"psum_scatter {axes} (k={k})")
 
 
@@ -150,8 +152,9 @@ def pytree_zero_size_case(impl, vma):
          "psum_scatter pytree")
     empty = {"a": operand((8 * 0, 4), "float32"), "c": operand((8, 0), "int32")}
     for tiled in (False, True):
-        zero_size(lambda t: jax_blink.all_gather(t, "i", tiled=tiled, impl=impl),
-                  lambda t: lax.all_gather(t, "i", tiled=tiled), MESH1, vma, empty, f"all_gather zero-size {tiled}")
+        zero_size(lambda t, tiled=tiled: jax_blink.all_gather(t, "i", tiled=tiled, impl=impl),
+                  lambda t, tiled=tiled: lax.all_gather(t, "i", tiled=tiled), MESH1, vma, empty,
+                  f"all_gather zero-size {tiled}")
     zero_size(lambda t: jax_blink.psum_scatter(t, "i", tiled=True, impl=impl),
               lambda t: lax.psum_scatter(t, "i", tiled=True), MESH1, vma, {"c": operand((8 * 8, 0), "int32")},
               "psum_scatter zero-size")
@@ -183,7 +186,7 @@ def grad_case(impl, vma):
                  lambda v: jax_blink.psum_scatter(v, "i", tiled=True, impl=impl))
     ref = loss(lambda v: lax.all_gather(v, "i", tiled=True), lambda v: lax.psum_scatter(v, "i", tiled=True))
     for order in (1, 2):
-        def g(f):
+        def g(f, order=order):
             h = jax.grad(f)
             if order == 2:
                 h = jax.grad(lambda w, c: jnp.sum(jax.grad(f)(w, c)))
@@ -197,14 +200,18 @@ def vmap_case(impl):
     x = jnp.asarray(operand((4, 3, 2), "int32", seed=13))
     for tiled in (False, True):
         for axis in (0, 1):
-            same(jax.vmap(lambda v: jax_blink.all_gather(v, "b", axis=axis, tiled=tiled, impl=impl), axis_name="b")(x),
-                 jax.vmap(lambda v: lax.all_gather(v, "b", axis=axis, tiled=tiled), axis_name="b")(x),
+            same(jax.vmap(lambda v, axis=axis, tiled=tiled: jax_blink.all_gather(v, "b", axis=axis, tiled=tiled,
+                                                                                 impl=impl), axis_name="b")(x),
+                 jax.vmap(lambda v, axis=axis, tiled=tiled: lax.all_gather(v, "b", axis=axis, tiled=tiled),
+                          axis_name="b")(x),
                  f"vmap all_gather axis={axis} tiled={tiled}", True)
     y = jnp.asarray(operand((4, 4, 8), "int32", seed=14))
     for tiled, dim in ((False, 0), (True, 0), (True, 1)):
-        same(jax.vmap(lambda v: jax_blink.psum_scatter(v, "b", scatter_dimension=dim, tiled=tiled, impl=impl),
+        same(jax.vmap(lambda v, dim=dim, tiled=tiled: jax_blink.psum_scatter(v, "b", scatter_dimension=dim,
+                                                                             tiled=tiled, impl=impl),
                       axis_name="b")(y),
-             jax.vmap(lambda v: lax.psum_scatter(v, "b", scatter_dimension=dim, tiled=tiled), axis_name="b")(y),
+             jax.vmap(lambda v, dim=dim, tiled=tiled: lax.psum_scatter(v, "b", scatter_dimension=dim, tiled=tiled),
+                      axis_name="b")(y),
              f"vmap psum_scatter dim={dim} tiled={tiled}", True)
     # unmapped operand over the vmap axis
     same(jax.vmap(lambda v: jax_blink.all_gather(x[0], "b", impl=impl), axis_name="b")(x),
@@ -212,17 +219,19 @@ def vmap_case(impl):
     # vmap (batch dimension, no axis name) inside shard_map: the collective runs on the batched operand
     z = operand((8 * 2, 5, 3), "int32", seed=15)
     for dim_b in (0, 1):
-        pair(lambda v: jax.vmap(lambda u: jax_blink.all_gather(u, "i", axis=1, impl=impl), in_axes=dim_b)(v),
-             lambda v: jax.vmap(lambda u: lax.all_gather(u, "i", axis=1), in_axes=dim_b)(v),
+        pair(lambda v, dim_b=dim_b: jax.vmap(lambda u: jax_blink.all_gather(u, "i", axis=1, impl=impl),
+                                             in_axes=dim_b)(v),
+             lambda v, dim_b=dim_b: jax.vmap(lambda u: lax.all_gather(u, "i", axis=1), in_axes=dim_b)(v),
              MESH1, False, z, P("i"), P("i"), True, f"batched all_gather in_axes={dim_b}")
     r = operand((8 * 2, 8, 3), "int32", seed=16)
     for tiled in (False, True):
-        pair(lambda v: jax.vmap(lambda u: jax_blink.psum_scatter(u, "i", tiled=tiled, impl=impl))(v),
-             lambda v: jax.vmap(lambda u: lax.psum_scatter(u, "i", tiled=tiled))(v),
+        pair(lambda v, tiled=tiled: jax.vmap(lambda u: jax_blink.psum_scatter(u, "i", tiled=tiled, impl=impl))(v),
+             lambda v, tiled=tiled: jax.vmap(lambda u: lax.psum_scatter(u, "i", tiled=tiled))(v),
              MESH1, False, r, P("i"), P("i"), True, f"batched psum_scatter tiled={tiled}")
-        pair(lambda v: jax.vmap(lambda u: jax_blink.psum_scatter(u, "i", tiled=tiled, impl=impl), in_axes=1)(v),
+        pair(lambda v, tiled=tiled: jax.vmap(lambda u: jax_blink.psum_scatter(u, "i", tiled=tiled, impl=impl),
+                                             in_axes=1)(v),
              # (lax's own batcher fails on in_axes=1 here: the same map over the moved axis)
-             lambda v: jax.vmap(lambda u: lax.psum_scatter(u, "i", tiled=tiled))(jnp.moveaxis(v, 1, 0)),
+             lambda v, tiled=tiled: jax.vmap(lambda u: lax.psum_scatter(u, "i", tiled=tiled))(jnp.moveaxis(v, 1, 0)),
              MESH1, False, operand((8 * 8, 3, 8), "int32"), P("i"), P("i"), True,
              f"batched psum_scatter in_axes=1 tiled={tiled}")
 

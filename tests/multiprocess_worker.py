@@ -31,7 +31,7 @@ distributed.initialize(heartbeat_timeout_s=a.heartbeat)
 import jax  # noqa: E402  (after initialize, which configures gloo)
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_blink  # noqa: E402
 from jax_blink.planner import facade  # noqa: E402

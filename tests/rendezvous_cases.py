@@ -83,9 +83,10 @@ XLA_OPS = {
 }
 
 MODES = ("pmap", "smap_vma", "smap_novma")
+SHARDED = P(AX)  # blocks along the mesh axis
 
 
-def compile_mode(fn, mode, in_specs=P(AX), out_specs=P(AX)):
+def compile_mode(fn, mode, in_specs=SHARDED, out_specs=SHARDED):
     """fn over one device's block -> a jitted function over global arrays (pmap: leading axis N)."""
     if mode == "pmap":
         return jax.pmap(fn, axis_name=AX, devices=list(MESH.devices))

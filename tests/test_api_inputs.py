@@ -49,10 +49,12 @@ def test_env_rsag_runs_broadcast_and_reduce(monkeypatch):
     x = np.arange(8 * 5, dtype=np.float32).reshape(8, 5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        bc = lambda v: jax_blink.broadcast(v, "i", root=3, topology="dgx1v")
+        def bc(v):
+            return jax_blink.broadcast(v, "i", root=3, topology="dgx1v")
         got = jax.jit(jax.shard_map(bc, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
         np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(x[3:4], x.shape))
-        rd = lambda v: jax_blink.reduce(v, "i", root=0, topology="dgx1v")
+        def rd(v):
+            return jax_blink.reduce(v, "i", root=0, topology="dgx1v")
         got = jax.jit(jax.shard_map(rd, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
         np.testing.assert_allclose(np.asarray(got)[0], x.sum(0))
 
@@ -85,8 +87,10 @@ def test_devices_string_is_parsed_like_the_cli():
 
 @pytest.mark.parametrize("devices,match", [
     ("0,,1", "has an empty item"), ("0-x", "is not a GPU id or a range"), ("3-1", "ends below its start"),
-    (3, "devices must be a list of GPU ids or a string like '0,1'"), ([0, True], "integer GPU ids, got \\[True\\]"),
-    ([0, 1.0], "integer GPU ids"), ([0, 0], "duplicate devices"), ([0, 99], "\\[99\\] are not GPUs of topology 'dgx1v'"),
+    (3, "devices must be a list of GPU ids or a string like '0,1'"),
+    ([0, True], "integer GPU ids, got \\[True\\]"),
+    ([0, 1.0], "integer GPU ids"), ([0, 0], "duplicate devices"),
+    ([0, 99], "\\[99\\] are not GPUs of topology 'dgx1v'"),
     ([], "at least one device")])
 def test_bad_devices_fail_early(devices, match):
     with pytest.raises(PlanError, match=match):

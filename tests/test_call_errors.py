@@ -90,7 +90,7 @@ def test_operand_not_a_jax_type_is_lax_kind_of_type_error(bad):
     for api in ("psum", "pmean", "broadcast", "reduce"):
         with pytest.raises(TypeError, match=f"jax_blink.{api.replace('pmean', 'psum')}: argument .* is "
                                             "not a valid JAX type"):
-            traced(lambda x: (getattr(jax_blink, api)(bad, "d"), x)[1])
+            traced(lambda x, api=api: (getattr(jax_blink, api)(bad, "d"), x)[1])
 
 
 @pytest.mark.parametrize("root,exc,match", [

@@ -91,7 +91,8 @@ def test_overrides_and_errors():
 def test_psum_max_trees_matches_lax(max_trees):
     mesh = Mesh(np.array(jax.devices()[:8]), ("i",))
     x = jnp.arange(8 * 300, dtype=jnp.int32).reshape(8, 300)
-    f = lambda m: jax.jit(jax.shard_map(m, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    def f(m):
+        return jax.jit(jax.shard_map(m, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
     got = f(lambda v: jax_blink.psum(v, "i", impl="ppermute", topology="dgx1v", max_trees=max_trees))(x)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(f(lambda v: lax.psum(v, "i"))(x)))
     from jax_blink.primitives import build_request

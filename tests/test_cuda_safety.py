@@ -15,6 +15,7 @@ from jax_blink import _native, gpu_selftest
 from jax_blink import lowering as _lowering
 from jax_blink.errors import BlinkError
 from jax_blink.lowering import ffi as ffi_lowering
+from jax_blink.lowering import selftest_record
 from jax_blink.primitives import choose_lowering
 
 cpu = _native.cpu
@@ -95,16 +96,16 @@ def fake_cuda_ffi(monkeypatch, tmp_path):
 
 def test_auto_uses_ppermute_on_gpus_until_the_selftest_passed(fake_cuda_ffi, monkeypatch):
     key = {"gpus": ["NVIDIA H200 (sm_90)"], "driver": 13000, "build": "abc"}
-    monkeypatch.setattr(gpu_selftest, "machine_key", lambda: key)
+    monkeypatch.setattr(selftest_record, "machine_key", lambda: key)
     with pytest.warns(UserWarning, match="jax-blink selftest"):
         assert choose_lowering("auto", ["cuda"]).name == "ppermute"
     assert choose_lowering("ffi", ["cuda"]).name == "ffi"      # explicit choice is honoured
     assert choose_lowering("auto", ["cpu"]).name == "ffi"      # CPU is not gated
-    path = gpu_selftest.record_pass(key)
-    assert path.parent == gpu_selftest.record_path().parent and path.exists()
+    path = selftest_record.record_pass(key)
+    assert path.parent == selftest_record.record_path().parent and path.exists()
     assert choose_lowering("auto", ["cuda"]).name == "ffi"
     # another driver (or GPU, or build) needs its own pass
-    monkeypatch.setattr(gpu_selftest, "machine_key", lambda: dict(key, driver=13010))
+    monkeypatch.setattr(selftest_record, "machine_key", lambda: dict(key, driver=13010))
     assert choose_lowering("auto", ["cuda"]).name == "ppermute"
 
 
@@ -116,13 +117,13 @@ def test_env_overrides_the_gate(fake_cuda_ffi, monkeypatch):
 
 
 def test_selftest_without_gpus_says_so_in_one_line():
-    if gpu_selftest.machine_key() is not None:
+    if selftest_record.machine_key() is not None:
         pytest.skip("a CUDA GPU is visible here")
     p = subprocess.run([sys.executable, "-m", "jax_blink.cli", "selftest"], capture_output=True, text=True,
                        timeout=120)
     if p.returncode != 2 or "No module named" in p.stderr:
-        p = subprocess.run([sys.executable, "-c", "import sys; from jax_blink.cli import main; sys.exit(main(['selftest']))"],
-                           capture_output=True, text=True, timeout=120)
+        code = "import sys; from jax_blink.cli import main; sys.exit(main(['selftest']))"
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, (p.stdout, p.stderr)
     lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1 and "nothing to test" in lines[0], p.stdout
@@ -177,12 +178,12 @@ def test_selftest_flow_with_a_cpu_backed_fake_gpu(monkeypatch, tmp_path):
     nb = len(gpu_selftest.BUCKET_LEAVES)                 # buckets: 3 collectives x dtypes x (separate, in place)
     assert [c[2:] for c in calls if c[2]] == [(nb, False), (nb, True)] * (2 * 3 * len(gpu_selftest.BUCKET_DTYPES))
     assert "busbw" in text and "134217728" in text       # the nccl-tests-style table reached 128 MiB
-    assert gpu_selftest.has_passed()
+    assert selftest_record.has_passed()
     # a wrong executor fails the self-test and records nothing
     (tmp_path / "selftest.json").unlink()
     fake.execute = lambda s, d, i, o, it, k, **kw: (1e-3, "")  # leaves outputs unwritten
     assert gpu_selftest.selftest(out=lambda *_: None) == 1
-    assert not gpu_selftest.has_passed()
+    assert not selftest_record.has_passed()
 
 
 def test_cuda_lowering_is_one_aliased_custom_call_per_bucket(monkeypatch):
@@ -200,7 +201,8 @@ def test_cuda_lowering_is_one_aliased_custom_call_per_bucket(monkeypatch):
     usable = dataclasses.replace(_lowering.record("ffi", "cuda"), unavailable=None)
     monkeypatch.setitem(_lowering.LOWERINGS["ffi"], "cuda", usable)
     # CPU devices have no CUDA ordinal: the table stays keyed by device id here
-    monkeypatch.setattr(ffi_lowering, "cuda_device_table", lambda table, devices, p: np.asarray(table, np.int64).reshape(-1))
+    monkeypatch.setattr(ffi_lowering, "cuda_device_table",
+                        lambda table, devices, p: np.asarray(table, np.int64).reshape(-1))
     mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
     topo = jax_blink.PRESETS["dgx1v"]().subset([0, 1, 2, 3])
 

@@ -66,7 +66,8 @@ def test_shard_map_training_reaches_accuracy_and_matches_lax(dgx1v_run):
 def test_lockstep_check_catches_a_wrong_gradient(ex, data):
     """A collective 1% off (as a dropped or doubled contribution would be) fails the 1e-5 bound."""
     from jax import lax
-    wrong = ex.Collectives("wrong", lax.psum, lambda x, a: jax.tree.map(lambda v: v * 1.01, lax.pmean(x, a)), ex._lax_broadcast)
+    wrong = ex.Collectives("wrong", lax.psum, lambda x, a: jax.tree.map(lambda v: v * 1.01, lax.pmean(x, a)),
+                           ex._lax_broadcast)
     config = ex.Config(mode="shard_map", epochs=1, progress=False)
     res = ex.train(config, wrong, data, shadow=ex.lax_collectives())
     rel = np.abs(np.subtract(res.step_losses, res.lockstep_losses)) / np.asarray(res.lockstep_losses)

@@ -56,7 +56,8 @@ def run_native(sched, xs, *, devices=None, dtypes=None, timeout_ms=5000, call_si
     outs = [np.full_like(x, 7) for x in xs]
     names = dtypes or [np.dtype(x.dtype).name for x in xs]
     # nanobind takes plain numpy dtypes: hand bfloat16 (ml_dtypes) over as its uint16 bits.
-    raw = lambda a: a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+    def raw(a):
+        return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
     err = cpu.simulate(sched.to_array(), table_for(n), devices, [raw(x) for x in xs], [raw(o) for o in outs],
                        names, timeout_ms, call_site)
     return err, np.stack(outs) if not err else None
@@ -153,10 +154,16 @@ def test_mismatched_dtype_or_size_is_an_error(other):
 def test_malformed_schedules_are_rejected():
     good = schedule_for(4, nelems=500).to_array()
     assert cpu.validate(good) == ""
-    bad_magic = good.copy(); bad_magic[0] = 1
-    bad_version = good.copy(); bad_version[1] = 9
-    big_header = good.copy(); big_header[7] = 10**12
-    bad_rank = good.copy(); bad_rank[-2] = 99  # last transfer's dst
+
+    def changed(index, value):
+        out = good.copy()
+        out[index] = value
+        return out
+
+    bad_magic = changed(0, 1)
+    bad_version = changed(1, 9)
+    big_header = changed(7, 10**12)
+    bad_rank = changed(-2, 99)  # last transfer's dst
     cases = {"bad magic": bad_magic, "version 9": bad_version, "exceed the array length": big_header,
              "bad src/dst rank": bad_rank, "the header needs 8": good[:5], "announces": good[:-3]}
     for needle, arr in cases.items():

@@ -1,8 +1,8 @@
 """The CUDA executor's GPU program, checked on the CPU (ffi/src/gpu_program.cc, gpu_emulator.cc).
 
-Every preset and shared topology file, every collective (all-gather and reduce-scatter included), odd sizes, every dtype across
-the set, three layouts (GPU per rank with peer access; all ranks on one GPU with 8 streams; no peer
-access, staged reduces): zero races, outputs bitwise equal to ``schedule.execute`` under random
+Every preset and shared topology file, every collective (all-gather and reduce-scatter included), odd
+sizes, every dtype across the set, three layouts (GPU per rank with peer access; all ranks on one GPU
+with 8 streams; no peer access, staged reduces): zero races, outputs bitwise equal to ``schedule.execute`` under random
 stream timings, and the critical path within 1.1 x (chunks + depth - 1). Mutations: dropping any one
 wait or record makes the checker report a race. Buckets: the same over several leaves (odd sizes,
 chunks spanning leaves, aliased leaves), every leaf a separate buffer. The CUDA executor's program

@@ -228,8 +228,9 @@ def test_missing_link_speed_assumes_gen3_x16_with_a_note():
      r"link_width='x'; expected an integer from 0 to 32"),
     ('<system><cpu>' + gpu_pci("0000:06:00.0", 0, 70, nvl("0000:07:00.0", 0)) + '</cpu></system>',
      r"count='0'; expected an integer from 1 to 64"),
-    ('<system><cpu>' + gpu_pci("0000:06:00.0", 0, 70, nvl("0000:07:00.0", 1)) + gpu_pci("0000:07:00.0", 1, 70, nvl("0000:06:00.0", 2))
-     + '</cpu></system>', r"asymmetric NVLink counts: GPU 0 \(bus 0000:06:00.0\) lists 1 link\(s\) to GPU 1"),
+    ('<system><cpu>' + gpu_pci("0000:06:00.0", 0, 70, nvl("0000:07:00.0", 1))
+     + gpu_pci("0000:07:00.0", 1, 70, nvl("0000:06:00.0", 2)) + '</cpu></system>',
+     r"asymmetric NVLink counts: GPU 0 \(bus 0000:06:00.0\) lists 1 link\(s\) to GPU 1"),
     ('<system><cpu>' + gpu_pci("0000:06:00.0", 0, 70) + gpu_pci("0000:06:00.0", 1, 70) + '</cpu></system>',
      r"GPU bus id 0000:06:00.0 appears more than once"),
     ('<!DOCTYPE x [<!ENTITY a "aaaa">]><system/>', r"<!DOCTYPE>/<!ENTITY> declaration"),

@@ -2,6 +2,7 @@
 
 import re
 
+import networkx as nx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -197,7 +198,8 @@ GPU2    SYS     SYS      X      8-15
     (GOOD.replace("GPU1    NV1      X      SYS     0-7", "GPU1    NV1      X"),
      r"line 3: row GPU1 has 2 cells; expected 3"),
     (GOOD.replace("GPU2    SYS     SYS      X      8-15\n", ""), r"no row GPU2.*square"),
-    (GOOD.replace("GPU2    SYS     SYS", "GPU2    SYS     FOO"), r"line 4, row GPU2, column GPU1: unknown link code 'FOO'"),
+    (GOOD.replace("GPU2    SYS     SYS", "GPU2    SYS     FOO"),
+     r"line 4, row GPU2, column GPU1: unknown link code 'FOO'"),
     (GOOD.replace("GPU1    NV1 ", "GPU1    NV2 "), r"asymmetric NVLink counts.*line 2.*'NV1'.*line 3.*'NV2'"),
     (GOOD.replace("GPU2    SYS     SYS", "GPU2    SYS     PIX"), r"asymmetric cells"),
     (GOOD.replace("GPU1    GPU2", "GPU0    GPU2"), r"line 1: duplicate column GPU0"),
@@ -262,8 +264,10 @@ def test_random_valid_matrices_parse_and_round_trip(m):
     assert nvlink_table(t) == want  # at most 2 x 7 = 14 links per GPU: always direct links
     back = Topology.from_json(t.to_json())
     assert back == t and back.fingerprint() == t.fingerprint()
+    pcie = t.graph.edge_subgraph([(u, v) for u, v, kind in t.graph.edges(data="kind") if kind == "pcie"])
+    cpus = [v for v in t.graph.nodes if isinstance(v, str) and t.kind(v) == "cpu"]
     for g in t.gpus:  # every GPU reaches a CPU over PCIe
-        assert any(t.kind(v) == "cpu" for v in t.graph.nodes if isinstance(v, str)) or n == 0
+        assert g in pcie and any(nx.has_path(pcie, g, c) for c in cpus if c in pcie), g
 
 
 def _only_topology_errors(text):

@@ -134,8 +134,10 @@ def test_2d_mesh_permuted(impl, axes):
     devs = np.array(jax.devices())[PERM8].reshape(2, 4)
     mesh = Mesh(devs, ("a", "b"))
     x = per_device(8, (2, 11), "int32").reshape(2, 4, 2, 11).transpose(0, 2, 1, 3).reshape(4, 44)
-    f = lambda m: jax.jit(jax.shard_map(lambda v: m(v, axes), mesh=mesh, in_specs=P("a", "b"),
-                                        out_specs=P("a", "b"), check_vma=False))
+    def f(m):
+        return jax.jit(jax.shard_map(lambda v: m(v, axes), mesh=mesh, in_specs=P("a", "b"),
+                                     out_specs=P("a", "b"), check_vma=False))
+
     got = f(lambda v, ax: jax_blink.psum(v, ax, impl=impl))(x)
     want = f(lax.psum)(x)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -196,7 +198,8 @@ def test_algorithm_argument_and_env(monkeypatch):
     x = per_device(8, (3, 11), "int32", seed=5)
 
     def run(x=x, **kw):
-        f = lambda v: jax_blink.psum(v[0], "i", topology=topo, impl="ppermute", **kw)[None]
+        def f(v):
+            return jax_blink.psum(v[0], "i", topology=topo, impl="ppermute", **kw)[None]
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
 
     # distinct shapes: the lowering caches its request per shape, so each run plans afresh
@@ -213,9 +216,11 @@ def test_algorithm_argument_and_env(monkeypatch):
     with pytest.raises(ValueError, match="algorithm= must be one of"):
         run(algorithm="fastest")
     with pytest.raises(ValueError, match="'ring' is an all-reduce algorithm"):
-        bc = lambda v: jax_blink.broadcast(v, "i", topology=topo, algorithm="ring")
+        def bc(v):
+            return jax_blink.broadcast(v, "i", topology=topo, algorithm="ring")
         jax.jit(jax.shard_map(bc, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
-    one_node = lambda v: jax_blink.psum(v[0], "i", impl="ppermute", algorithm="hierarchical")[None]
+    def one_node(v):
+        return jax_blink.psum(v[0], "i", impl="ppermute", algorithm="hierarchical")[None]
     with pytest.raises(PlanError, match="two or more nodes"):
         jax.jit(jax.shard_map(one_node, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
 
@@ -227,9 +232,11 @@ def test_env_algorithm_is_a_preference_where_it_applies(monkeypatch):
     x = per_device(8, (3, 7), "int32", seed=9)
     for env in ("ring", "hierarchical"):
         monkeypatch.setenv("JAX_BLINK_ALGORITHM", env)
-        bc = lambda v: jax_blink.broadcast(v, "i", root=2, topology="dgx1v")
+        def bc(v):
+            return jax_blink.broadcast(v, "i", root=2, topology="dgx1v")
         got = jax.jit(jax.shard_map(bc, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
         np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(np.asarray(x)[2:3], x.shape))
-        ps = lambda v: jax_blink.psum(v, "i", topology="dgx1v")
+        def ps(v):
+            return jax_blink.psum(v, "i", topology="dgx1v")
         got = jax.jit(jax.shard_map(ps, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
         assert_allreduce(got, x)  # int32 sums wrap like lax

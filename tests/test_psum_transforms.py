@@ -34,7 +34,8 @@ def test_grad_shard_map_first_and_second_order(impl, check_vma):
     Second order: 2 * sum(x^2) = 280 resp. 8 * 2 x_d^2.
     """
     x = np.arange(8.0)
-    loss = lambda w, v: jax_blink.psum(jnp.sum((w * v) ** 2), "i", impl=impl)
+    def loss(w, v):
+        return jax_blink.psum(jnp.sum((w * v) ** 2), "i", impl=impl)
     spec = P() if check_vma else P("i")
     g1 = jax.jit(jax.shard_map(lambda w, v: jax.grad(loss)(w, v)[None], mesh=MESH8, in_specs=(P(), P("i")),
                                out_specs=spec, check_vma=check_vma))(3.0, x)
@@ -51,11 +52,16 @@ def test_grad_shard_map_first_and_second_order(impl, check_vma):
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_broadcast_reduce_grads(check_vma):
     w = jnp.arange(3.0)
-    fb = lambda v: jax.grad(lambda v: jnp.sum(jax_blink.broadcast(v, "i", root=3) * w))(v)
-    fr = lambda v: jax.grad(lambda v: jnp.sum(jax_blink.reduce(v, "i", root=3) * w
-                                              * (lax.axis_index("i") + 1)))(v)
-    run = lambda f: np.asarray(jax.jit(jax.shard_map(f, mesh=MESH8, in_specs=P("i"), out_specs=P("i"),
-                                                     check_vma=check_vma))(jnp.ones(24))).reshape(8, 3)
+    def fb(v):
+        return jax.grad(lambda v: jnp.sum(jax_blink.broadcast(v, "i", root=3) * w))(v)
+
+    def fr(v):
+        return jax.grad(lambda v: jnp.sum(jax_blink.reduce(v, "i", root=3) * w * (lax.axis_index("i") + 1)))(v)
+
+    def run(f):
+        return np.asarray(jax.jit(jax.shard_map(f, mesh=MESH8, in_specs=P("i"), out_specs=P("i"),
+                                                check_vma=check_vma))(jnp.ones(24))).reshape(8, 3)
+
     want_b = np.zeros((8, 3))
     # check_vma on: one invariant cotangent flows to the root; off: 8 per-device cotangents reduce to it
     want_b[3] = w * (1 if check_vma else 8)
@@ -80,7 +86,8 @@ def test_vmap_of_pmap_and_vmap_inside_shard_map_2d():
     got = jax.vmap(jax.pmap(lambda v: jax_blink.psum(v, "i"), axis_name="i"))(x)
     np.testing.assert_array_equal(got, np.tile(x.sum(1, keepdims=True), (1, 8)))
     # vmap axis 'v' and mesh axis 'i' reduced together (tuple axes), root over ('v', 'i')
-    f = lambda t: jax.vmap(lambda u: jax_blink.psum(u, ("v", "i")), axis_name="v")(t)
+    def f(t):
+        return jax.vmap(lambda u: jax_blink.psum(u, ("v", "i")), axis_name="v")(t)
     out = jax.jit(jax.shard_map(f, mesh=MESH8, in_specs=P(None, "i"), out_specs=P(None, "i"),
                                 check_vma=False))(x)
     np.testing.assert_array_equal(out, np.full((3, 8), x.sum()))
@@ -125,7 +132,8 @@ def test_axis_index_groups_pmap_and_refused_under_check_vma():
 
 def test_topology_choices(monkeypatch):
     x = np.arange(8 * 5, dtype=np.int32).reshape(8, 5)
-    run = lambda **kw: np.asarray(jax.pmap(lambda v: jax_blink.psum(v, "i", **kw), axis_name="i")(x))
+    def run(**kw):
+        return np.asarray(jax.pmap(lambda v: jax_blink.psum(v, "i", **kw), axis_name="i")(x))
     want = np.tile(x.sum(0), (8, 1))
     np.testing.assert_array_equal(run(topology="dgx1v"), want)
     np.testing.assert_array_equal(run(topology=jax_blink.Topology.preset("dgx1v")), want)

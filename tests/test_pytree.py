@@ -86,8 +86,10 @@ def test_pytree_psum_shard_map(impl, check_vma, perm):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_pytree_pmean_pmap_with_python_scalar(impl):
     x = tree_inputs()
-    f = lambda t: (jax_blink.pmean(t, "i", impl=impl), jax_blink.psum({"s": 2.5, "t": t["b"]}, "i", impl=impl))
-    g = lambda t: (lax.pmean(t, "i"), lax.psum({"s": 2.5, "t": t["b"]}, "i"))
+    def f(t):
+        return (jax_blink.pmean(t, "i", impl=impl), jax_blink.psum({"s": 2.5, "t": t["b"]}, "i", impl=impl))
+    def g(t):
+        return (lax.pmean(t, "i"), lax.psum({"s": 2.5, "t": t["b"]}, "i"))
     got, want = jax.pmap(f, axis_name="i")(x), jax.pmap(g, axis_name="i")(x)
     assert_tree_equal(got[0], want[0])
     assert float(got[1]["s"][0]) == 2.5 * N
@@ -100,8 +102,8 @@ def test_pytree_2d_mesh_tuple_axes_and_groups(impl):
     mesh = Mesh(devs, ("a", "b"))
     x = tree_inputs()
     for axes in ("b", ("a", "b")):
-        got = smap(lambda t: unsqueeze(jax_blink.psum(squeeze(t), axes, impl=impl)), mesh, True)(x)
-        want = smap(lambda t: unsqueeze(lax.psum(squeeze(t), axes)), mesh, True)(x)
+        got = smap(lambda t, axes=axes: unsqueeze(jax_blink.psum(squeeze(t), axes, impl=impl)), mesh, True)(x)
+        want = smap(lambda t, axes=axes: unsqueeze(lax.psum(squeeze(t), axes)), mesh, True)(x)
         assert_tree_equal(got, want, identical=axes != "b")
     groups = [[0, 2], [1, 3]]
     got = smap(lambda t: unsqueeze(jax_blink.psum(squeeze(t), "b", axis_index_groups=groups, impl=impl)),
@@ -122,7 +124,7 @@ def test_pytree_grad_both_vma_modes(impl):
         return s["a"].sum() + s["b"].sum() + s["e"].sum()
 
     for check_vma in (True, False):
-        def run(psum):
+        def run(psum, check_vma=check_vma):
             g = jax.grad(lambda t: loss(psum, t))
             return smap(lambda t: unsqueeze(g(squeeze(t))), mesh, check_vma)(params)
 

@@ -122,7 +122,8 @@ def test_chunk_cost_model():
 @settings(max_examples=25, deadline=None)
 @given(devs=st.lists(st.integers(0, 7), min_size=2, max_size=8, unique=True),
        nelems=st.integers(0, 3000), chunk=st.integers(1, 500),
-       coll=st.sampled_from(["allreduce", "broadcast", "reduce"]), dtype=st.sampled_from([np.int8, np.uint16, np.int64]))
+       coll=st.sampled_from(["allreduce", "broadcast", "reduce"]),
+       dtype=st.sampled_from([np.int8, np.uint16, np.int64]))
 def test_random_allocations_wrap_like_numpy(devs, nelems, chunk, coll, dtype):
     root = devs[0] if coll != "allreduce" else None
     s = build_schedule(plan(DGX1V, coll, devices=devs, root=root), nelems, chunk_elems=chunk)

@@ -30,7 +30,7 @@ def test_every_preset_builds_round_trips_and_is_named():
         assert t.name == name
         assert Topology.from_json(t.to_json()) == t
         assert Topology.preset(name).fingerprint() == t.fingerprint()
-        for u, v, bw, kind, links in t.links():  # links are symmetric in every preset
+        for u, v, bw, _kind, links in t.links():  # links are symmetric in every preset
             assert t.bandwidth(v, u) == bw and t.graph.edges[v, u]["links"] == links
 
 

@@ -13,7 +13,8 @@ from ..errors import BlinkError
 
 # subcommand -> (module, one-line help)
 COMMANDS = {
-    "topology": ("jax_blink.cli.topology_cmd", "show a topology (preset, nvidia-smi topo -m file, NCCL XML, JSON, detect)"),
+    "topology": ("jax_blink.cli.topology_cmd",
+                 "show a topology (preset, nvidia-smi topo -m file, NCCL XML, JSON, detect)"),
     "plan": ("jax_blink.cli.plan_cmd", "plan a tree packing for a collective"),
     "bench": ("jax_blink.cli.bench_cmd", "simulated (and measured) time, algbw, busbw: blink vs ring vs tree"),
     "show": ("jax_blink.cli.show_cmd", "draw the trees of a plan to a PNG"),

@@ -196,9 +196,9 @@ def simulate_sweep(topo, blink_plan, sizes, *, latency_us=None, progress=True, f
     rows = []
     for s in _progress(sizes, "simulating", progress):
         bp = blink_plan if fixed else choose_plan(topo, coll, s, devices=devs, root=blink_plan.root, latency_us=lat)
-        sim = lambda p: None if p is None else simulate(p, s, topology=topo, latency_us=lat)  # noqa: E731
-        rows.append({"size": s, "blink_plan": bp, "blink": sim(bp), "ring": sim(ring), "tree": sim(tree),
-                     "lpring": sim(lpring)})
+        plans = {"blink": bp, "ring": ring, "tree": tree, "lpring": lpring}
+        sims = {name: None if p is None else simulate(p, s, topology=topo, latency_us=lat) for name, p in plans.items()}
+        rows.append({"size": s, "blink_plan": bp, **sims})
     return rows
 
 

@@ -29,7 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--mode", choices=("pmap", "shard_map"), default="shard_map",
                    help="train step: jax.pmap or jax.jit(jax.shard_map) on a mesh (default shard_map)")
     p.add_argument("--batch-size", type=positive_int, default=64, help="global batch over all devices (default 64)")
-    p.add_argument("--lr", type=number_type(float, low=0, low_open=True), default=5e-3, help="Adam learning rate (default 5e-3)")
+    p.add_argument("--lr", type=number_type(float, low=0, low_open=True), default=5e-3,
+                   help="Adam learning rate (default 5e-3)")
     p.add_argument("--seed", type=number_type(int, low=0, what="an integer"), default=0)
     p.add_argument("--topology", default=None,
                    help="preset name, nvidia-smi topo -m file, NCCL topology XML or JSON (default: "

@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register --topology, --devices, --collective, --root, --max-trees, --algorithm,
     --rate-tolerance, --relays, --json."""
     add_job_arguments(p)
-    p.add_argument("--max-trees", type=positive_int, default=None, help="use at most K trees (the rate loss is reported)")
+    p.add_argument("--max-trees", type=positive_int, default=None,
+                   help="use at most K trees (the rate loss is reported)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default="auto",
                    help="force an algorithm (default: the fastest on predicted time)")
     p.add_argument("--rate-tolerance", type=FRACTION, default=0.0, metavar="F",

@@ -40,7 +40,7 @@ import numpy as np
 from .. import _native, collectives
 from .._jax_compat import ir
 from ..errors import BlinkError
-from . import Lowering, LoweringRequest, register
+from . import Lowering, LoweringRequest, register, selftest_record
 
 CPU_TARGET = "jax_blink_cpu"
 CUDA_TARGET = "jax_blink_cuda"
@@ -171,8 +171,9 @@ def _cpu_rule(ctx, xs, request_for):
     first. The executor reads a rank's input only before it first writes its output, so in == out is
     safe (ffi/src/blink_core.h, Leaf). An all-gather may pass its shard as the one operand with the
     full buffer as result (the record's ``shard_input``): the executor copies the shard straight into
-    place; a reduce-scatter may return only the rank's shard (the record's ``shard_output``): the executor sums it straight
-    into the result, with no full-size result buffer (fresh pages) and no slice copy after the call."""
+    place; a reduce-scatter may return only the rank's shard (the record's ``shard_output``): the
+    executor sums it straight into the result, with no full-size result buffer (fresh pages) and no
+    slice copy after the call."""
     request = request_for(sum(max(math.prod(a.shape), math.prod(b.shape))
                               for a, b in zip(ctx.avals_in, ctx.avals_out)))
     return _call(CPU_TARGET, ctx, xs, request, _ALIAS)
@@ -198,7 +199,7 @@ def native_auto_allowed(platform: str) -> bool:
     """May ``impl="auto"`` use the native executor on ``platform``?
 
     CPU: yes. CUDA: only once ``jax_blink.selftest()`` recorded a pass for this machine and build
-    (GPU names, driver version, module build id; see ``jax_blink.gpu_selftest.record_path``), or when
+    (GPU names, driver version, module build id; see ``jax_blink.lowering.selftest_record``), or when
     ``JAX_BLINK_CUDA_NATIVE=1``; ``JAX_BLINK_CUDA_NATIVE=0`` always says no. The first refusal is
     reported once (a warning naming the command that enables it).
     """
@@ -207,8 +208,7 @@ def native_auto_allowed(platform: str) -> bool:
     env = os.environ.get(ENV_NATIVE, "").strip()
     if env in ("0", "1"):
         return env == "1"
-    from .. import gpu_selftest  # late import: only GPU lowerings need it
-    if gpu_selftest.has_passed():
+    if selftest_record.has_passed():
         return True
     if platform not in _said:
         _said.add(platform)

@@ -12,7 +12,8 @@ positions (partition ids), so groups may follow different trees. Per round each 
 The per-device offsets, lengths and ops come from constant tables indexed by the partition id, so
 the program is the same on every device (SPMD). For ``reduce`` the non-root devices zero their
 buffer at the end. Sharded collectives (all-gather, reduce-scatter) run on full buffers: the
-primitive's lowering places the shard before and slices the own shard after. Bitwise identity: every device's final all-reduce values are COPYs of the root's.
+primitive's lowering places the shard before and slices the own shard after. Bitwise identity: every
+device's final all-reduce values are COPYs of the root's.
 Works across processes wherever XLA's collective_permute does.
 """
 

@@ -211,6 +211,18 @@ class Topology:
         at most one remaining node, so a PCIe switch, CPU or network that joins two chosen GPUs stays
         (and stays shared) while branches leading only to other GPUs go. Raises TopologyError for
         devices that are not GPUs of this topology or duplicates.
+
+        Example: GPUs 0-3 of a DGX-1V keep their NVLinks (GB/s per direction; GPUs 0 and 3 share two
+        links) and the PCIe switches and CPU between them::
+
+            >>> from jax_blink import Topology
+            >>> sub = Topology.preset("dgx1v").subset([0, 1, 2, 3])
+            >>> sub
+            Topology('dgx1v[0,1,2,3]', gpus=4, switches=3, edges=24)
+            >>> sub.switches
+            ['cpu0', 'pcie-switch-0', 'pcie-switch-1']
+            >>> sub.bandwidth(0, 3), sub.bandwidth(0, 1)
+            (45.8, 22.9)
         """
         devices = self.check_devices(devices)
         keep = set(devices) | {n for n in self.graph if self.graph.nodes[n]["kind"] != "gpu"}

@@ -164,7 +164,7 @@ def parse_topo(text: str, *, nvlink_gbps: float | None = None, pcie_gbps: float 
             pcie[key] = _ALIASES.get(code, code)
 
     affinity = {}
-    for r, (ln, _cells, extra) in m.rows.items():
+    for r, (_ln, _cells, extra) in m.rows.items():
         vals = dict(zip(m.extra_columns, extra))
         for col in ("NUMA Affinity", "CPU Affinity"):
             v = vals.get(col)

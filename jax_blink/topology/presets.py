@@ -47,13 +47,13 @@ NVLINK5_GBPS = 50.0   # B200 / GB200 (NVLink5: 18 links, 1.8 TB/s bidirectional)
 NVLINK_LINE_GBPS = {1: NVLINK1_GBPS, 2: NVLINK_GBPS, 3: NVLINK_GBPS, 4: NVLINK_GBPS, 5: NVLINK5_GBPS}
 
 # Achieved fraction of the NVLink line rate per generation (NCCL, large messages; direct links and
-# NVSwitch ports alike):
+# NVSwitch ports alike). The published runs are cited in README.md, "Simulator fidelity":
 # - 2 (V100): 22.90 of 25 GB/s: NCCL 2.7.8 broadcast of 1 GiB from GPU 0 to GPU 1 over one NVLink of a
 #   DGX-1V (UCBerkeley-Spring2022-CS267-project/blinkplus, test_bandwidth/logs; 45.77 over a double link).
-# - 3 (A100): 208 of 300 GB/s: all_reduce_perf busbw of 2 A100 PCIe joined by 12 NVLinks (NVIDIA/nccl-tests
-#   issue 178); an 8x A100 SXM4 NVSwitch box reaches about 200 (NVIDIA/nccl-tests issue 149).
+# - 3 (A100): 208 of 300 GB/s: all_reduce_perf busbw of 2 A100 PCIe joined by 12 NVLinks (a run
+#   posted to NVIDIA/nccl-tests); an 8x A100 SXM4 NVSwitch box reaches about 200 (another such run).
 # - 4 (H100): 370 of 450 GB/s: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get
-#   an effective NVLink bandwidth of 370GB/s" (NCCL maintainer, NVIDIA/nccl-tests issue 212).
+#   an effective NVLink bandwidth of 370GB/s" (an NCCL maintainer, on NVIDIA/nccl-tests).
 # - 1 (P100) and 5 (B200): no measurement at hand; assumed equal to the next known generation.
 NVLINK_EFFICIENCY = {1: 22.90 / 25.0, 2: 22.90 / 25.0, 3: 208.0 / 300.0, 4: 370.0 / 450.0, 5: 370.0 / 450.0}
 
@@ -67,7 +67,8 @@ _GEN12_MAX_GTS = 5.0
 PCIE_EFFICIENCY = 12.0 / (8.0 * 16 * 128 / 130 / 8)
 
 # Network: achieved fraction of a NIC's line rate: 3 nodes of 8 A100 with 4 HDR (200 Gb/s) NICs each,
-# all_reduce_perf peak busbw about 96 GB/s of the 100 GB/s per node (NVIDIA/nccl-tests issue 119).
+# all_reduce_perf peak busbw about 96 GB/s of the 100 GB/s per node (a run posted to NVIDIA/nccl-tests;
+# cited in README.md, "Simulator fidelity").
 NET_EFFICIENCY = 96.0 / 100.0
 
 
@@ -254,7 +255,8 @@ def pcie_2socket(*, pcie_gbps: float = PCIE_GEN3_GBPS,
 
     GPUs {0,1}, {2,3} on ``cpu0``; {4,5}, {6,7} on ``cpu1``. Gen3 x16 (12 GB/s) everywhere, the
     inter-socket link 20 GB/s (module docstring). Source: the real matrix
-    ``tests/data/topologies/pcie_2socket_4switch.txt`` (NVIDIA/nccl issue 1439: PIX pairs, PHB, SYS).
+    ``tests/data/topologies/pcie_2socket_4switch.txt`` (PIX pairs, PHB, SYS; its origin is in that
+    folder's README).
     """
     t = Topology("pcie-2socket")
     for g in range(8):

@@ -204,9 +204,9 @@ def build_topology(m: Measurement, platform: str = "cpu") -> Topology:
         t.add_gpu(g)
     per_dir = {p: min(m.one_way[p], m.both_ways[p]) for p in m.one_way}
     groups = nx.utils.UnionFind(m.gpus)
-    for (i, j), (k, l), _ in m.shared:
-        groups.union(i, k)  # the two senders share a link ...
-        groups.union(j, l)  # ... and so do the two receivers
+    for (src1, dst1), (src2, dst2), _ in m.shared:
+        groups.union(src1, src2)  # the two senders share a link ...
+        groups.union(dst1, dst2)  # ... and so do the two receivers
     clusters = sorted((sorted(c) for c in groups.to_sets()), key=lambda c: c[0])
     if all(len(c) == 1 for c in clusters):
         for (i, j), bw in sorted(per_dir.items()):
@@ -242,8 +242,8 @@ def build_topology(m: Measurement, platform: str = "cpu") -> Topology:
 
 
 def _pair(s) -> str:
-    (i, j), (k, l), slow = s
-    return f"{i}->{j} with {k}->{l}: {slow:.2f}x"
+    (src1, dst1), (src2, dst2), slow = s
+    return f"{src1}->{dst1} with {src2}->{dst2}: {slow:.2f}x"
 
 
 def compare(m: Measurement, label) -> list[str]:
