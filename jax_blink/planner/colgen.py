@@ -26,6 +26,7 @@ import dataclasses
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable
 
 import highspy
@@ -57,6 +58,7 @@ class PackingResult:
 
 
 _QUIET: list = []  # set once the first HiGHS instance (whose constructor prints a banner) exists
+_LOCAL = threading.local()  # this thread's HiGHS instances, by options
 
 
 @dataclasses.dataclass
@@ -88,17 +90,28 @@ def _muted(fn):
         os.close(saved)
 
 
-def new_highs() -> highspy.Highs:
-    """A silent ``highspy.Highs`` instance (output off; the banner of the first one muted)."""
+def new_highs(options=None) -> highspy.Highs:
+    """An empty, silent ``highspy.Highs`` model with HiGHS ``options`` (a dict) set: this thread's
+    instance for these options, cleared (``clearModel`` keeps only the options). Constructing a
+    ``highspy.Highs`` (callback set-up) cost about as much as solving a small LP."""
+    key = tuple(sorted((options or {}).items()))
+    kept = _LOCAL.__dict__.setdefault("highs", {})
+    h = kept.get(key)
+    if h is not None:
+        h.clearModel()
+        return h
     if _QUIET:
         h = highspy.Highs()
-    else:
+    else:  # the first construction prints a banner
         h = _muted(highspy.Highs)
         _QUIET.append(True)
     h.setOptionValue("output_flag", False)
     # one thread: the planner's LPs and ILPs are small, and HiGHS's worker threads cost more to
     # wake than they save (the MILP took ~30 ms with 2 threads on a loaded 2-core machine, 1 ms with 1)
     h.setOptionValue("threads", 1)
+    for k, v in (options or {}).items():
+        h.setOptionValue(k, v)
+    kept[key] = h
     return h
 
 
@@ -138,9 +151,7 @@ def solve_lp(c: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray
     """Minimise ``c`` . x subject to ``a_ub`` x <= ``b_ub``, ``a_eq`` x = 0, 0 <= x <= ``upper``
     (default unbounded) with HiGHS; ``integrality``: 0/1 [N], 1 marking integer columns (a MILP);
     ``options``: further HiGHS options (e.g. ``{"mip_max_nodes": 200}``). Returns an :class:`LPResult`."""
-    h = new_highs()
-    for k, v in (options or {}).items():
-        h.setOptionValue(k, v)
+    h = new_highs(options)
     n = len(c)
     add_columns(h, np.zeros((0, n)), c, upper)
     add_rows(h, np.asarray(a_ub, dtype=np.float64), np.full(len(b_ub), -highspy.kHighsInf), b_ub)

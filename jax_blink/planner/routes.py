@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import networkx as nx
 import numpy as np
@@ -154,6 +155,8 @@ class _Pricer:
     def __init__(self, table: RouteTable, mode: str):
         pos = {d: i for i, d in enumerate(table.devices)}
         n = len(pos)
+        # position -> rank of the GPU in node order (children are visited in this order)
+        self.rank = {i: k for k, i in enumerate(sorted(range(n), key=lambda i: _key(table.devices[i])))}
         self.n, self.mode = n, mode
         pairs, routes, rows = [], [], []
         for (u, v), m in table.inc.items():
@@ -223,55 +226,75 @@ def pricer(table: RouteTable, mode: str) -> _Pricer:
 def min_arborescence(w: np.ndarray, root: int):
     """Minimum-weight spanning arborescence rooted at ``root`` on a dense weight matrix.
 
-    Chu-Liu/Edmonds (Edmonds 1967, "Optimum branchings"), O(n^3) with NumPy; ties go to the lowest
-    index, so the result is deterministic. ``w``: float64 [n, n], w[u, v] = weight of u->v, ``inf``
-    where there is no edge. Returns an int array [n] of parents (-1 at the root) or None when some
-    node cannot be reached from ``root``.
+    Chu-Liu/Edmonds (Edmonds 1967, "Optimum branchings"), O(n^3); ties go to the lowest index, so
+    the result is deterministic. ``w``: float64 [n, n], w[u, v] = weight of u->v, ``inf`` where
+    there is no edge. Returns an int array [n] of parents (-1 at the root) or None when some node
+    cannot be reached from ``root``. Runs on Python lists (:func:`_arborescence`): the planner's
+    matrices have n <= 32, where per-call NumPy overhead cost ~5x the arithmetic.
     """
-    n = w.shape[0]
-    w = w.copy()
-    w[:, root] = np.inf
-    np.fill_diagonal(w, np.inf)
-    par = np.argmin(w, axis=0)
-    if np.isinf(w[par, np.arange(n)])[np.arange(n) != root].any():
+    par = _arborescence(np.asarray(w, dtype=np.float64).tolist(), root)
+    return None if par is None else np.array(par, dtype=np.int64)
+
+
+def _first_min(xs) -> int:
+    """Index of the first smallest entry of ``xs`` (NumPy's argmin tie rule)."""
+    best, k = xs[0], 0
+    for i in range(1, len(xs)):
+        if xs[i] < best:
+            best, k = xs[i], i
+    return k
+
+
+def _arborescence(w: list, root: int):
+    """:func:`min_arborescence` on a list of rows (``w`` is not modified): the cheapest in-edge of
+    every node; the cycle met first from the lowest-numbered node (pointer doubling) is contracted
+    into one node and the contracted problem solved recursively."""
+    n = len(w)
+    inf = math.inf
+    w = [[inf if (v == root or u == v) else x for v, x in enumerate(row)] for u, row in enumerate(w)]
+    par = [_first_min([w[u][v] for u in range(n)]) for v in range(n)]
+    if any(w[par[v]][v] == inf for v in range(n) if v != root):
         return None
-    # pointer doubling: z[v] = par^(2^k)(v) with 2^k >= n lies on v's cycle (or is the root); the
-    # cycle reached from the lowest-numbered node is contracted (the one a walk in node order meets first)
-    z = par.copy()
+    z = list(par)
     z[root] = root
     for _ in range(max(1, int(n - 1).bit_length())):
-        z = z[z]
+        z = [z[x] for x in z]
     par[root] = -1
-    off = np.flatnonzero(z != root)
-    if not len(off):
+    off = [v for v in range(n) if z[v] != root]
+    if not off:
         return par
-    v = int(z[off[0]])
+    v = z[off[0]]
     cyc = [v]
-    u = int(par[v])
+    u = par[v]
     while u != v:
         cyc.append(u)
-        u = int(par[u])
-    cyc = np.array(sorted(cyc))
-    incyc = np.zeros(n, dtype=bool)
-    incyc[cyc] = True
-    rest = np.flatnonzero(~incyc)
+        u = par[u]
+    cyc.sort()
+    incyc = set(cyc)
+    rest = [x for x in range(n) if x not in incyc]
     m = len(rest)
-    w2 = np.full((m + 1, m + 1), np.inf)
-    w2[:m, :m] = w[rest][:, rest]
-    cin = w[rest][:, cyc] - w[par[cyc], cyc][None, :]
-    best_in = np.argmin(cin, axis=1)
-    w2[:m, m] = cin[np.arange(m), best_in]
-    cout = w[cyc][:, rest]
-    best_out = np.argmin(cout, axis=0)
-    w2[m, :m] = cout[best_out, np.arange(m)]
-    p2 = min_arborescence(w2, int(np.flatnonzero(rest == root)[0]))
+    w2 = [[w[a][b] for b in rest] + [inf] for a in rest] + [[inf] * (m + 1)]
+    best_in = []
+    for i, a in enumerate(rest):
+        cin = [w[a][c] - w[par[c]][c] for c in cyc]
+        k = _first_min(cin)
+        best_in.append(k)
+        w2[i][m] = cin[k]
+    best_out = []
+    for j, b in enumerate(rest):
+        cout = [w[c][b] for c in cyc]
+        k = _first_min(cout)
+        best_out.append(k)
+        w2[m][j] = cout[k]
+    p2 = _arborescence(w2, rest.index(root))
     if p2 is None:
         return None
-    out = np.empty(n, dtype=np.int64)
-    for j, v in enumerate(rest):
+    out = [0] * n
+    for j, x in enumerate(rest):
         pj = p2[j]
-        out[v] = -1 if pj == -1 else (rest[pj] if pj < m else cyc[best_out[j]])
-    out[cyc] = par[cyc]
+        out[x] = -1 if pj == -1 else (rest[pj] if pj < m else cyc[best_out[j]])
+    for c in cyc:
+        out[c] = par[c]
     out[cyc[best_in[p2[m]]]] = rest[p2[m]]
     return out
 
@@ -330,8 +353,7 @@ def tree_from_costs(table: RouteTable, pricer: _Pricer, w: np.ndarray, pick: np.
     """The minimum-price tree rooted at ``root`` over GPU-level edge costs ``w`` [n, n] and route
     choices ``pick`` from :meth:`_Pricer.costs` (one pricing serves every root of a round)."""
     devs = table.devices
-    order = sorted(range(len(devs)), key=lambda i: _key(devs[i]))
-    rank = {i: k for k, i in enumerate(order)}
+    rank = pricer.rank
     r = devs.index(root)
     if pricer.mode == "spanning":
         pairs = _spanning_parents(w, r, rank)
