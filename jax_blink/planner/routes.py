@@ -27,6 +27,7 @@ from ..topology.model import Topology, _key
 
 MAX_ROUTES_PER_PAIR = 6     # shortest routes kept per ordered GPU pair
 MAX_SWITCH_NODES = 16       # most switch nodes inside one route
+ARBORESCENCE_LIST_MAX = 16  # min_arborescence on Python lists up to this many nodes, NumPy above
 
 
 @dataclasses.dataclass(eq=False)
@@ -229,11 +230,66 @@ def min_arborescence(w: np.ndarray, root: int):
     Chu-Liu/Edmonds (Edmonds 1967, "Optimum branchings"), O(n^3); ties go to the lowest index, so
     the result is deterministic. ``w``: float64 [n, n], w[u, v] = weight of u->v, ``inf`` where
     there is no edge. Returns an int array [n] of parents (-1 at the root) or None when some node
-    cannot be reached from ``root``. Runs on Python lists (:func:`_arborescence`): the planner's
-    matrices have n <= 32, where per-call NumPy overhead cost ~5x the arithmetic.
+    cannot be reached from ``root``. Up to ARBORESCENCE_LIST_MAX nodes it runs on Python lists
+    (:func:`_arborescence`; per-call NumPy overhead cost ~5x the arithmetic there), above with NumPy
+    (:func:`_arborescence_np`); both take the same steps and ties, so they return the same tree.
     """
-    par = _arborescence(np.asarray(w, dtype=np.float64).tolist(), root)
+    w = np.asarray(w, dtype=np.float64)
+    if len(w) > ARBORESCENCE_LIST_MAX:
+        return _arborescence_np(w, root)
+    par = _arborescence(w.tolist(), root)
     return None if par is None else np.array(par, dtype=np.int64)
+
+
+def _arborescence_np(w: np.ndarray, root: int):
+    """:func:`min_arborescence` with NumPy row and column operations (large ``w``); the contracted
+    problem goes back through :func:`min_arborescence`."""
+    n = w.shape[0]
+    w = w.copy()
+    w[:, root] = np.inf
+    np.fill_diagonal(w, np.inf)
+    par = np.argmin(w, axis=0)
+    if np.isinf(w[par, np.arange(n)])[np.arange(n) != root].any():
+        return None
+    # pointer doubling: z[v] = par^(2^k)(v) with 2^k >= n lies on v's cycle (or is the root); the
+    # cycle reached from the lowest-numbered node is contracted (the one a walk in node order meets first)
+    z = par.copy()
+    z[root] = root
+    for _ in range(max(1, int(n - 1).bit_length())):
+        z = z[z]
+    par[root] = -1
+    off = np.flatnonzero(z != root)
+    if not len(off):
+        return par
+    v = int(z[off[0]])
+    cyc = [v]
+    u = int(par[v])
+    while u != v:
+        cyc.append(u)
+        u = int(par[u])
+    cyc = np.array(sorted(cyc))
+    incyc = np.zeros(n, dtype=bool)
+    incyc[cyc] = True
+    rest = np.flatnonzero(~incyc)
+    m = len(rest)
+    w2 = np.full((m + 1, m + 1), np.inf)
+    w2[:m, :m] = w[rest][:, rest]
+    cin = w[rest][:, cyc] - w[par[cyc], cyc][None, :]
+    best_in = np.argmin(cin, axis=1)
+    w2[:m, m] = cin[np.arange(m), best_in]
+    cout = w[cyc][:, rest]
+    best_out = np.argmin(cout, axis=0)
+    w2[m, :m] = cout[best_out, np.arange(m)]
+    p2 = min_arborescence(w2, int(np.flatnonzero(rest == root)[0]))
+    if p2 is None:
+        return None
+    out = np.empty(n, dtype=np.int64)
+    for j, v in enumerate(rest):
+        pj = p2[j]
+        out[v] = -1 if pj == -1 else (rest[pj] if pj < m else cyc[best_out[j]])
+    out[cyc] = par[cyc]
+    out[cyc[best_in[p2[m]]]] = rest[p2[m]]
+    return out
 
 
 def _first_min(xs) -> int:
