@@ -30,6 +30,25 @@ MAX_SWITCH_NODES = 16       # most switch nodes inside one route
 ARBORESCENCE_LIST_MAX = 16  # min_arborescence on Python lists up to this many nodes, NumPy above
 
 
+def _is_forest(nodes, edges) -> bool:
+    """Whether the undirected graph of ``nodes`` and directed ``edges`` (u, v) (a link both ways counts
+    once) has no cycle: union-find over the undirected edges (no networkx undirected copy)."""
+    comp = {n: n for n in nodes}
+
+    def find(a):
+        while comp[a] != a:
+            comp[a] = comp[comp[a]]
+            a = comp[a]
+        return a
+
+    for u, v in {(u, v) if _key(u) <= _key(v) else (v, u) for u, v in edges}:
+        ru, rv = find(u), find(v)
+        if ru == rv:
+            return False
+        comp[ru] = rv
+    return True
+
+
 @dataclasses.dataclass(eq=False)
 class RouteTable:
     """Routes between the job's GPUs over the job's physical links.
@@ -73,7 +92,7 @@ class RouteTable:
         sw_paths: dict = {}
         # a switch forest (PCIe trees, NVSwitch planes) has at most one simple path per pair: one BFS
         # per start finds them all (Yen's algorithm per pair below cost ~40% of a dgx1v plan)
-        forest = nx.is_forest(sw.to_undirected(as_view=True)) if len(sw) else True
+        forest = _is_forest(switches, sw.edges())
         for a in starts:
             reach = nx.single_source_shortest_path(sw, a) if forest else None
             for b in ends:
