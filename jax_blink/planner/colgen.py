@@ -8,8 +8,9 @@ ForestColl, Zhao et al. 2024, sections 4-5) maximises x with every root's column
 :func:`column_generation` solves both by column generation (Dantzig-Wolfe; e.g. Chvatal, "Linear
 Programming", ch. 26) with HiGHS (``highspy``, its official Python API; every round solves its LP
 from scratch: re-solving one kept model warm from the last basis ends at other optimal bases, whose
-tree counts after :mod:`jax_blink.planner.minimize` were larger on 46 of 1328 benchmark cases): a few multiplicative-weights rounds (Garg-Koenemann, as
-Blink's TreeGen) give diverse starting columns without an LP solve each; then the LP and a pricing
+tree counts after :mod:`jax_blink.planner.minimize` were larger on 46 of 1328 benchmark cases): a
+few multiplicative-weights rounds (Garg-Koenemann, as Blink's TreeGen) give diverse starting
+columns without an LP solve each; then the LP and a pricing
 callback alternate, the callback returning the cheapest columns under the LP's dual link prices,
 until no column prices below its threshold, the rate reaches an independent upper bound (then the
 LP is optimal without a last pricing round), or MAX_ITERATIONS. The LP dual also gives an upper
