@@ -6,8 +6,11 @@ every directed link e, w >= 0 (Blink, MLSys 2020, section 4, solved exactly wher
 (1-eps) multiplicative-weights approximation); the rooted variant (all-gather / reduce-scatter,
 ForestColl, Zhao et al. 2024, sections 4-5) maximises x with every root's columns weighing >= x.
 :func:`column_generation` solves both by column generation (Dantzig-Wolfe; e.g. Chvatal, "Linear
-Programming", ch. 26) with scipy's HiGHS: a few multiplicative-weights rounds (Garg-Koenemann, as
-Blink's TreeGen) give diverse starting columns without an LP solve each; then the LP and a pricing
+Programming", ch. 26) with HiGHS (``highspy``, its official Python API; every round solves its LP
+from scratch: re-solving one kept model warm from the last basis ends at other optimal bases, whose
+tree counts after :mod:`jax_blink.planner.minimize` were larger on 46 of 1328 benchmark cases): a
+few multiplicative-weights rounds (Garg-Koenemann, as Blink's TreeGen) give diverse starting
+columns without an LP solve each; then the LP and a pricing
 callback alternate, the callback returning the cheapest columns under the LP's dual link prices,
 until no column prices below its threshold, the rate reaches an independent upper bound (then the
 LP is optimal without a last pricing round), or MAX_ITERATIONS. The LP dual also gives an upper
@@ -22,10 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
+import threading
 from collections.abc import Callable
 
+import highspy
 import numpy as np
-from scipy.optimize import linprog
 
 from ..errors import PlanError
 from .routes import Column, RouteTable, price_tree, pricer, tree_from_costs
@@ -52,24 +58,129 @@ class PackingResult:
     labels: list | None = None
 
 
-def rate_lp(a: np.ndarray, cap: np.ndarray, a_eq: np.ndarray | None = None):
+_QUIET: list = []  # set once the first HiGHS instance (whose constructor prints a banner) exists
+_LOCAL = threading.local()  # this thread's HiGHS instances, by options
+
+
+@dataclasses.dataclass
+class LPResult:
+    """A HiGHS solve (:func:`solve_lp`): ``status`` 0 when optimal (else ``message`` says why),
+    ``x`` the column values (float64 [N]), ``fun`` the objective, ``duals`` the row duals (float64,
+    inequality rows first, then equality rows; <= 0 on a binding <= row of a minimisation),
+    ``feasible``: ``x`` is a feasible point (also when a MILP stopped at its node limit)."""
+
+    status: int
+    x: np.ndarray
+    fun: float
+    duals: np.ndarray
+    message: str
+    feasible: bool
+
+
+def _muted(fn):
+    """``fn()`` with file descriptor 1 muted: HiGHS writes its banner and some MIP debug lines
+    straight to the C stdout, which would corrupt ``jax-blink plan --json`` and user programs' output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            return fn()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def new_highs(options=None) -> highspy.Highs:
+    """An empty, silent ``highspy.Highs`` model with HiGHS ``options`` (a dict) set: this thread's
+    instance for these options, cleared (``clearModel`` keeps only the options). Constructing a
+    ``highspy.Highs`` (callback set-up) cost about as much as solving a small LP."""
+    key = tuple(sorted((options or {}).items()))
+    kept = _LOCAL.__dict__.setdefault("highs", {})
+    h = kept.get(key)
+    if h is not None:
+        h.clearModel()
+        return h
+    if _QUIET:
+        h = highspy.Highs()
+    else:  # the first construction prints a banner
+        h = _muted(highspy.Highs)
+        _QUIET.append(True)
+    h.setOptionValue("output_flag", False)
+    # one thread: the planner's LPs and ILPs are small, and HiGHS's worker threads cost more to
+    # wake than they save (the MILP took ~30 ms with 2 threads on a loaded 2-core machine, 1 ms with 1)
+    h.setOptionValue("threads", 1)
+    for k, v in (options or {}).items():
+        h.setOptionValue(k, v)
+    kept[key] = h
+    return h
+
+
+def add_rows(h: highspy.Highs, a: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> None:
+    """Add the rows ``lower`` <= ``a`` x <= ``upper`` (``a`` float64 [M, N] over the model's columns)."""
+    rows, cols = np.nonzero(a)
+    starts = np.searchsorted(rows, np.arange(a.shape[0])).astype(np.int32)
+    h.addRows(a.shape[0], np.asarray(lower, dtype=np.float64), np.asarray(upper, dtype=np.float64), len(rows),
+              starts, cols.astype(np.int32), a[rows, cols].astype(np.float64))
+
+
+def add_columns(h: highspy.Highs, a: np.ndarray, cost: np.ndarray, upper: np.ndarray | None = None) -> None:
+    """Add columns with rows ``a`` (float64 [M, K] over the model's M rows), costs [K], bounds 0 <= x <= ``upper``."""
+    cols, rows = np.nonzero(a.T)
+    starts = np.searchsorted(cols, np.arange(a.shape[1])).astype(np.int32)
+    k = a.shape[1]
+    h.addCols(k, np.asarray(cost, dtype=np.float64), np.zeros(k),
+              np.full(k, highspy.kHighsInf) if upper is None else np.asarray(upper, dtype=np.float64),
+              len(rows), starts, rows.astype(np.int32), a[rows, cols].astype(np.float64))
+
+
+def solved(h: highspy.Highs) -> LPResult:
+    """Run ``h`` and return its :class:`LPResult` (status 0 only when HiGHS proves optimality)."""
+    h.run()
+    status = h.getModelStatus()
+    sol = h.getSolution()
+    info = h.getInfo()
+    ok = status == highspy.HighsModelStatus.kOptimal
+    feasible = ok or (sol.value_valid and info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible)
+    return LPResult(0 if ok else 1, np.asarray(sol.col_value, dtype=np.float64),
+                    float(info.objective_function_value), np.asarray(sol.row_dual, dtype=np.float64),
+                    h.modelStatusToString(status), bool(feasible))
+
+
+def solve_lp(c: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray | None = None,
+             upper: np.ndarray | None = None, integrality: np.ndarray | None = None, options=None) -> LPResult:
+    """Minimise ``c`` . x subject to ``a_ub`` x <= ``b_ub``, ``a_eq`` x = 0, 0 <= x <= ``upper``
+    (default unbounded) with HiGHS; ``integrality``: 0/1 [N], 1 marking integer columns (a MILP);
+    ``options``: further HiGHS options (e.g. ``{"mip_max_nodes": 200}``). Returns an :class:`LPResult`."""
+    h = new_highs(options)
+    n = len(c)
+    add_columns(h, np.zeros((0, n)), c, upper)
+    add_rows(h, np.asarray(a_ub, dtype=np.float64), np.full(len(b_ub), -highspy.kHighsInf), b_ub)
+    if a_eq is not None:
+        add_rows(h, np.asarray(a_eq, dtype=np.float64), np.zeros(len(a_eq)), np.zeros(len(a_eq)))
+    if integrality is not None and np.any(integrality):
+        idx = np.flatnonzero(integrality).astype(np.int32)
+        h.changeColsIntegrality(len(idx), idx, np.full(len(idx), highspy.HighsVarType.kInteger))
+        return _muted(lambda: solved(h))
+    return solved(h)
+
+
+def rate_lp(a: np.ndarray, cap: np.ndarray, a_eq: np.ndarray | None = None) -> LPResult:
     """The rate LP (HiGHS): maximise sum_c w_c subject to ``a`` w <= ``cap``, ``a_eq`` w = 0, w >= 0.
 
     ``a``: float64 [L, C], how many times column c uses link l; ``cap``: float64 [L], GB/s;
-    ``a_eq``: optional rows [E, C] (e.g. equal totals per root). Returns scipy's OptimizeResult
-    (``x`` the weights, ``-fun`` the rate, ``ineqlin.marginals`` minus the link prices)."""
-    return linprog(-np.ones(a.shape[1]), A_ub=a, b_ub=cap, A_eq=a_eq,
-                   b_eq=None if a_eq is None else np.zeros(len(a_eq)), bounds=(0, None), method="highs")
+    ``a_eq``: optional rows [E, C] (e.g. equal totals per root). Returns an :class:`LPResult`
+    (``x`` the weights, ``-fun`` the rate, ``-duals[:L]`` the link prices)."""
+    return solve_lp(-np.ones(a.shape[1]), a, cap, a_eq)
 
 
-def _rooted_lp(a: np.ndarray, cap: np.ndarray, member: np.ndarray):
+def _rooted_lp(a: np.ndarray, cap: np.ndarray, member: np.ndarray) -> LPResult:
     """The rooted rate LP (HiGHS): maximise x subject to ``a`` w <= ``cap`` and, for every root r,
     sum of r's column weights >= x (``member``: 0/1 [R, C], column c is rooted at r); w, x >= 0.
     Variables [w, x]; the duals of the last R rows are the roots' prices."""
     nl, n, t = a.shape[0], member.shape[0], a.shape[1]
     a_ub = np.block([[a, np.zeros((nl, 1))], [-member, np.ones((n, 1))]])
-    b_ub = np.concatenate([cap, np.zeros(n)])
-    return linprog(np.concatenate([np.zeros(t), [-1.0]]), A_ub=a_ub, b_ub=b_ub, bounds=(0, None), method="highs")
+    return solve_lp(np.concatenate([np.zeros(t), [-1.0]]), a_ub, np.concatenate([cap, np.zeros(n)]))
 
 
 def _warm_step(y: np.ndarray, col: Column, cap: np.ndarray) -> np.ndarray:
@@ -143,14 +254,14 @@ def column_generation(cap: np.ndarray, price: Callable, *, start=(), warm_rounds
         if res.status != 0:
             raise PlanError(f"{what} LP failed for devices {list(devices)}: {res.message}")
         if roots is None:
-            rate, w = float(-res.fun), np.asarray(res.x, dtype=np.float64)
+            rate, w = float(-res.fun), res.x.copy()
         else:
-            share, w = float(res.x[-1]), np.asarray(res.x[:t], dtype=np.float64)
+            share, w = float(res.x[-1]), res.x[:t].copy()
             rate = len(roots) * share
         if target is not None and rate >= target * (1 - 1e-9):
             dual = max(target, rate)
             break
-        marg = -np.asarray(res.ineqlin.marginals)
+        marg = -res.duals
         y = np.maximum(marg[:nl], 0.0)
         cands = price(y)
         if not cands:

@@ -101,9 +101,10 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
 def planned(topology: Topology, collective: str, devices: tuple, root, max_trees, algorithm: str, relays: tuple,
             rate_tolerance: float) -> Plan:
     """The cached plan of a request :func:`check_request` has validated and normalised."""
-    key = (topology.fingerprint(), devices, collective, root, max_trees, algorithm, relays, rate_tolerance)
+    fp = topology.fingerprint()
+    key = (fp, devices, collective, root, max_trees, algorithm, relays, rate_tolerance)
     return cached(_CACHE, key, lambda: _plan_uncached(topology, collective, devices, root, max_trees, algorithm,
-                                                      relays, rate_tolerance))
+                                                      relays, rate_tolerance, fp))
 
 
 def _check_relays(topology, devices, relays) -> tuple:
@@ -129,8 +130,9 @@ def _check_relays(topology, devices, relays) -> tuple:
     return tuple(sorted(rel))
 
 
-def _plan_uncached(topology, collective, devices, root, max_trees, algorithm, relays, rate_tolerance) -> Plan:
-    """Dispatch a validated request to its algorithm."""
+def _plan_uncached(topology, collective, devices, root, max_trees, algorithm, relays, rate_tolerance,
+                   fingerprint=None) -> Plan:
+    """Dispatch a validated request to its algorithm (``fingerprint``: the topology's, computed once)."""
     n = len(devices)
     if relays and n > 1:
         return relay_plan(topology, collective, devices, root, max_trees, relays, rate_tolerance)
@@ -140,7 +142,7 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm, re
     if algorithm == "ring":
         return packed_ring_plan(topology, collective, devices, max_trees)
     if _collectives.get(collective).sharded:  # no three-phase variant: the flat packing is exact
-        return flat_plan(topology, collective, devices, root, max_trees, algorithm, rate_tolerance)
+        return flat_plan(topology, collective, devices, root, max_trees, algorithm, rate_tolerance, fingerprint)
     if algorithm == "rsag":
         rs = planned(topology, "reducescatter", devices, None, None, "trees", (), 0.0)
         ag = planned(topology, "allgather", devices, None, None, "trees", (), 0.0)
@@ -150,7 +152,7 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm, re
         raise PlanError(f"algorithm 'hierarchical' needs devices on two or more nodes; {list(devices)} "
                         f"are on one node of {topology.name!r}")
     if algorithm != "hierarchical":
-        flat = flat_plan(topology, collective, devices, root, max_trees, algorithm, rate_tolerance)
+        flat = flat_plan(topology, collective, devices, root, max_trees, algorithm, rate_tolerance, fingerprint)
         if len(groups) == 1 or algorithm != "auto":
             return flat
     hier = hierarchical_plan(topology, devices, collective, root, groups, max_trees)

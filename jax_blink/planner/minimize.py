@@ -2,7 +2,7 @@
 
 Column generation (:mod:`jax_blink.planner.colgen`) returns an optimal basic solution, often with more
 trees than needed. :func:`fewest_trees` picks few trees among the generated columns: reweighted-L1 LPs
-and, over small column sets, the exact minimum-count ILP (``scipy.optimize.milp``); with
+and, over small column sets, the exact minimum-count ILP (HiGHS through ``highspy``); with
 ``max_trees=k`` the ILP maximises the rate with at most k trees. :func:`drop_light_trees` trades a
 bounded rate loss for fewer, larger trees (``plan(rate_tolerance=...)``). Both re-optimise the
 weights of the kept trees with the rate LP (:func:`jax_blink.planner.colgen.rate_lp`).
@@ -10,32 +10,17 @@ weights of the kept trees with the rate LP (:func:`jax_blink.planner.colgen.rate
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
-from .colgen import rate_lp
+from .colgen import rate_lp, solve_lp
 
 MILP_NODE_LIMIT = 200
+#: HiGHS options of the tree-count ILP: node-limited (deterministic); the feasibility-jump heuristic
+#: and symmetry detection off: on these ILPs (<= 48 columns) they took ~90% of a 10-20 ms solve
+ILP_OPTIONS = {"mip_max_nodes": MILP_NODE_LIMIT, "presolve": "on", "mip_heuristic_run_feasibility_jump": False,
+               "mip_detect_symmetry": False}
 L1_ROUNDS = 6            # most reweighted-L1 LPs in the tree-count reduction
 MILP_MAX_COLUMNS = 24    # exact min-count ILP only over at most this many generated trees (its root LP
-
-
-def _quiet_milp(*args, **kw):
-    """``scipy.optimize.milp`` with file descriptor 1 muted: HiGHS's MIP solver prints debug lines
-    ("HighsMipSolverData::transformNewIntegerFeasibleSolution") straight to the C stdout, which
-    would corrupt ``jax-blink plan --json`` and user programs' output."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 1)
-            return milp(*args, **kw)
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _equal_share_rows(groups, cols) -> np.ndarray | None:
@@ -79,6 +64,19 @@ def _fewest_possible(a: np.ndarray, cap: np.ndarray, rate: float, groups=None) -
     return need
 
 
+def _tree_count_ilp(c, a, cap, rate, a_more, b_more, a_eq=None):
+    """The tree-count ILP (HiGHS, node-limited so deterministic): minimise ``c`` over [w, z] (weights
+    [T], 0/1 tree indicators [T]) subject to the link capacities ``a`` w <= ``cap``, w_t <= ``rate`` z_t,
+    ``a_more`` [w, z] <= ``b_more`` and ``a_eq`` [w, z] = 0 (both over 2T columns)."""
+    t = a.shape[1]
+    a_ub = np.vstack([np.hstack([a, np.zeros((a.shape[0], t))]), np.hstack([np.eye(t), -rate * np.eye(t)]),
+                      np.asarray(a_more, dtype=np.float64)])
+    b_ub = np.concatenate([cap, np.zeros(t), np.asarray(b_more, dtype=np.float64)])
+    return solve_lp(c, a_ub, b_ub, a_eq, upper=np.concatenate([np.full(t, rate), np.ones(t)]),
+                    integrality=np.concatenate([np.zeros(t), np.ones(t)]),
+                    options=ILP_OPTIONS)
+
+
 def fewest_trees(cap: np.ndarray, cols, rate: float, max_trees: int | None, lp_weights, groups=None):
     """Fewer trees over the generated columns (Blink's TreeGen ILP step).
 
@@ -86,7 +84,7 @@ def fewest_trees(cap: np.ndarray, cols, rate: float, max_trees: int | None, lp_w
     subject to the link capacities and total rate >= ``rate`` (1 - 1e-7), keeping the sparsest
     support found; then, over at most MILP_MAX_COLUMNS trees, the exact minimum-count ILP (larger
     column sets, e.g. with PCIe links: the ILP took 0.1-1 s, so the L1 result stands). With
-    ``max_trees=k``: the ILP (scipy.optimize.milp, HiGHS, node-limited so deterministic) maximising
+    ``max_trees=k``: the ILP (:func:`_tree_count_ilp`) maximising
     the total weight using at most k trees.
     ``groups`` (sharded collectives): the root of each column; every root then carries rate / (number
     of roots) and the same share of any re-optimised total.
@@ -112,8 +110,7 @@ def fewest_trees(cap: np.ndarray, cols, rate: float, max_trees: int | None, lp_w
         w = lp_weights
         for _ in range(L1_ROUNDS):
             cost = 1.0 / (w + 1e-3 * rate / t)
-            res = linprog(cost, A_ub=np.vstack([a, share_rows]),
-                          b_ub=np.concatenate([cap, share]), bounds=(0, None), method="highs")
+            res = solve_lp(cost, np.vstack([a, share_rows]), np.concatenate([cap, share]))
             if res.status != 0:
                 break
             w = res.x
@@ -124,30 +121,15 @@ def fewest_trees(cap: np.ndarray, cols, rate: float, max_trees: int | None, lp_w
         chosen = np.flatnonzero(best > 1e-9)
         if t <= MILP_MAX_COLUMNS and len(chosen) > fewest:
             # exact minimum count over the generated trees while the ILP is small (milliseconds)
-            nl = a.shape[0]
-            res = _quiet_milp(np.concatenate([np.zeros(t), np.ones(t)]),
-                       constraints=[LinearConstraint(np.hstack([a, np.zeros((nl, t))]), -np.inf, cap),
-                                    LinearConstraint(np.hstack([np.eye(t), -rate * np.eye(t)]), -np.inf, 0.0),
-                                    LinearConstraint(np.hstack([share_rows, np.zeros_like(share_rows)]),
-                                                     -np.inf, share)],
-                       integrality=np.concatenate([np.zeros(t), np.ones(t)]),
-                       bounds=Bounds(np.zeros(2 * t), np.concatenate([np.full(t, rate), np.ones(t)])),
-                       options={"node_limit": MILP_NODE_LIMIT, "presolve": True})
-            if res.x is not None and np.count_nonzero(res.x[t:] > 0.5) < len(chosen):
+            res = _tree_count_ilp(np.concatenate([np.zeros(t), np.ones(t)]), a, cap, rate,
+                                  np.hstack([share_rows, np.zeros_like(share_rows)]), share)
+            if res.feasible and np.count_nonzero(res.x[t:] > 0.5) < len(chosen):
                 chosen = np.flatnonzero(res.x[t:] > 0.5)
     else:
-        nl = a.shape[0]
-        link = LinearConstraint(np.hstack([a, np.zeros((nl, t))]), -np.inf, cap)
-        tie = LinearConstraint(np.hstack([np.eye(t), -rate * np.eye(t)]), -np.inf, 0.0)
-        count = LinearConstraint(np.concatenate([np.zeros(t), np.ones(t)])[None, :], -np.inf, max_trees)
-        cons = [link, tie, count]
-        if eq is not None:
-            cons.append(LinearConstraint(np.hstack([eq, np.zeros_like(eq)]), 0.0, 0.0))
-        res = _quiet_milp(np.concatenate([-np.ones(t), np.zeros(t)]), constraints=cons,
-                   integrality=np.concatenate([np.zeros(t), np.ones(t)]),
-                   bounds=Bounds(np.zeros(2 * t), np.concatenate([np.full(t, rate), np.ones(t)])),
-                   options={"node_limit": MILP_NODE_LIMIT, "presolve": True})
-        if res.x is None:
+        count = np.concatenate([np.zeros(t), np.ones(t)])[None, :]
+        res = _tree_count_ilp(np.concatenate([-np.ones(t), np.zeros(t)]), a, cap, rate, count, [max_trees],
+                              None if eq is None else np.hstack([eq, np.zeros_like(eq)]))
+        if not res.feasible:
             return None
         chosen = np.flatnonzero(res.x[t:] > 0.5)
     if not len(chosen):

@@ -165,7 +165,8 @@ class Plan:
         baselines the bound of their family over all links: rings; for the double binary tree, the
         min max-flow between GPUs, which no all-reduce tree packing exceeds).
       algorithm: "trees" | "ring" | "hierarchical" | "rsag" (all-reduce as reduce-scatter + all-gather
-        forests) | "double-binary-tree" (NCCL's, from ``plan(nbytes=...)`` or :mod:`jax_blink.planner.dbtree`) | "trivial".
+        forests) | "double-binary-tree" (NCCL's, from ``plan(nbytes=...)`` or
+        :mod:`jax_blink.planner.dbtree`) | "trivial".
       notes: why this algorithm, alternatives' rates, losses from ``max_trees``.
       relays: GPUs outside ``devices`` that forward data inside routes (``plan(relays=...)``). A
         relayed plan needs those GPUs to run the forwarding: the simulator models it, the JAX
@@ -277,7 +278,8 @@ class Plan:
         fmt = lambda x: "inf" if math.isinf(x) else f"{x:.3f}"  # noqa: E731
         root = "" if self.root is None else f" root {self.root}"
         relay = f" (relay GPUs {list(self.relays)})" if self.relays else ""
-        lines = [f"{self.collective}{root} over GPUs {list(self.devices)}{relay}: {self.shape()}, rate {fmt(self.rate_gbps)} GB/s, bound {fmt(self.bound_gbps)} GB/s"]
+        lines = [f"{self.collective}{root} over GPUs {list(self.devices)}{relay}: {self.shape()}, "
+                 f"rate {fmt(self.rate_gbps)} GB/s, bound {fmt(self.bound_gbps)} GB/s"]
         lines += [f"  note: {n}" for n in self.notes]
         for i, t in enumerate(self.trees):
             par = t.gpu_parents()
@@ -335,6 +337,6 @@ def _orient(undirected_edges, root) -> tuple:
 def _column_hops(col, mode: str) -> tuple:
     """Broadcast-direction hops of an LP column (see :class:`jax_blink.planner.routes.Column`)."""
     hops = []
-    for p, c, r in col.edges:
+    for _parent, _child, r in col.edges:
         hops.extend(_hops(r[::-1] if mode == "in-arborescence" else r))
     return tuple(hops)

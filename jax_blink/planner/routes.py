@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import networkx as nx
 import numpy as np
@@ -26,6 +27,26 @@ from ..topology.model import Topology, _key
 
 MAX_ROUTES_PER_PAIR = 6     # shortest routes kept per ordered GPU pair
 MAX_SWITCH_NODES = 16       # most switch nodes inside one route
+ARBORESCENCE_LIST_MAX = 16  # min_arborescence on Python lists up to this many nodes, NumPy above
+
+
+def _is_forest(nodes, edges) -> bool:
+    """Whether the undirected graph of ``nodes`` and directed ``edges`` (u, v) (a link both ways counts
+    once) has no cycle: union-find over the undirected edges (no networkx undirected copy)."""
+    comp = {n: n for n in nodes}
+
+    def find(a):
+        while comp[a] != a:
+            comp[a] = comp[comp[a]]
+            a = comp[a]
+        return a
+
+    for u, v in {(u, v) if _key(u) <= _key(v) else (v, u) for u, v in edges}:
+        ru, rv = find(u), find(v)
+        if ru == rv:
+            return False
+        comp[ru] = rv
+    return True
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,7 +92,7 @@ class RouteTable:
         sw_paths: dict = {}
         # a switch forest (PCIe trees, NVSwitch planes) has at most one simple path per pair: one BFS
         # per start finds them all (Yen's algorithm per pair below cost ~40% of a dgx1v plan)
-        forest = nx.is_forest(sw.to_undirected(as_view=True)) if len(sw) else True
+        forest = _is_forest(switches, sw.edges())
         for a in starts:
             reach = nx.single_source_shortest_path(sw, a) if forest else None
             for b in ends:
@@ -154,6 +175,8 @@ class _Pricer:
     def __init__(self, table: RouteTable, mode: str):
         pos = {d: i for i, d in enumerate(table.devices)}
         n = len(pos)
+        # position -> rank of the GPU in node order (children are visited in this order)
+        self.rank = {i: k for k, i in enumerate(sorted(range(n), key=lambda i: _key(table.devices[i])))}
         self.n, self.mode = n, mode
         pairs, routes, rows = [], [], []
         for (u, v), m in table.inc.items():
@@ -223,11 +246,23 @@ def pricer(table: RouteTable, mode: str) -> _Pricer:
 def min_arborescence(w: np.ndarray, root: int):
     """Minimum-weight spanning arborescence rooted at ``root`` on a dense weight matrix.
 
-    Chu-Liu/Edmonds (Edmonds 1967, "Optimum branchings"), O(n^3) with NumPy; ties go to the lowest
-    index, so the result is deterministic. ``w``: float64 [n, n], w[u, v] = weight of u->v, ``inf``
-    where there is no edge. Returns an int array [n] of parents (-1 at the root) or None when some
-    node cannot be reached from ``root``.
+    Chu-Liu/Edmonds (Edmonds 1967, "Optimum branchings"), O(n^3); ties go to the lowest index, so
+    the result is deterministic. ``w``: float64 [n, n], w[u, v] = weight of u->v, ``inf`` where
+    there is no edge. Returns an int array [n] of parents (-1 at the root) or None when some node
+    cannot be reached from ``root``. Up to ARBORESCENCE_LIST_MAX nodes it runs on Python lists
+    (:func:`_arborescence`; per-call NumPy overhead cost ~5x the arithmetic there), above with NumPy
+    (:func:`_arborescence_np`); both take the same steps and ties, so they return the same tree.
     """
+    w = np.asarray(w, dtype=np.float64)
+    if len(w) > ARBORESCENCE_LIST_MAX:
+        return _arborescence_np(w, root)
+    par = _arborescence(w.tolist(), root)
+    return None if par is None else np.array(par, dtype=np.int64)
+
+
+def _arborescence_np(w: np.ndarray, root: int):
+    """:func:`min_arborescence` with NumPy row and column operations (large ``w``); the contracted
+    problem goes back through :func:`min_arborescence`."""
     n = w.shape[0]
     w = w.copy()
     w[:, root] = np.inf
@@ -272,6 +307,69 @@ def min_arborescence(w: np.ndarray, root: int):
         pj = p2[j]
         out[v] = -1 if pj == -1 else (rest[pj] if pj < m else cyc[best_out[j]])
     out[cyc] = par[cyc]
+    out[cyc[best_in[p2[m]]]] = rest[p2[m]]
+    return out
+
+
+def _first_min(xs) -> int:
+    """Index of the first smallest entry of ``xs`` (NumPy's argmin tie rule)."""
+    best, k = xs[0], 0
+    for i in range(1, len(xs)):
+        if xs[i] < best:
+            best, k = xs[i], i
+    return k
+
+
+def _arborescence(w: list, root: int):
+    """:func:`min_arborescence` on a list of rows (``w`` is not modified): the cheapest in-edge of
+    every node; the cycle met first from the lowest-numbered node (pointer doubling) is contracted
+    into one node and the contracted problem solved recursively."""
+    n = len(w)
+    inf = math.inf
+    w = [[inf if (v == root or u == v) else x for v, x in enumerate(row)] for u, row in enumerate(w)]
+    par = [_first_min([w[u][v] for u in range(n)]) for v in range(n)]
+    if any(w[par[v]][v] == inf for v in range(n) if v != root):
+        return None
+    z = list(par)
+    z[root] = root
+    for _ in range(max(1, int(n - 1).bit_length())):
+        z = [z[x] for x in z]
+    par[root] = -1
+    off = [v for v in range(n) if z[v] != root]
+    if not off:
+        return par
+    v = z[off[0]]
+    cyc = [v]
+    u = par[v]
+    while u != v:
+        cyc.append(u)
+        u = par[u]
+    cyc.sort()
+    incyc = set(cyc)
+    rest = [x for x in range(n) if x not in incyc]
+    m = len(rest)
+    w2 = [[w[a][b] for b in rest] + [inf] for a in rest] + [[inf] * (m + 1)]
+    best_in = []
+    for i, a in enumerate(rest):
+        cin = [w[a][c] - w[par[c]][c] for c in cyc]
+        k = _first_min(cin)
+        best_in.append(k)
+        w2[i][m] = cin[k]
+    best_out = []
+    for j, b in enumerate(rest):
+        cout = [w[c][b] for c in cyc]
+        k = _first_min(cout)
+        best_out.append(k)
+        w2[m][j] = cout[k]
+    p2 = _arborescence(w2, rest.index(root))
+    if p2 is None:
+        return None
+    out = [0] * n
+    for j, x in enumerate(rest):
+        pj = p2[j]
+        out[x] = -1 if pj == -1 else (rest[pj] if pj < m else cyc[best_out[j]])
+    for c in cyc:
+        out[c] = par[c]
     out[cyc[best_in[p2[m]]]] = rest[p2[m]]
     return out
 
@@ -330,8 +428,7 @@ def tree_from_costs(table: RouteTable, pricer: _Pricer, w: np.ndarray, pick: np.
     """The minimum-price tree rooted at ``root`` over GPU-level edge costs ``w`` [n, n] and route
     choices ``pick`` from :meth:`_Pricer.costs` (one pricing serves every root of a round)."""
     devs = table.devices
-    order = sorted(range(len(devs)), key=lambda i: _key(devs[i]))
-    rank = {i: k for k, i in enumerate(order)}
+    rank = pricer.rank
     r = devs.index(root)
     if pricer.mode == "spanning":
         pairs = _spanning_parents(w, r, rank)

@@ -27,6 +27,8 @@ from .trees import _mode, _spread_roots
 
 def node_groups(topology: Topology, devices) -> list:
     """GPUs of ``devices`` grouped by node: components of the job graph without "network" nodes."""
+    if all(k != "network" for _, k in topology.graph.nodes(data="kind")):
+        return [list(devices)]
     g = topology.subset(devices).graph
     net = [n for n in g if g.nodes[n]["kind"] == "network"]
     if not net:

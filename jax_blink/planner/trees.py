@@ -52,9 +52,11 @@ def _mode(collective: str) -> str:
     return "in-arborescence" if row.reduces else "arborescence"
 
 
-def tree_plan(topology, devices, collective, root, max_trees, relays=(), target=None, rate_tolerance=0.0):
-    """:func:`_tree_plan_uncached`, memoised: plans that differ only in ``algorithm`` share it."""
-    key = (topology.fingerprint(), tuple(devices), collective, root, max_trees, tuple(relays), target,
+def tree_plan(topology, devices, collective, root, max_trees, relays=(), target=None, rate_tolerance=0.0,
+              fingerprint=None):
+    """:func:`_tree_plan_uncached`, memoised: plans that differ only in ``algorithm`` share it.
+    ``fingerprint``: ``topology.fingerprint()`` when the caller has it already (computed otherwise)."""
+    key = (fingerprint or topology.fingerprint(), tuple(devices), collective, root, max_trees, tuple(relays), target,
            rate_tolerance)
     trees, rate, dual, table, notes, exact = cached(
         _TREE_PLANS, key, lambda: _tree_plan_uncached(topology, devices, collective, root, max_trees, relays,
@@ -107,15 +109,18 @@ def _tree_plan_uncached(topology, devices, collective, root, max_trees, relays=(
     return trees, float(sum(ws)), res.dual_bound, table, notes, res.rate
 
 
-def flat_plan(topology, collective, devices, root, max_trees, algorithm="auto", rate_tolerance=0.0) -> Plan:
+def flat_plan(topology, collective, devices, root, max_trees, algorithm="auto", rate_tolerance=0.0,
+              fingerprint=None) -> Plan:
     """Exact packing over all job GPUs at once (``algorithm`` "auto" or "trees"), plus the ring
-    alternative for all-reduce: "auto" takes the ring packing when its rate beats the trees'."""
+    alternative for all-reduce: "auto" takes the ring packing when its rate beats the trees'.
+    ``fingerprint``: ``topology.fingerprint()`` when the caller has it (see :func:`tree_plan`)."""
     n = len(devices)
     # all-reduce: the min max-flow between GPUs bounds the tree packing too: column generation
     # stops as soon as it is reached, without a last pricing round to prove optimality
     bound = certificate(topology, collective, devices, root)
     trees, rate, dual, table, notes, exact = tree_plan(topology, devices, collective, root, max_trees,
-                                                       target=bound, rate_tolerance=rate_tolerance)
+                                                       target=bound, rate_tolerance=rate_tolerance,
+                                                       fingerprint=fingerprint)
     if collective == "allreduce":
         # any ring crosses every directed cut between job GPUs, so B_ring <= min max-flow between GPUs
         ring_cap = n * bound / (2 * (n - 1))

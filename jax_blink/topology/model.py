@@ -225,15 +225,24 @@ class Topology:
             (45.8, 22.9)
         """
         devices = self.check_devices(devices)
-        keep = set(devices) | {n for n in self.graph if self.graph.nodes[n]["kind"] != "gpu"}
-        und = self.graph.subgraph(keep).to_undirected()
-        leaves = [n for n in und if not isinstance(n, int) and und.degree(n) <= 1]
+        g = self.graph
+        keep = set(devices) | {n for n, k in g.nodes(data="kind") if k != "gpu"}
+        # undirected neighbour sets of the kept nodes (plain sets: no networkx graph copy)
+        und = {n: {m for m in g.succ[n] if m in keep} | {m for m in g.pred[n] if m in keep} for n in keep}
+        leaves = [n for n in und if not isinstance(n, int) and len(und[n]) <= 1]
         while leaves:
-            nbrs = {m for n in leaves for m in und.neighbors(n)}
-            und.remove_nodes_from(leaves)
-            leaves = [n for n in nbrs if n in und and not isinstance(n, int) and und.degree(n) <= 1]
+            nbrs = set()
+            for n in leaves:
+                for m in und.pop(n):
+                    und[m].discard(n)
+                    nbrs.add(m)
+            leaves = [n for n in nbrs if n in und and not isinstance(n, int) and len(und[n]) <= 1]
         t = Topology(f"{self.name}[{','.join(map(str, devices))}]")
-        t.graph = self.graph.subgraph(und.nodes).copy()
+        # the induced subgraph in the original node and edge order, built directly (a subgraph view's
+        # filtered iteration cost more than the copy)
+        t.graph.graph.update(g.graph)
+        t.graph.add_nodes_from((n, d) for n, d in g.nodes(data=True) if n in und)
+        t.graph.add_edges_from((u, v, d) for u, v, d in g.edges(data=True) if u in und and v in und)
         t.notes = list(self.notes)
         return t
 
