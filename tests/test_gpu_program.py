@@ -81,10 +81,11 @@ def test_every_dtype_odd_size_one_gpu_staged(dtype):
 
 
 def test_bad_options_are_errors():
+    from jax_blink._native import _gpusim
+
     s = _schedule("dgx1v", "allreduce")
     with pytest.raises(ValueError, match="rank_device"):
-        _native.cpu.gpu_program_check(np.asarray(s.to_array(), np.int64), "float32", [], [], [0, 1], [], 0, 1,
-                                      ("", 0))
+        _gpusim.gpu_program_check(np.asarray(s.to_array(), np.int64), "float32", [], [], [0, 1], [], 0, 1, ("", 0))
     for leaves, match in (([1000, 30], "leaves hold 1030"), ([1031, 0], "no elements"), ([1032, -1], "no elements")):
         with pytest.raises(ValueError, match=match):
             g.check_schedule(s, "float32", leaves=leaves, seeds=1)

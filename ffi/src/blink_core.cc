@@ -31,6 +31,12 @@ const char* DtypeName(Dtype t) {
   return names[static_cast<int>(t)];
 }
 
+std::optional<Dtype> DtypeFromName(const std::string& name) {
+  for (int i = 0; i <= static_cast<int>(Dtype::kC128); ++i)
+    if (name == DtypeName(static_cast<Dtype>(i))) return static_cast<Dtype>(i);
+  return std::nullopt;
+}
+
 const CollectiveRow* CollectiveRowOf(int64_t id) {
   static const CollectiveRow rows[] = {
       {"allreduce", true, true, false, false},     {"broadcast", false, true, false, false},

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,8 @@ enum class Dtype : int {
 };
 size_t DtypeSize(Dtype t);
 const char* DtypeName(Dtype t);
+// The Dtype whose DtypeName (numpy's name) is `name`, or nullopt.
+std::optional<Dtype> DtypeFromName(const std::string& name);
 
 struct Transfer {
   int64_t round, op, src, dst, chunk;  // op 0 = REDUCE (dst += src), 1 = COPY (dst = src)

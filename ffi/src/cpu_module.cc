@@ -15,9 +15,8 @@
 
 #include "blink_core.h"
 #include "cpu_executor.h"
-#include "gpu_emulator.h"
-#include "gpu_program.h"
 #include "cuda_compat.h"
+#include "nb_arrays.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_dtype.h"
 
@@ -85,34 +84,20 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args
                          int64_t call_site, int64_t timeout_ms) {
   std::vector<Leaf> leaves;
   std::optional<Dtype> dt;
-  std::string bad;  // a malformed call: reported to the peers below, once the generation is known
-  if (args.size() != rets.size() || args.size() == 0) {
-    bad = "the custom call has " + std::to_string(args.size()) + " operands and " + std::to_string(rets.size()) +
-          " results (expected as many of each, at least one)";
-  }
+  // A malformed call: reported to the peers below, once the generation is known.
+  std::string bad = BucketArityError(args.size(), rets.size());
   int64_t nelems = 0;
   std::vector<int64_t> in_counts, out_counts;  // per leaf: the operand's and the result's element count
   for (size_t i = 0; bad.empty() && i < args.size(); ++i) {
-    auto x = args.get<ffi::AnyBuffer>(i);
-    auto y = rets.get<ffi::AnyBuffer>(i);
-    if (!x.has_value() || !y.has_value()) {
-      bad = "operand/result " + std::to_string(i) + " is not a buffer";
-      break;
-    }
-    auto t = DtypeFromXla(x->element_type());
-    if (!t || (dt && *t != *dt) || (*y)->element_type() != x->element_type()) {
-      bad = "operand " + std::to_string(i) + " has an unsupported dtype, another dtype than operand 0, or a "
-            "result of another type";
-      break;
-    }
-    dt = t;
+    BucketOperand op;
+    bad = ReadBucketOperand(args, rets, i, &dt, &op);
+    if (!bad.empty()) break;
     // Operand and result differ only for a sharded collective's shard forms (checked below).
-    const int64_t n_in = static_cast<int64_t>(x->element_count()), n_out = static_cast<int64_t>((*y)->element_count());
-    const int64_t n = std::max(n_in, n_out);
+    const int64_t n = std::max(op.in_count, op.out_count);
     if (n == 0) continue;  // the same shapes on every device: zero-size leaves take no part
-    leaves.push_back(Leaf{x->untyped_data(), (*y)->untyped_data(), n});
-    in_counts.push_back(n_in);
-    out_counts.push_back(n_out);
+    leaves.push_back(Leaf{op.in, op.out, n});
+    in_counts.push_back(op.in_count);
+    out_counts.push_back(op.out_count);
     nelems += n;
   }
   if (bad.empty() && nelems == 0) return Ready();  // nobody meets
@@ -170,15 +155,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkCpu, BlinkCpuImpl,
 
 namespace {
 
-std::optional<Dtype> FromName(const std::string& s) {
-  for (int i = 0; i <= static_cast<int>(Dtype::kC128); ++i)
-    if (s == DtypeName(static_cast<Dtype>(i))) return static_cast<Dtype>(i);
-  return std::nullopt;
-}
-
-using I64Array = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using AnyArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
-
 // Test entry: every listed device arrives from its own thread at one meeting (run id, call site fixed);
 // devices in `absent` do not. Returns "" on success or the error message every arrival got.
 // dtypes[i] names the numpy dtype of inputs[i] (so mismatches can be exercised).
@@ -203,7 +179,7 @@ std::string Simulate(I64Array schedule, I64Array device_table, std::vector<int64
     nb::gil_scoped_release release;
     std::vector<std::thread> threads;
     for (size_t i = 0; i < devices.size(); ++i) {
-      auto dt = FromName(dtypes[i]);
+      auto dt = DtypeFromName(dtypes[i]);
       const DeviceTable::Entry* e = info->table.Find(devices[i]);
       if (!dt || !e) {
         errors[i] = !dt ? "unknown dtype " + dtypes[i] : "device not in table";
@@ -268,99 +244,6 @@ std::string Validate(I64Array schedule) {
   return BuildExecPlan(s[0], &p);
 }
 
-// The execution plan of a schedule array's first schedule; invalid input raises ValueError.
-ExecPlan FirstPlan(I64Array schedule) {
-  std::vector<Schedule> scheds;
-  std::string err = DecodeSchedules(schedule.data(), schedule.shape(0), &scheds);
-  if (!err.empty()) throw std::invalid_argument(err);
-  ExecPlan plan;
-  err = BuildExecPlan(scheds[0], &plan);
-  if (!err.empty()) throw std::invalid_argument(err);
-  return plan;
-}
-
-// Test entry (tests/test_gpu_program.py, scripts/gpu_sim_check.sh): builds the GPU program of the
-// first group's schedule, race-checks it, computes its critical path, and runs the CPU emulator of
-// CUDA streams/events for `seeds` random timings on `inputs`, comparing every rank's captured output
-// with `expected` bit for bit. mutate = ("wait" | "record", i) drops the i-th wait / record first
-// (mutation tests); ("", 0) changes nothing. rank_device: device of each rank; peer_ok: nranks *
-// nranks flags (empty: all peers loadable); max_streams: work streams per device (0: no cap).
-nb::dict GpuProgramCheck(I64Array schedule, std::string dtype, std::vector<AnyArray> inputs,
-                         std::vector<AnyArray> expected, std::vector<int32_t> rank_device,
-                         std::vector<uint8_t> peer_ok, int max_streams, int seeds,
-                         std::pair<std::string, int64_t> mutate) {
-  nb::dict out;
-  auto dt = FromName(dtype);
-  if (!dt) throw std::invalid_argument("unknown dtype " + dtype);
-  ExecPlan plan = FirstPlan(schedule);
-  GpuProgramOptions opt;
-  opt.rank_device = rank_device;
-  opt.peer_ok = peer_ok;
-  opt.max_streams_per_device = max_streams;
-  const bool cplx = *dt == Dtype::kC64 || *dt == Dtype::kC128;
-  GpuProgram prog;
-  std::string err = BuildGpuProgram(plan, static_cast<int64_t>(DtypeSize(*dt)), cplx ? 2 : 1, opt, &prog);
-  if (!err.empty()) throw std::invalid_argument(err);
-  if (!mutate.first.empty()) {
-    GpuOpKind k = mutate.first == "wait" ? GpuOpKind::kWait : GpuOpKind::kRecord;
-    int64_t seen = 0;
-    bool dropped = false;
-    for (size_t i = 0; i < prog.ops.size(); ++i)
-      if (prog.ops[i].kind == k && seen++ == mutate.second) {
-        prog.ops.erase(prog.ops.begin() + static_cast<std::ptrdiff_t>(i));
-        dropped = true;
-        break;
-      }
-    if (!dropped) throw std::invalid_argument("mutation index out of range");
-  }
-  std::string race_info;
-  GpuProgramStats st = Stats(prog);
-  int64_t races, crit, mismatched_seeds = 0;
-  std::string emu_error;
-  const int64_t nelems = plan.schedule.nelems;
-  {
-    nb::gil_scoped_release release;
-    races = CheckRaces(prog, &race_info);
-    crit = CriticalPath(prog);
-    std::vector<const void*> ins;
-    for (auto& a : inputs) ins.push_back(a.data());
-    const size_t bytes = static_cast<size_t>(nelems) * DtypeSize(*dt);
-    for (int s = 0; s < seeds && emu_error.empty(); ++s) {
-      std::vector<std::vector<uint8_t>> got;
-      emu_error = EmulateGpuProgram(prog, *dt, nelems, ins, static_cast<uint64_t>(s), &got);
-      if (!emu_error.empty()) break;
-      bool same = true;
-      for (size_t r = 0; r < got.size() && same; ++r)
-        same = got[r].size() == bytes && (bytes == 0 || std::memcmp(got[r].data(), expected[r].data(), bytes) == 0);
-      if (!same) ++mismatched_seeds;
-    }
-  }
-  out["races"] = races;
-  out["race_info"] = race_info;
-  out["critical_path"] = crit;
-  out["chunk_depth"] = prog.chunk_depth;
-  out["segment_chunks"] = prog.max_segment_chunks;
-  out["memory_ops"] = st.memory_ops;
-  out["records"] = st.records;
-  out["waits"] = st.waits;
-  out["streams"] = st.streams;
-  out["scratch_buffers"] = static_cast<int64_t>(prog.scratch.size());
-  out["mismatched_seeds"] = mismatched_seeds;
-  out["emulator_error"] = emu_error;
-  return out;
-}
-
-// The GPU program's listing (debugging): same arguments as gpu_program_check's first ones.
-std::string GpuProgramDescribe(I64Array schedule, int64_t elem_size, std::vector<int32_t> rank_device,
-                               std::vector<uint8_t> peer_ok, int max_streams) {
-  ExecPlan plan = FirstPlan(schedule);
-  GpuProgramOptions opt{rank_device, peer_ok, max_streams};
-  GpuProgram prog;
-  std::string err = BuildGpuProgram(plan, elem_size, 1, opt, &prog);
-  if (!err.empty()) throw std::invalid_argument(err);
-  return Describe(prog);
-}
-
 }  // namespace
 }  // namespace jax_blink
 
@@ -375,15 +258,10 @@ NB_MODULE(_cpu, m) {
         "array cut into leaves of leaf_sizes elements; in_place: results alias the inputs). An input or "
         "output 1/nranks the size of the other is a shard form (all-gather input, reduce-scatter output).");
   m.def("validate", &jax_blink::Validate, nb::arg("schedule"), "Decode + validate a schedule; '' or the error.");
-  m.def("gpu_program_check", &jax_blink::GpuProgramCheck, nb::arg("schedule"), nb::arg("dtype"), nb::arg("inputs"),
-        nb::arg("expected"), nb::arg("rank_device"), nb::arg("peer_ok"), nb::arg("max_streams"), nb::arg("seeds"),
-        nb::arg("mutate"), "Test entry: build, race-check and emulate the CUDA executor's GPU program.");
   m.def("arch_support_reason", &jax_blink::ArchSupportReason, nb::arg("archs"), nb::arg("major"), nb::arg("minor"),
         "'' when a CUDA binary with these architectures runs on compute capability major.minor, else why not.");
   m.def("driver_support_reason", &jax_blink::DriverSupportReason, nb::arg("driver_version"),
         nb::arg("runtime_version"), "'' when the driver can run a runtime of that version, else why not.");
   m.def("error_class", &jax_blink::ErrorClassOf, nb::arg("message"),
         "0 invalid argument, 1 internal (CUDA), 2 deadline exceeded: the FFI error code of a message.");
-  m.def("gpu_program_describe", &jax_blink::GpuProgramDescribe, nb::arg("schedule"), nb::arg("elem_size"),
-        nb::arg("rank_device"), nb::arg("peer_ok"), nb::arg("max_streams"), "The GPU program's listing.");
 }

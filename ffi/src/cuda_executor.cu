@@ -872,37 +872,25 @@ ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, f
   CudaRank me{-1, stream, {}, {}};
   std::vector<Leaf> leaves;
   std::optional<Dtype> dt;
-  std::string bad;  // a malformed call: reported to the peers below, once the generation is known
-  if (args.size() != rets.size() || args.size() == 0)
-    bad = "the custom call has " + std::to_string(args.size()) + " operands and " + std::to_string(rets.size()) +
-          " results (expected as many of each, at least one)";
+  // A malformed call: reported to the peers below, once the generation is known.
+  std::string bad = BucketArityError(args.size(), rets.size());
   int64_t nelems = 0;
   const void* any_ptr = nullptr;  // identifies the device
   for (size_t i = 0; bad.empty() && i < args.size(); ++i) {
-    auto x = args.get<ffi::AnyBuffer>(i);
-    auto y = rets.get<ffi::AnyBuffer>(i);
-    if (!x.has_value() || !y.has_value()) {
-      bad = "operand/result " + std::to_string(i) + " is not a buffer";
-      break;
-    }
-    auto t = DtypeFromXla(x->element_type());
-    if (!t || (dt && *t != *dt) || (*y)->element_type() != x->element_type()) {
-      bad = "operand " + std::to_string(i) + " has an unsupported dtype, another dtype than operand 0, or a "
-            "result of another type";
-      break;
-    }
-    dt = t;
-    const int64_t n = static_cast<int64_t>(x->element_count());
-    if (static_cast<int64_t>((*y)->element_count()) != n) {
+    BucketOperand op;
+    bad = ReadBucketOperand(args, rets, i, &dt, &op);
+    if (!bad.empty()) break;
+    const int64_t n = op.in_count;
+    if (op.out_count != n) {
       bad = "operand " + std::to_string(i) + " has " + std::to_string(n) + " elements and its result " +
-            std::to_string((*y)->element_count()) + " (the CUDA target takes full buffers, not shards)";
+            std::to_string(op.out_count) + " (the CUDA target takes full buffers, not shards)";
       break;
     }
     if (n == 0) continue;
-    if (!any_ptr) any_ptr = x->untyped_data();
-    leaves.push_back(Leaf{x->untyped_data(), (*y)->untyped_data(), n});
-    me.in.push_back(x->untyped_data());
-    me.out.push_back((*y)->untyped_data());
+    if (!any_ptr) any_ptr = op.in;
+    leaves.push_back(Leaf{op.in, op.out, n});
+    me.in.push_back(op.in);
+    me.out.push_back(op.out);
     nelems += n;
   }
   if (bad.empty() && nelems == 0) return ffi::Error::Success();

@@ -13,20 +13,12 @@
 #include <stdexcept>
 
 #include "cuda_executor.h"
+#include "nb_arrays.h"
 
 namespace nb = nanobind;
 
 namespace jax_blink {
 namespace {
-
-using I64Array = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using AnyArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
-
-Dtype DtypeByName(const std::string& s) {
-  for (int i = 0; i <= static_cast<int>(Dtype::kC128); ++i)
-    if (s == DtypeName(static_cast<Dtype>(i))) return static_cast<Dtype>(i);
-  throw std::invalid_argument("unknown dtype " + s);
-}
 
 void Check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("jax_blink CUDA error at ") + what + ": " + cudaGetErrorString(e));

@@ -16,21 +16,13 @@
 #include "blink_core.h"
 #include "gpu_emulator.h"
 #include "gpu_program.h"
+#include "nb_arrays.h"
 #include "program_cache.h"
 
 namespace nb = nanobind;
 
 namespace jax_blink {
 namespace {
-
-using I64Array = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using AnyArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
-
-Dtype DtypeByName(const std::string& s) {
-  for (int i = 0; i <= static_cast<int>(Dtype::kC128); ++i)
-    if (s == DtypeName(static_cast<Dtype>(i))) return static_cast<Dtype>(i);
-  throw std::invalid_argument("unknown dtype " + s);
-}
 
 // The first group's schedule of a schedule array, its plan, and the program over the given leaves.
 GpuProgram Build(I64Array schedule, Dtype dt, std::vector<int32_t> rank_device, std::vector<uint8_t> peer_ok,

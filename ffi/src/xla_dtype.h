@@ -1,7 +1,10 @@
-// Map XLA FFI element types to jax_blink's Dtype (shared by the CPU and CUDA handlers).
+// The handler prologue shared by the CPU and CUDA handlers: XLA FFI element types mapped to
+// jax_blink's Dtype, and the checks of a call's bucket of leaves (operand i -> result i, one dtype).
 #pragma once
 
+#include <cstdint>
 #include <optional>
+#include <string>
 
 #include "blink_core.h"
 #include "xla/ffi/api/ffi.h"
@@ -27,6 +30,39 @@ inline std::optional<Dtype> DtypeFromXla(xla::ffi::DataType t) {
     case T::C128: return Dtype::kC128;
     default: return std::nullopt;
   }
+}
+
+// "" when a call has as many results as operands, at least one; else the error.
+inline std::string BucketArityError(size_t nargs, size_t nrets) {
+  if (nargs == nrets && nargs != 0) return "";
+  return "the custom call has " + std::to_string(nargs) + " operands and " + std::to_string(nrets) +
+         " results (expected as many of each, at least one)";
+}
+
+// Operand i of a bucket and its result: data pointers and element counts (which backend may take
+// counts that differ is the handler's choice).
+struct BucketOperand {
+  const void* in = nullptr;
+  void* out = nullptr;
+  int64_t in_count = 0, out_count = 0;
+};
+
+// Reads operand/result i of a bucket into *op: both must be buffers, the operand's dtype supported and
+// equal to *dt (the earlier operands' dtype; set here on the first), the result of the operand's type.
+// Returns "" or the error.
+inline std::string ReadBucketOperand(const xla::ffi::RemainingArgs& args, const xla::ffi::RemainingRets& rets,
+                                     size_t i, std::optional<Dtype>* dt, BucketOperand* op) {
+  auto x = args.get<xla::ffi::AnyBuffer>(i);
+  auto y = rets.get<xla::ffi::AnyBuffer>(i);
+  if (!x.has_value() || !y.has_value()) return "operand/result " + std::to_string(i) + " is not a buffer";
+  auto t = DtypeFromXla(x->element_type());
+  if (!t || (*dt && *t != **dt) || (*y)->element_type() != x->element_type())
+    return "operand " + std::to_string(i) + " has an unsupported dtype, another dtype than operand 0, or a "
+           "result of another type";
+  *dt = t;
+  *op = BucketOperand{x->untyped_data(), (*y)->untyped_data(), static_cast<int64_t>(x->element_count()),
+                      static_cast<int64_t>((*y)->element_count())};
+  return "";
 }
 
 }  // namespace jax_blink
