@@ -129,7 +129,7 @@ def load_inputs(args):
     try:
         p = Plan.from_json(text)
     except PlanError as err:
-        raise PlanError(f"--plan {args.plan!r}: {err}; write one with `jax-blink plan --json`") from None
+        raise PlanError(f"--plan {args.plan!r}: {err}") from None
     if devices is not None and list(p.devices) != devices:
         given = ",".join(map(str, devices))
         raise PlanError(f"--plan {args.plan!r} is for devices {list(p.devices)}, not the --devices "

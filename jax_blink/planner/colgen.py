@@ -23,10 +23,13 @@ The packings built on it: :func:`solve_packing` (broadcast, reduce, all-reduce t
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import os
+import re
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 
@@ -58,7 +61,6 @@ class PackingResult:
     labels: list | None = None
 
 
-_QUIET: list = []  # set once the first HiGHS instance (whose constructor prints a banner) exists
 _LOCAL = threading.local()  # this thread's HiGHS instances, by options
 
 
@@ -77,18 +79,49 @@ class LPResult:
     feasible: bool
 
 
-def _muted(fn):
-    """``fn()`` with file descriptor 1 muted: HiGHS writes its banner and some MIP debug lines
-    straight to the C stdout, which would corrupt ``jax-blink plan --json`` and user programs' output."""
-    sys.stdout.flush()
-    saved = os.dup(1)
+_FD1_LOCK = threading.Lock()
+# HiGHS 1.12's MIP solver printf()s this debug line to the C stdout whatever ``output_flag`` says
+_STRAY = re.compile(rb"HighsMipSolverData::\w+ tmpSolver\.run\(\);\n?")
+
+
+def _flush_stdout() -> None:
+    if sys.stdout is not None:
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):  # closed or broken stream: nothing buffered can reach fd 1
+            pass
     try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 1)
+        ctypes.CDLL(None).fflush(None)  # the C library's buffers (where HiGHS's printf lands)
+    except (OSError, AttributeError):
+        pass
+
+
+def _filtered_stdout(fn):
+    """``fn()`` (a HiGHS solve) with HiGHS's stray lines (:data:`_STRAY`) kept out of file descriptor 1,
+    where they would corrupt ``jax-blink plan --json`` and users' output. fd 1 is process-wide, so the
+    swap holds a lock (concurrent planners take turns) and whatever else reached fd 1 meanwhile
+    (another thread's output) is written back afterwards, not dropped. Without an open fd 1 (closed
+    stdout, ``sys.stdout is None``) it just runs ``fn``."""
+    with _FD1_LOCK:
+        try:
+            saved = os.dup(1)
+        except OSError:
             return fn()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
+        try:
+            _flush_stdout()
+            with tempfile.TemporaryFile() as captured:
+                os.dup2(captured.fileno(), 1)
+                try:
+                    return fn()
+                finally:
+                    _flush_stdout()
+                    os.dup2(saved, 1)
+                    captured.seek(0)
+                    rest = memoryview(_STRAY.sub(b"", captured.read()))
+                    while rest:
+                        rest = rest[os.write(1, rest):]
+        finally:
+            os.close(saved)
 
 
 def new_highs(options=None) -> highspy.Highs:
@@ -101,11 +134,7 @@ def new_highs(options=None) -> highspy.Highs:
     if h is not None:
         h.clearModel()
         return h
-    if _QUIET:
-        h = highspy.Highs()
-    else:  # the first construction prints a banner
-        h = _muted(highspy.Highs)
-        _QUIET.append(True)
+    h = _filtered_stdout(highspy.Highs)  # in case a HiGHS build prints a banner here
     h.setOptionValue("output_flag", False)
     # one thread: the planner's LPs and ILPs are small, and HiGHS's worker threads cost more to
     # wake than they save (the MILP took ~30 ms with 2 threads on a loaded 2-core machine, 1 ms with 1)
@@ -161,7 +190,7 @@ def solve_lp(c: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray
     if integrality is not None and np.any(integrality):
         idx = np.flatnonzero(integrality).astype(np.int32)
         h.changeColsIntegrality(len(idx), idx, np.full(len(idx), highspy.HighsVarType.kInteger))
-        return _muted(lambda: solved(h))
+        return _filtered_stdout(lambda: solved(h))
     return solved(h)
 
 

@@ -340,7 +340,7 @@ def _default_rates(gpu, nvlink_gbps, pcie_gbps, nv, nvswitch_links, notes):
             pcie_gbps = pcie_gen_gbps(PCIE_GEN_BY_NVLINK[gen] if gen else 3)
             notes.append(f"PCIe taken as gen{PCIE_GEN_BY_NVLINK[gen] if gen else 3} x16 "
                          f"({pcie_gbps:.3g} GB/s achieved){' for NVLink' + str(gen) + ' GPUs' if gen else ''}; "
-                         f"pass gpu= or pcie_gbps= to set it")
+                         f"set it with --pcie-gbps (jax-blink topology) or gpu= / pcie_gbps= (Python)")
     return float(nvlink_gbps), float(pcie_gbps)
 
 
