@@ -9,6 +9,7 @@ layering (the cost model builds schedules and simulates them), so neither import
 from __future__ import annotations
 
 import math
+import os
 
 from . import costmodel
 from .errors import PlanError
@@ -17,13 +18,15 @@ from .planner.model import Plan
 from .topology.model import Topology
 
 
-def plan(topology: Topology, collective: str = "allreduce", *, devices=None, root=None,
+def plan(topology: Topology | str | os.PathLike, collective: str = "allreduce", *, devices=None, root=None,
          max_trees: int | None = None, algorithm: str = "auto", relays=None,
          rate_tolerance: float = 0.0, nbytes: float | None = None) -> Plan:
     """Plan a tree packing for ``collective`` over ``devices`` of ``topology``.
 
     Args:
-      topology: the machine (``jax_blink.Topology``).
+      topology: the machine: a ``jax_blink.Topology``, or what ``jax_blink.load_topology`` takes (a
+        preset name such as "dgx1v", the path of an ``nvidia-smi topo -m`` output, NCCL topology XML or
+        JSON model), as the collectives' ``topology=`` does.
       collective: "broadcast" | "reduce" | "allreduce" | "allgather" | "reducescatter".
       devices: GPU ids of the job (rank r <-> devices[r]; all-gather / reduce-scatter: rank r owns
         shard r), or a string like the CLI's ``--devices`` ("0,1,4", "0-3"); default all GPUs of
@@ -60,6 +63,7 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
     Returns a :class:`Plan` (cached; identical inputs give the identical object and JSON). One device:
     a trivial plan with no trees and ``rate_gbps = bound_gbps = inf``.
 
+    Raises TopologyError: a name or file that is no topology (the message lists what is accepted).
     Raises PlanError: unknown collective, devices not GPUs of the topology, duplicate devices, root not
     among the devices (or any root for all-gather / reduce-scatter), GPUs that cannot reach each other,
     bad ``max_trees`` (fewer than one tree per rank for all-gather / reduce-scatter), ``relays`` or
@@ -79,6 +83,8 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
         >>> plan(topo, "allreduce", devices=[0, 1, 2, 3], nbytes=1 << 20).algorithm
         'ring'
     """
+    if isinstance(topology, (str, os.PathLike)):
+        topology = Topology.load(topology)
     devices, root, relays, rate_tolerance = facade.check_request(topology, collective, devices, root, max_trees,
                                                                  algorithm, relays, rate_tolerance)
     if nbytes is not None:

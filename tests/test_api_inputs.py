@@ -122,8 +122,12 @@ def test_plan_json_names_the_missing_field():
 
 def test_wrong_argument_types_name_what_is_expected():
     p = jax_blink.plan(DGX, devices=[0, 1, 2])
-    with pytest.raises(PlanError, match=r"Topology \(e.g. jax_blink.load_topology\('dgx1v'\)\), got str"):
-        jax_blink.plan("dgx1v")
+    with pytest.raises(PlanError, match=r"Topology \(e.g. jax_blink.load_topology\('dgx1v'\)\), got int"):
+        jax_blink.plan(42)
+    # a name or file is loaded, as the collectives' topology= is
+    assert jax_blink.plan("dgx1v", devices=[0, 1, 2]) is p
+    with pytest.raises(TopologyError, match="dgx1v"):  # the loader's error: did-you-mean and the formats
+        jax_blink.plan("dgx1vv")
     with pytest.raises(PlanError, match="expected a jax_blink.Topology"):
         bounds.allreduce_bound("dgx1v", [0, 1])
     with pytest.raises(BlinkError, match="simulate needs a jax_blink.Plan or a Schedule, got str"):

@@ -188,7 +188,7 @@ def test_plan_and_ring_rate_errors():
     with pytest.raises(BlinkError, match="unknown collective"):
         jax_blink.plan(t, "allgatherv")
     with pytest.raises(BlinkError):
-        jax_blink.plan("dgx1v")  # a name, not a Topology: PlanError says to load it
+        jax_blink.plan("dgx1vv")  # no such preset: the loader's TopologyError
     with pytest.raises(BlinkError):
         jax_blink.plan(t, devices=[0, 99])
     assert math.isfinite(jax_blink.ring_rate(t, [0, 1, 2, 3]))
