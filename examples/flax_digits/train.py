@@ -321,7 +321,8 @@ def train(config: Config, coll: Collectives, data=None, devices=None,
             if twin:  # untimed: the shadow's loss here, then its update from this run's state
                 m = np.asarray(twin.step(*(pending or state), xb, yb)[2], dtype=np.float64)
                 lockstep.append(float(m[0] / m[2]))
-                pending = twin.step(*state, xb, yb)[:2]
+                # finished before the next timed step starts (else its tail is timed as this run's step)
+                pending = jax.block_until_ready(twin.step(*state, xb, yb)[:2])
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(epoch=epoch + 1, loss=f"{step_losses[-1]:.4f}")
