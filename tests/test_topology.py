@@ -359,3 +359,26 @@ def test_cli_binary_file_is_a_clean_error(capsys, tmp_path):
     assert "binary data" in capsys.readouterr().err
     assert main(["topology", str(tmp_path)]) == 2
     assert "is not a preset name or an existing file" in capsys.readouterr().err
+
+
+def test_fingerprint_follows_changes_to_a_kept_topology():
+    """The fingerprint kept on a Topology is recomputed after add_link, add_gpu, a direct graph
+    change and a no_p2p change, and equals a fresh copy's digest each time."""
+    t = Topology.preset("dgx1v")
+
+    def fresh():
+        return Topology.from_dict(t.to_dict()).fingerprint()
+
+    seen = {t.fingerprint()}
+    assert t.fingerprint() == fresh()
+    t.add_link(0, 5, 25.0, "nvlink")
+    assert t.fingerprint() == fresh() and t.fingerprint() not in seen
+    seen.add(t.fingerprint())
+    t.graph.edges[0, 5]["bandwidth_gbps"] = 10.0
+    assert t.fingerprint() == fresh() and t.fingerprint() not in seen
+    seen.add(t.fingerprint())
+    t.graph.nodes[0]["no_p2p"] = {7}
+    assert t.fingerprint() == fresh() and t.fingerprint() not in seen
+    seen.add(t.fingerprint())
+    t.add_gpu(8)
+    assert t.fingerprint() == fresh() and t.fingerprint() not in seen

@@ -312,11 +312,25 @@ class Topology:
         return cls.from_dict(data)
 
     def fingerprint(self) -> str:
-        """Stable hex digest of nodes, kinds and links (not the name): a cache key for plans."""
+        """Stable hex digest of nodes, kinds and links (not the name): a cache key for plans.
+
+        Kept on the object with a snapshot of the fields it hashes (node kinds and ``no_p2p``, link
+        bandwidths, kinds and counts, in graph order), recomputed when the snapshot differs: building
+        the snapshot costs a fraction of the digest, and any change to the graph, through
+        :meth:`add_link` or ``graph`` directly, changes it."""
+        g = self.graph
+        snap = (tuple((n, d.get("kind"), tuple(d["no_p2p"]) if d.get("no_p2p") else None)
+                      for n, d in g.nodes(data=True)),
+                tuple((u, v, d.get("bandwidth_gbps"), d.get("kind"), d.get("links")) for u, v, d in g.edges(data=True)))
+        kept = self.__dict__.get("_fingerprint")
+        if kept is not None and kept[0] == snap:
+            return kept[1]
         d = self.to_dict()
         d.pop("name")
         d.pop("notes", None)
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        fp = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        self._fingerprint = (snap, fp)
+        return fp
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Topology) and self.to_dict() == other.to_dict()
