@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -91,9 +92,30 @@ def _flush_stdout() -> None:
         except (OSError, ValueError):  # closed or broken stream: nothing buffered can reach fd 1
             pass
     try:
-        ctypes.CDLL(None).fflush(None)  # the C library's buffers (where HiGHS's printf lands)
+        _libc().fflush(None)  # the C library's buffers (where HiGHS's printf lands)
     except (OSError, AttributeError):
         pass
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    """The process's C library (``ctypes.CDLL(None)``: a dlopen per call cost more than the flush)."""
+    return ctypes.CDLL(None)
+
+
+_CAPTURE: list = []  # [(pid, file)]: the capture file of :func:`_filtered_stdout`, reused under _FD1_LOCK
+
+
+def _capture_file():
+    """An empty temporary file for fd 1 while HiGHS runs (caller holds _FD1_LOCK): one per process,
+    truncated for each use (creating one per solve cost about a third of a small ILP); a forked child
+    makes its own, as it shares the parent's file offset."""
+    if not _CAPTURE or _CAPTURE[0][0] != os.getpid():
+        _CAPTURE[:] = [(os.getpid(), tempfile.TemporaryFile())]
+    f = _CAPTURE[0][1]
+    f.seek(0)
+    f.truncate()
+    return f
 
 
 def _filtered_stdout(fn):
@@ -109,17 +131,17 @@ def _filtered_stdout(fn):
             return fn()
         try:
             _flush_stdout()
-            with tempfile.TemporaryFile() as captured:
-                os.dup2(captured.fileno(), 1)
-                try:
-                    return fn()
-                finally:
-                    _flush_stdout()
-                    os.dup2(saved, 1)
-                    captured.seek(0)
-                    rest = memoryview(_STRAY.sub(b"", captured.read()))
-                    while rest:
-                        rest = rest[os.write(1, rest):]
+            captured = _capture_file()
+            os.dup2(captured.fileno(), 1)
+            try:
+                return fn()
+            finally:
+                _flush_stdout()
+                os.dup2(saved, 1)
+                captured.seek(0)
+                rest = memoryview(_STRAY.sub(b"", captured.read()))
+                while rest:
+                    rest = rest[os.write(1, rest):]
         finally:
             os.close(saved)
 
