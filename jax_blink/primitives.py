@@ -402,15 +402,13 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
     shard = core.ShapedArray((m,), aval_in.dtype)
     if gather and rec.shard_input:  # the executor places the shard itself
         out, = rec.rule(ctx.replace(avals_in=[shard], avals_out=[full]), [mlir.reshape(ctx, x, shard)], request_for)
-    elif not gather and rec.shard_output:  # the executor writes only the own shard
-        placed, = mlir.lower_fun(pre, multiple_results=False)(
-            ctx.replace(primitive=None, avals_in=[plain_in], avals_out=[full]), x)
-        out, = rec.rule(ctx.replace(avals_in=[full], avals_out=[shard]), [placed], request_for)
-        return mlir.reshape(ctx, out, plain_out)
     else:
+        own_shard = not gather and rec.shard_output  # the executor writes only the own shard
         placed, = mlir.lower_fun(pre, multiple_results=False)(
             ctx.replace(primitive=None, avals_in=[plain_in], avals_out=[full]), x)
-        out, = rec.rule(ctx.replace(avals_in=[full], avals_out=[full]), [placed], request_for)
+        out, = rec.rule(ctx.replace(avals_in=[full], avals_out=[shard if own_shard else full]), [placed], request_for)
+        if own_shard:
+            return mlir.reshape(ctx, out, plain_out)
     return mlir.lower_fun(post, multiple_results=False)(
         ctx.replace(primitive=None, avals_in=[full], avals_out=[plain_out]), out)
 

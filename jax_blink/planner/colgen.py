@@ -156,7 +156,7 @@ def new_highs(options=None) -> highspy.Highs:
     if h is not None:
         h.clearModel()
         return h
-    h = _filtered_stdout(highspy.Highs)  # in case a HiGHS build prints a banner here
+    h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     # one thread: the planner's LPs and ILPs are small, and HiGHS's worker threads cost more to
     # wake than they save (the MILP took ~30 ms with 2 threads on a loaded 2-core machine, 1 ms with 1)
