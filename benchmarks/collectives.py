@@ -95,7 +95,7 @@ def run(collective: str, args, impls, console) -> None:
         per_device = nelems // n if collective == "allgather" else nelems  # all-gather input: one shard
         x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal(n * per_device), jnp.float32),
                            NamedSharding(mesh, P("i")))
-        iters = args.iters or max(9, min(100, (256 << 20) // (nbytes * 4)))
+        iters = args.iters or max(25, min(200, (1 << 30) // (nbytes * 4)))  # 4 MiB: 64 rounds (16 were noisy)
         ref = None
         for f in jitted.values():
             out = f(x)
