@@ -38,13 +38,15 @@ from jax_blink import collectives, lowering  # noqa: E402
 
 
 def _time(fns: dict, x, iters: int) -> dict:
-    """{name: array of wall seconds per call}, the calls of ``fns`` interleaved over ``iters`` rounds."""
+    """{name: array of wall seconds per call}, the calls of ``fns`` interleaved over ``iters`` rounds
+    (A B, B A, ...); element i of every array is from round i."""
     for f in fns.values():
         for _ in range(3):  # compile + warm-up (thread pools, allocator)
             jax.block_until_ready(f(x))
     ts = {k: [] for k in fns}
-    for _ in range(iters):
-        for k, f in fns.items():
+    for i in range(iters):
+        # order reversed every other round: the call right after another ran 1-2% slower
+        for k, f in (list(fns.items()) if i % 2 == 0 else reversed(fns.items())):
             t0 = time.perf_counter()
             jax.block_until_ready(f(x))
             ts[k].append(time.perf_counter() - t0)

@@ -3,7 +3,8 @@
 Usage: python benchmarks/train_step.py [--reps N] [--max-mib 64] [--only a,b,c,d] [--impl auto]
 
 Four tables, every ratio = median time with jax_blink / median time of its reference, both measured
-in this process with the calls interleaved (A, B, A, B, ...), so machine noise hits both alike.
+in this process with the calls interleaved (A, B, then B, A, ...: the second call of a round ran 1-2%
+slower), so machine noise hits both alike.
 "ratio" is wall time (the target); "cpu ratio" the same for the process's CPU time per call (all
 threads), which other jobs on a shared machine disturb far less:
 
@@ -42,15 +43,16 @@ AXIS = "i"
 
 def interleaved(fns: dict, args: tuple, reps: int) -> dict:
     """Median wall seconds per call of each ``fns[name](*args)`` (calls interleaved over ``reps``
-    rounds), and under ``name + " cpu"`` the median CPU seconds of this process per call (every
+    rounds, A B, B A, A B, ...), and under ``name + " cpu"`` the median CPU seconds of this process per call (every
     thread: XLA's and jax_blink's). CPU time hardly moves when other jobs share the machine; wall time
     does, since the process then gets a varying share of the cores."""
     for f in fns.values():
         jax.block_until_ready(f(*args))  # compile + warm-up (fresh output pages, thread pools)
     times = {k: [] for k in fns}
     cpu = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
+    for i in range(reps):
+        # order reversed every other round: the call right after another ran 1-2% slower (MLP step)
+        for k, f in (list(fns.items()) if i % 2 == 0 else reversed(fns.items())):
             c0, t0 = time.process_time(), time.perf_counter()
             jax.block_until_ready(f(*args))
             times[k].append(time.perf_counter() - t0)
