@@ -16,9 +16,12 @@ from .colgen import rate_lp, solve_lp
 
 MILP_NODE_LIMIT = 200
 #: HiGHS options of the tree-count ILP: node-limited (deterministic); the feasibility-jump heuristic
-#: and symmetry detection off: on these ILPs (<= 48 columns) they took ~90% of a 10-20 ms solve
+#: and symmetry detection off (on these ILPs, <= 48 columns, they took ~90% of a 10-20 ms solve); the
+#: RINS / RENS sub-MIP heuristics and restarts off too: with the saturation rows, over the 161 ILPs of
+#: dgx1v allocations 1200 -> 730 ms in all (max 132 -> 97 ms), the same minimum count in every one
 ILP_OPTIONS = {"mip_max_nodes": MILP_NODE_LIMIT, "presolve": "on", "mip_heuristic_run_feasibility_jump": False,
-               "mip_detect_symmetry": False}
+               "mip_detect_symmetry": False, "mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False,
+               "mip_allow_restart": False}
 L1_ROUNDS = 6            # most reweighted-L1 LPs in the tree-count reduction
 MILP_MAX_COLUMNS = 24    # exact min-count ILP only over at most this many generated trees (its root LP
 
