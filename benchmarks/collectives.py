@@ -12,12 +12,19 @@ alike. Reports the median wall time per call (after three warm-up calls each), t
 t(lax) of the medians (lower is faster) with its spread (the 25th-75th percentile of the per-round
 ratios), and lax's busbw = bytes / t * factor (nccl-tests: 2(n-1)/n for all-reduce, (n-1)/n for
 all-gather and reduce-scatter; ``jax_blink.collectives``).
+
+Page faults: from about 1 MiB a call's output is sometimes a fresh mapping from the C allocator, and
+that call page-faults on it (``getrusage`` minor faults; 1024 per fresh 4 MiB) and takes up to twice
+as long, on either side, so the all-call median flips between the two modes from run to run. The
+"steady" columns show, per impl, how many of its calls faulted and the ratio of the medians over the
+calls that did not (lax's and the impl's own), i.e. the collective without the allocator's cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -37,20 +44,24 @@ import jax_blink.api  # noqa: E402,F401  (registers the lowerings, "ffi" include
 from jax_blink import collectives, lowering  # noqa: E402
 
 
-def _time(fns: dict, x, iters: int) -> dict:
-    """{name: array of wall seconds per call}, the calls of ``fns`` interleaved over ``iters`` rounds
-    (A B, B A, ...); element i of every array is from round i."""
+def _time(fns: dict, x, iters: int) -> tuple[dict, dict]:
+    """({name: array of wall seconds per call}, {name: array of the process's minor page faults per
+    call}), the calls of ``fns`` interleaved over ``iters`` rounds (A B, B A, ...); element i of every
+    array is from round i."""
     for f in fns.values():
         for _ in range(3):  # compile + warm-up (thread pools, allocator)
             jax.block_until_ready(f(x))
     ts = {k: [] for k in fns}
+    faults = {k: [] for k in fns}
     for i in range(iters):
         # order reversed every other round: the call right after another ran 1-2% slower
         for k, f in (list(fns.items()) if i % 2 == 0 else reversed(fns.items())):
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             jax.block_until_ready(f(x))
             ts[k].append(time.perf_counter() - t0)
-    return {k: np.asarray(v) for k, v in ts.items()}
+            faults[k].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    return {k: np.asarray(v) for k, v in ts.items()}, {k: np.asarray(v) for k, v in faults.items()}
 
 
 def _functions(collective: str, impls, topology):
@@ -91,6 +102,8 @@ def run(collective: str, args, impls, console) -> None:
         if k != ref_name:
             table.add_column(f"{k}/lax", justify="right")
             table.add_column("(25-75%)", justify="right")
+            table.add_column(f"steady {k}/lax", justify="right")
+            table.add_column("faulting calls (lax / impl)", justify="right")
     table.add_column("lax busbw GB/s", justify="right")
     for nbytes in sizes:
         nelems = nbytes // 4
@@ -106,8 +119,10 @@ def run(collective: str, args, impls, console) -> None:
             else:  # a benchmark of a wrong result is worthless
                 np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
             del out
-        samples = _time(jitted, x, iters)
+        samples, faults = _time(jitted, x, iters)
         times = {k: float(np.median(v)) for k, v in samples.items()}
+        steady = {k: float(np.median(v[faults[k] == 0])) if np.any(faults[k] == 0) else float("nan")
+                  for k, v in samples.items()}
         row = [f"{nbytes:,}"]
         for k in jitted:
             row.append(f"{times[k] * 1e3:.3f}")
@@ -115,6 +130,8 @@ def run(collective: str, args, impls, console) -> None:
                 per_round = samples[k] / samples[ref_name]
                 row.append(f"{times[k] / times[ref_name]:.2f}")
                 row.append(f"{np.percentile(per_round, 25):.2f}-{np.percentile(per_round, 75):.2f}")
+                row.append(f"{steady[k] / steady[ref_name]:.2f}")
+                row.append(f"{np.count_nonzero(faults[ref_name])} / {np.count_nonzero(faults[k])} of {iters}")
         row.append(f"{nbytes / times[ref_name] * factor / 1e9:.2f}")
         table.add_row(*row)
         del x
@@ -137,7 +154,7 @@ def main(argv=None) -> int:
     missing = [i for i in impls if i not in have]
     if missing:
         ap.error(f"impl(s) {missing} not available here (available: {have})")
-    console = Console()
+    console = Console(width=max(Console().width, 160))
     for coll in (("allreduce", "allgather", "reducescatter") if args.collective == "all" else (args.collective,)):
         run(coll, args, impls, console)
     return 0
