@@ -194,9 +194,15 @@ def test_plan_and_ring_rate_errors():
     assert math.isfinite(jax_blink.ring_rate(t, [0, 1, 2, 3]))
 
 
-def test_ring_rate_needs_a_topology_and_selftest_a_rank_count():
-    with pytest.raises(BlinkError, match="ring_rate needs a jax_blink.Topology, got str"):
-        jax_blink.ring_rate("dgx1v", [0, 1])
+def test_ring_rate_takes_what_plan_takes_and_selftest_a_rank_count():
+    """ring_rate("dgx1v", ...) loads the preset as plan() does; other types and bad names fail clearly."""
+    t = jax_blink.Topology.preset("dgx1v")
+    assert jax_blink.ring_rate("dgx1v", [0, 1, 2, 3]) == jax_blink.ring_rate(t, [0, 1, 2, 3])
+    with pytest.raises(BlinkError, match="ring_rate needs a jax_blink.Topology or a preset name / topology file, "
+                                         "got int"):
+        jax_blink.ring_rate(8, [0, 1])
+    with pytest.raises(BlinkError, match="dgx1vv"):
+        jax_blink.ring_rate("dgx1vv", [0, 1])
     for bad in (0, -2, "2", True, 1.5):
         with pytest.raises(ValueError, match="nranks must be None .* or an int >= 1"):
             jax_blink.selftest(nranks=bad, record=False)

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import os
 
 import networkx as nx
 import numpy as np
@@ -134,15 +135,20 @@ def ring_packing(topology: Topology, devices, table: RouteTable | None = None):
     return res.rate, rings
 
 
-def ring_rate(topology: Topology, devices) -> float:
+def ring_rate(topology: Topology | str | os.PathLike, devices) -> float:
     """Total bandwidth B_ring (GB/s) of the best ring packing over ``devices`` (see :func:`ring_packing`).
 
-    Ring all-reduce of S bytes then takes 2(n-1)/n * S / B_ring (NCCL; nccl-tests PERFORMANCE.md);
-    a ring broadcast or reduce pipelines at B_ring. inf for one device, 0.0 when no ring exists.
+    ``topology``: a Topology, or what ``jax_blink.load_topology`` takes (a preset name such as
+    "dgx1v", a topology file), as for ``jax_blink.plan``. Ring all-reduce of S bytes then takes
+    2(n-1)/n * S / B_ring (NCCL; nccl-tests PERFORMANCE.md); a ring broadcast or reduce pipelines at
+    B_ring. inf for one device, 0.0 when no ring exists. Raises PlanError for anything else as
+    ``topology`` and TopologyError for a name or file that does not load.
     """
+    if isinstance(topology, (str, os.PathLike)):
+        topology = Topology.load(topology)
     if not isinstance(topology, Topology):
-        raise PlanError(f"ring_rate needs a jax_blink.Topology, got {type(topology).__name__}; load one with "
-                        "jax_blink.load_topology(...)")
+        raise PlanError(f"ring_rate needs a jax_blink.Topology or a preset name / topology file, got "
+                        f"{type(topology).__name__}; load one with jax_blink.load_topology(...)")
     return ring_packing(topology, _checked(topology, devices))[0]
 
 
