@@ -21,6 +21,7 @@ driver, GPU or build needs a new self-test); the FFI lowering reads it from ther
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -212,26 +213,45 @@ def _jax_time(jax_ctx, impl, count):
     return [f"{t * 1e6:11.1f}", *_bw(count * 4, t, n)]
 
 
-def selftest(*, nranks: int | None = None, record: bool = True, out=print) -> int:
-    """Runs the self-test (see the module docstring). Returns the exit status: 0 pass (recorded when
-    ``record``), 1 failure, 2 no usable CUDA GPU (one line, nothing else). Raises ValueError for an
-    ``nranks`` that is not None or an int >= 1."""
+@dataclasses.dataclass(frozen=True)
+class SelftestResult:
+    """What :func:`selftest` found. ``status``: the CLI's exit status, 0 passed (and recorded when
+    asked), 1 failed, 2 nothing to test (no CUDA module or no GPU); ``problems``: one line per failed
+    check. True only when it passed, so ``if jax_blink.selftest():`` reads as it should (the bare exit
+    status 2 was truthy)."""
+
+    status: int
+    problems: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.status == 0
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+def selftest(*, nranks: int | None = None, record: bool = True, out=print) -> SelftestResult:
+    """Runs the self-test (see the module docstring), printing its report through ``out``. Returns a
+    :class:`SelftestResult` (``.status``: 0 pass, recorded when ``record``; 1 failure; 2 no usable CUDA
+    GPU, one line and nothing else). Raises ValueError for an ``nranks`` that is not None or an
+    int >= 1."""
     if nranks is not None and (isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 1):
         raise ValueError(f"selftest: nranks must be None (one per GPU) or an int >= 1, got {nranks!r}")
     cuda = _native.cuda
     if cuda is None:
         out(f"jax-blink selftest: the CUDA module is not available ({_native.cuda_error}); nothing to test")
-        return 2
+        return SelftestResult(2)
     names = list(cuda.device_names())
     if not names:
         out("jax-blink selftest: no CUDA GPU visible on this machine; nothing to test")
-        return 2
+        return SelftestResult(2)
     why = cuda.check_compatibility()
     out(f"jax-blink selftest: {len(names)} GPU(s): {', '.join(names)}; driver {cuda.driver_version()}, module CUDA "
         f"{cuda.built_cuda_version()} [{cuda.built_architectures()}]")
     if why:
         out(f"  FAIL: this build cannot run here: {why}")
-        return 1
+        return SelftestResult(1, (f"this build cannot run here: {why}",))
     n = nranks or (len(names) if len(names) >= 2 else 4)
     t0 = time.perf_counter()
     failures = check_executor(n, out=out)
@@ -249,13 +269,13 @@ def selftest(*, nranks: int | None = None, record: bool = True, out=print) -> in
     if failures:
         out(f"jax-blink selftest: FAILED ({len(failures)} problems, {time.perf_counter() - t0:.1f} s); "
             "impl='auto' keeps using ppermute on this machine")
-        return 1
+        return SelftestResult(1, tuple(failures))
     msg = ""
     if record:
         path = selftest_record.record_pass(selftest_record.machine_key())
         msg = f"; recorded in {path}: impl='auto' now uses the native executor here"
     out(f"jax-blink selftest: PASSED ({time.perf_counter() - t0:.1f} s){msg}")
-    return 0
+    return SelftestResult(0)
 
 
 def main(argv=None) -> int:
@@ -266,7 +286,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-record", action="store_true", help="do not record a pass")
     a = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    return selftest(nranks=a.ranks, record=not a.no_record)
+    return selftest(nranks=a.ranks, record=not a.no_record).status
 
 
 if __name__ == "__main__":

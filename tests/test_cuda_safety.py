@@ -128,7 +128,8 @@ def test_selftest_without_gpus_says_so_in_one_line():
     lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1 and "nothing to test" in lines[0], p.stdout
     assert "Traceback" not in p.stderr
-    assert gpu_selftest.selftest(out=lambda *_: None) == 2
+    res = gpu_selftest.selftest(out=lambda *_: None)
+    assert res.status == 2 and not res and not res.passed
 
 
 @pytest.mark.parametrize("msg,cls", [
@@ -170,7 +171,8 @@ def test_selftest_flow_with_a_cpu_backed_fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(_native, "cuda", fake)
     monkeypatch.setenv("JAX_BLINK_CACHE_DIR", str(tmp_path))
     lines = []
-    assert gpu_selftest.selftest(out=lines.append) == 0, "\n".join(lines)
+    res = gpu_selftest.selftest(out=lines.append)
+    assert res.status == 0 and res and res.problems == (), "\n".join(lines)
     text = "\n".join(lines)
     assert "PASSED" in text and "recorded in" in text
     assert text.count(": ok") == 8                       # (3 collectives + buckets) x (peer, forced staging)
@@ -182,7 +184,8 @@ def test_selftest_flow_with_a_cpu_backed_fake_gpu(monkeypatch, tmp_path):
     # a wrong executor fails the self-test and records nothing
     (tmp_path / "selftest.json").unlink()
     fake.execute = lambda s, d, i, o, it, k, **kw: (1e-3, "")  # leaves outputs unwritten
-    assert gpu_selftest.selftest(out=lambda *_: None) == 1
+    res = gpu_selftest.selftest(out=lambda *_: None)
+    assert res.status == 1 and not res and res.problems and all(isinstance(p, str) for p in res.problems)
     assert not selftest_record.has_passed()
 
 

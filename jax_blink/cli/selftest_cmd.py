@@ -16,4 +16,4 @@ def run(args) -> int:
     import os
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to the executor checks
     from ..gpu_selftest import selftest
-    return selftest(nranks=args.ranks, record=not args.no_record)
+    return selftest(nranks=args.ranks, record=not args.no_record).status
