@@ -23,6 +23,7 @@ The packings built on it: :func:`solve_packing` (broadcast, reduce, all-reduce t
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import functools
@@ -111,7 +112,9 @@ def _capture_file():
     truncated for each use (creating one per solve cost about a third of a small ILP); a forked child
     makes its own, as it shares the parent's file offset."""
     if not _CAPTURE or _CAPTURE[0][0] != os.getpid():
-        _CAPTURE[:] = [(os.getpid(), tempfile.TemporaryFile())]
+        f = tempfile.TemporaryFile()
+        atexit.register(f.close)  # closed at exit, not left to the finaliser (a ResourceWarning under -W)
+        _CAPTURE[:] = [(os.getpid(), f)]
     f = _CAPTURE[0][1]
     f.seek(0)
     f.truncate()
