@@ -52,15 +52,15 @@ import numpy as np
 from . import collectives
 from .errors import PlanError, ScheduleError
 from .planner import dbtree, facade, rings, threephase
-from .planner.model import cached
+from .planner.model import cached, plan_cache
 from .schedule import DEFAULT_MAX_TOTAL_CHUNKS, DEFAULT_STEP_LATENCY_S, Schedule, _depth, build_schedule
 from .simulate import DEFAULT_LATENCY_US, simulate
 
 #: ``plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
 CANDIDATE_MAX_TREES = (None, 4, 2, 1)
 
-_CHOICES: collections.OrderedDict = collections.OrderedDict()
-_TIMES: collections.OrderedDict = collections.OrderedDict()
+_CHOICES: collections.OrderedDict = plan_cache()
+_TIMES: collections.OrderedDict = plan_cache()
 _CACHE_SIZE = 4096
 
 

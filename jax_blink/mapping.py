@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .errors import TopologyError
+from .planner.model import clear_on_reset
 from .topology import Topology, default_gpu_id
 
 ENV_TOPOLOGY = "JAX_BLINK_TOPOLOGY"
@@ -133,6 +134,7 @@ def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=No
                    strict)
 
 
+@clear_on_reset
 @functools.lru_cache(maxsize=64)
 def _load(spec: str) -> Topology:
     from .topology.load import load_topology

@@ -46,6 +46,7 @@ from ._jax_compat import AbstractMesh, SPMDAxisContext, ad, batching, core, disp
 from .errors import BlinkError
 from .lowering import ffi as _ffi  # noqa: F401  (registers the "ffi" records)
 from .lowering import ppermute as _ppermute  # registers the "ppermute" record
+from .planner.model import clear_on_reset
 
 # ================================================================================ shared helpers
 # -------------------------------------------------------------------------------- axes
@@ -254,6 +255,7 @@ def _shared_memory_stars(plan):
                 plan.notes + ("executed as one star per owner by the CPU executor (host memory)",))
 
 
+@clear_on_reset
 @functools.lru_cache(maxsize=256)
 def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, key,
                   nelems: int, itemsize: int, platform: str, impl: str = "ppermute") -> _lowering.LoweringRequest:

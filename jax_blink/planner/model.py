@@ -23,6 +23,7 @@ PLAN_FIELDS = ("collective", "root", "devices", "rate_gbps", "bound_gbps", "algo
 WEIGHT_DECIMALS = 9
 CACHE_SIZE = 1024  # plans kept per cache (least recently used dropped)
 _CACHES: list = []
+_CLEARERS: list = []  # functools caches of later stages (cost model, call sites), cleared with the plans
 
 
 def plan_cache() -> collections.OrderedDict:
@@ -45,10 +46,21 @@ def cached(cache: collections.OrderedDict, key, make, size: int = CACHE_SIZE):
     return hit
 
 
+def clear_on_reset(fn):
+    """Register ``fn`` (a ``functools.lru_cache``-wrapped function) so :func:`clear_caches` empties its
+    cache too; returns ``fn``, so it can decorate."""
+    _CLEARERS.append(fn.cache_clear)
+    return fn
+
+
 def clear_caches() -> None:
-    """Forget every cached plan (for uncached timing)."""
+    """Forget every cached plan and what was derived from plans: the planner's packings, the cost
+    model's choices and simulated times, NCCL's ring level per allocation, loaded topology files and
+    the per-call-site lowering requests (for uncached timing, or after editing a topology file)."""
     for cache in _CACHES:
         cache.clear()
+    for clear in _CLEARERS:
+        clear()
 
 
 def _is_gpu(n) -> bool:

@@ -31,7 +31,7 @@ from ..errors import PlanError
 from ..topology.model import Topology
 from .bounds import _checked, allreduce_bound, broadcast_bound, certificate, reduce_bound
 from .colgen import column_generation
-from .model import Plan, Tree, _hops, _parse_routes, _round, cached, job_devices, plan_cache
+from .model import Plan, Tree, _hops, _parse_routes, _round, cached, clear_on_reset, job_devices, plan_cache
 from .routes import Column, RouteTable, pricer
 
 EXACT_RING_MAX_GPUS = 9
@@ -315,6 +315,7 @@ def _links_of_kind(topology: Topology, keep) -> Topology:
     return t
 
 
+@clear_on_reset
 @functools.lru_cache(maxsize=256)
 def _nccl_level(topology: Topology, devices: tuple) -> str:
     """"nvlink" when NVLink links alone close a ring through ``devices``, else "pcie" when the other
