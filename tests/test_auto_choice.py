@@ -16,7 +16,8 @@ from jax_blink.simulate import simulate
 from jax_blink.topology.load import load_topology
 from jax_blink.topology.presets import PRESETS
 
-FILES = sorted(str(p) for p in (pathlib.Path(__file__).parent / "data" / "topologies").glob("*.txt"))
+FILES = sorted(str(p) for p in (pathlib.Path(__file__).parent / "data" / "topologies").iterdir()
+               if p.suffix in (".txt", ".xml"))  # nvidia-smi topo -m outputs and NCCL topology XML
 TOPOLOGIES = list(PRESETS) + FILES
 SIZES = [64 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30]
 
