@@ -17,8 +17,8 @@ MESH8 = Mesh(np.array(jax.devices())[[3, 1, 0, 2, 7, 5, 4, 6]], ("i",))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_grad_pmap_issue_values(impl):
-    """Issue 4: pmap over 2 devices, grad_w psum(sum(w * data)), w = ones(2), data = arange(2)."""
+def test_grad_pmap_hand_computed_values(impl):
+    """pmap over 2 devices, grad_w psum(sum(w * data)), w = ones(2), data = arange(2)."""
     g = jax.pmap(lambda w, d: jax.grad(lambda w: jax_blink.psum(jnp.sum(w * d), "i", impl=impl))(w),
                  axis_name="i", devices=jax.devices()[:2])
     out = g(jnp.ones((2, 2)), jnp.tile(jnp.arange(2.0), (2, 1)))
@@ -28,7 +28,7 @@ def test_grad_pmap_issue_values(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_grad_shard_map_first_and_second_order(impl, check_vma):
-    """Issue 4: x = arange(8.), grad of psum(sum((w x)^2)) at w = 3 is 840 (check_vma on).
+    """x = arange(8.), grad of psum(sum((w x)^2)) at w = 3 is 840 (check_vma on).
 
     With check_vma off (psum_p semantics) the transpose psums again: device d gets 8 * 2 w x_d^2.
     Second order: 2 * sum(x^2) = 280 resp. 8 * 2 x_d^2.
