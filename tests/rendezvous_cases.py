@@ -175,7 +175,7 @@ def checkpoint_case(mode):
 
 def replicated_grad_case():
     """grad of a replicated parameter under check_vma=True: JAX inserts an XLA psum in the backward
-    pass after the jax_blink collective (the issue's synced-centering reproducer)."""
+    pass after the jax_blink collective (a synced-centering layer, as users write one)."""
     x = np.arange(N * 4, dtype=np.float32)
 
     def loss(mean):
