@@ -1,6 +1,7 @@
 """`jax-blink bench` / `jax-blink show`: sizes syntax, tables, PNG, clear errors."""
 
 import json
+import re
 
 import pytest
 
@@ -235,6 +236,14 @@ def test_plan_ring_reports_the_collective_bound_and_rings(capsys):
     assert main(["plan", "--topology", "dgx1v", "--algorithm", "ring"]) == 0
     out = capsys.readouterr().out
     assert "ring, 36 rings" in out and "rate 85.371 GB/s, ring bound 85.371 GB/s (1.000 of bound)" in out
+    # the table lists the 36 rings (each a GPU cycle), not their 288 rotations as trees
+    p = plan(preset("dgx1v"), algorithm="ring")
+    rows = [ln for ln in out.splitlines() if re.match(r"^│\s*\d+ │", ln)]
+    assert "rings" in out and "\ntrees" not in out and len(rows) == len(p.rings()) == 36
+    heaviest = max(p.rings(), key=lambda r: r[1])
+    assert f"{heaviest[1]:.3f}" in rows[0]
+    cycle = [int(x) for x in rows[0].split("│")[4].split("->")]
+    assert cycle[0] == cycle[-1] and sorted(cycle[:-1]) == list(range(8))
     assert main(["plan", "--topology", "dgx1v", "--size", "1M"]) == 0
     out = capsys.readouterr().out
     assert "chosen for 1048576 B per GPU" in out and "ring, " in out.splitlines()[0]

@@ -89,7 +89,18 @@ def run(args: argparse.Namespace) -> int:
     if nbytes is None and args.algorithm == "auto" and n > 1:
         console.print("  note: no --size: the highest-rate plan (large operands); --size BYTES gives the plan "
                       "auto runs at that size (fewer trees, rings or NCCL's double binary tree may be faster)")
-    if p.trees:
+    rings = p.rings()
+    if rings:  # a ring plan: one row per ring (its trees are the ring's n rotations)
+        tab = Table(title="rings", title_justify="left")
+        for col in ("#", "GB/s", "share", "GPU order", "via"):
+            tab.add_column(col, justify="right" if col in ("#", "GB/s", "share") else "left")
+        total = sum(b for _, b in rings)
+        for i, (hops, b) in enumerate(sorted(rings, key=lambda r: -r[1])):
+            order = [hops[0][0]] + [v for _, v in hops if isinstance(v, int)]
+            via = ",".join(sorted({str(x) for h in hops for x in h if not isinstance(x, int)}))
+            tab.add_row(str(i), f"{b:.3f}", f"{b / total:.3f}", " -> ".join(map(str, order)), via or "-")
+        console.print(tab)
+    elif p.trees:
         tab = Table(title="trees", title_justify="left")
         for col in ("#", "root", "GB/s", "share", "edges (parent->child)", "via", "reduce"):
             tab.add_column(col, justify="right" if col in ("#", "root", "GB/s", "share") else "left")
