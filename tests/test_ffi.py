@@ -247,3 +247,22 @@ def test_bad_timeout_env_is_a_clear_error(monkeypatch, value):
     f = jax.pmap(lambda v: jax_blink.psum(v, "i", impl="ffi"), axis_name="i")
     with pytest.raises(BlinkError, match=r"JAX_BLINK_TIMEOUT_S must be a number of seconds"):
         f(np.ones((8, 3 + len(value)), np.float32))
+
+
+@pytest.mark.parametrize("name,value", [("JAX_BLINK_CPU_THREADS", "abc"), ("JAX_BLINK_CPU_THREADS", "0"),
+                                        ("JAX_BLINK_CPU_THREADS", "100000"), ("JAX_BLINK_CPU_STREAM", "2"),
+                                        ("JAX_BLINK_CPU_HUGEPAGES", "yes"), ("JAX_BLINK_ALIAS", "-1")])
+def test_bad_cpu_executor_env_is_a_clear_error(monkeypatch, name, value):
+    """The executor's C++ side can only ignore a setting it cannot use; the lowering names it instead."""
+    monkeypatch.setenv(name, value)
+    f = jax.pmap(lambda v: jax_blink.psum(v, "i", impl="ffi"), axis_name="i")
+    with pytest.raises(BlinkError, match=rf"{name} must be .*got '{value}'"):
+        f(np.ones((8, 5 + len(name) + len(value)), np.float32))  # a new shape: a new lowering
+
+
+def test_good_cpu_executor_env_values_pass(monkeypatch):
+    monkeypatch.setenv("JAX_BLINK_CPU_THREADS", " 2 ")
+    monkeypatch.setenv("JAX_BLINK_CPU_STREAM", "0")
+    x = np.arange(8 * 7, dtype=np.float32).reshape(8, 7)
+    out = jax.pmap(lambda v: jax_blink.psum(v, "i", impl="ffi"), axis_name="i")(x)
+    np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(x.sum(0), x.shape))

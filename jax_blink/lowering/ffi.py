@@ -106,6 +106,30 @@ def timeout_ms(default_ms: int) -> int:
     return max(1, int(s * 1000))
 
 
+#: The CPU executor's settings, read by the C++ side (ffi/src/cpu_executor.cc, EnvInt) at its first
+#: call: name -> (least, largest) accepted integer. Checked here, at lowering, because the C++ side
+#: can only fall back to its default for a value it cannot use.
+CPU_ENV = {"JAX_BLINK_CPU_THREADS": (1, 256), "JAX_BLINK_CPU_STREAM": (0, 1), "JAX_BLINK_CPU_HUGEPAGES": (0, 1),
+           "JAX_BLINK_ALIAS": (0, 1)}
+
+
+def check_cpu_env() -> None:
+    """Raises BlinkError when a variable of :data:`CPU_ENV` is set to anything but an integer in its
+    range (e.g. ``JAX_BLINK_CPU_THREADS=abc`` or ``0``), naming the variable and what it takes: the
+    executor would otherwise ignore it without a word."""
+    for name, (lo, hi) in CPU_ENV.items():
+        text = os.environ.get(name)
+        if text is None or not text.strip():
+            continue
+        try:
+            ok = lo <= int(text.strip()) <= hi
+        except ValueError:
+            ok = False
+        if not ok:
+            what = "0 or 1" if (lo, hi) == (0, 1) else f"an integer in {lo}..{hi}"
+            raise BlinkError(f"{name} must be {what}, got {text!r}; unset it for the default")
+
+
 def _produced(x, through_reshapes: bool = False) -> bool:
     """True when ``x`` is an op's result, not an argument of the function being lowered (with
     ``through_reshapes``: nor a reshape of one, which XLA would also copy before aliasing)."""
@@ -174,6 +198,7 @@ def _cpu_rule(ctx, xs, request_for):
     place; a reduce-scatter may return only the rank's shard (the record's ``shard_output``): the
     executor sums it straight into the result, with no full-size result buffer (fresh pages) and no
     slice copy after the call."""
+    check_cpu_env()
     request = request_for(sum(max(math.prod(a.shape), math.prod(b.shape))
                               for a, b in zip(ctx.avals_in, ctx.avals_out)))
     return _call(CPU_TARGET, ctx, xs, request, _ALIAS)
