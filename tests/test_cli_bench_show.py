@@ -187,9 +187,13 @@ def test_show_png_path_written_is_the_path_printed(tmp_path, capsys, monkeypatch
     assert main([*base, "--png", "trees"]) == 0
     assert "wrote trees.png:" in capsys.readouterr().out
     assert (tmp_path / "trees.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "trees").exists()
-    assert main([*base, "--png", "trees.jpg"]) == 0
-    assert "wrote trees.jpg.png:" in capsys.readouterr().out
-    assert (tmp_path / "trees.jpg.png").read_bytes()[:4] == b"\x89PNG"
+    assert main([*base, "--png", "trees.v2"]) == 0  # a suffix that is no image format: .png appended
+    assert "wrote trees.v2.png:" in capsys.readouterr().out
+    assert (tmp_path / "trees.v2.png").read_bytes()[:4] == b"\x89PNG"
+    for other in ("trees.jpg", "trees.JPEG", "plan.svg", "plan.pdf"):
+        assert main([*base, "--png", other]) == 2
+        assert "written as PNG only" in capsys.readouterr().err
+        assert not list(tmp_path.glob(other + "*"))
     assert main([*base, "--png", "T.PNG"]) == 0
     assert "wrote T.PNG:" in capsys.readouterr().out and (tmp_path / "T.PNG").exists()
     (tmp_path / "somedir").mkdir()

@@ -13,7 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register --topology/--devices/--collective/--root/--plan, --png, --algorithm, --size."""
     add_common(p)
     p.add_argument("--png", required=True, metavar="FILE",
-                   help="output PNG file; '.png' is appended when FILE does not end in it")
+                   help="output PNG file; '.png' is appended when FILE has no suffix (other image suffixes "
+                        "such as .jpg are refused)")
     p.add_argument("--algorithm", default="blink", choices=("blink", "ring", "tree"),
                    help="which plan to draw: the tree packing (default), NCCL's rings (NVLink, else "
                         "PCIe links), or NCCL's double binary tree (all-reduce)")
@@ -24,13 +25,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def png_path(text: str) -> str:
     """The file ``--png text`` writes: ``text`` itself when it ends in .png, else ``text + '.png'``
-    (matplotlib would append it anyway). Raises BlinkError for an empty name or a directory."""
+    (matplotlib would append it anyway). Raises BlinkError for an empty name, a directory, or a name
+    ending in another image format's suffix (trees.jpg would have become trees.jpg.png)."""
     if not text.strip():
         raise BlinkError("--png is empty: give an output file name such as trees.png")
     if text.endswith((os.sep, "/")) or os.path.isdir(text):
         raise BlinkError(f"--png {text!r} is a directory: give a file name such as "
                          f"{os.path.join(text, 'trees.png')}")
-    return text if text.lower().endswith(".png") else text + ".png"
+    suffix = os.path.splitext(text)[1].lower()
+    if suffix in _OTHER_IMAGE_SUFFIXES:
+        raise BlinkError(f"--png {text!r}: the figure is written as PNG only; give a name ending in .png, "
+                         f"e.g. {os.path.splitext(text)[0]}.png")
+    return text if suffix == ".png" else text + ".png"
+
+
+_OTHER_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp", ".svg", ".pdf", ".eps", ".ps")
 
 
 def run(args: argparse.Namespace) -> int:
