@@ -456,3 +456,23 @@ def test_bounds_with_fractional_rates_use_the_exact_networkx_max_flow():
     assert bounds.broadcast_bound(t, [0, 1, 2], 0) == pytest.approx(min(flow(0, 1), flow(0, 2)), rel=1e-12)
     assert bounds.allreduce_bound(t, [0, 1, 2]) == pytest.approx(
         min(flow(u, v) for u in range(3) for v in range(3) if u != v), rel=1e-12)
+
+
+def test_ring_plans_honour_max_trees():
+    """algorithm="ring" with max_trees=k: at most k // n rings (each runs as n trees), the best total
+    found, never less than with a smaller k; fewer than n trees allow no ring (a clear error)."""
+    t = PRESETS["dgx1v"]()
+    full = plan(t, "allreduce", algorithm="ring")
+    assert len(full.rings()) == 36
+    last = 0.0
+    for k in (8, 16, 24, 64, 128, 287, 288):
+        p = plan(t, "allreduce", algorithm="ring", max_trees=k)
+        assert p.algorithm == "ring" and len(p.rings()) <= k // 8 and len(p.trees) <= k
+        assert last - 1e-6 <= p.rate_gbps <= full.rate_gbps + 1e-6
+        last = p.rate_gbps
+    assert plan(t, "allreduce", algorithm="ring", max_trees=8).rate_gbps == pytest.approx(8 * 45.8 / 14)  # 0-3 x2
+    assert plan(t, "allreduce", algorithm="ring", max_trees=288).rate_gbps == pytest.approx(full.rate_gbps)
+    ag = plan(t, "allgather", devices=[0, 1, 2, 3], algorithm="ring", max_trees=4)
+    assert len(ag.rings()) == 1 and len(ag.trees) == 4
+    with pytest.raises(PlanError, match=r"max_trees=5 allows no ring; use max_trees >= 8"):
+        plan(t, "allreduce", algorithm="ring", max_trees=5)

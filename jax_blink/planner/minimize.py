@@ -15,12 +15,17 @@ import numpy as np
 from .colgen import rate_lp, solve_lp
 
 MILP_NODE_LIMIT = 200
-#: HiGHS options of the tree-count ILP: node-limited (deterministic); the feasibility-jump heuristic
-#: and symmetry detection off (on these ILPs, <= 48 columns, they took ~90% of a 10-20 ms solve); the
-#: RINS / RENS sub-MIP heuristics and restarts off too: with the saturation rows, over the 161 ILPs of
-#: dgx1v allocations 1200 -> 730 ms in all (max 132 -> 97 ms), the same minimum count in every one
-ILP_OPTIONS = {"mip_max_nodes": MILP_NODE_LIMIT, "presolve": "on", "mip_heuristic_run_feasibility_jump": False,
-               "mip_detect_symmetry": False, "mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False,
+#: HiGHS options of the max_trees ILP (the best rate with at most k trees): node-limited
+#: (deterministic); the feasibility-jump heuristic and symmetry detection off (on these ILPs, <= 48
+#: columns, they took ~90% of a 10-20 ms solve). It often stops at the node limit, so it keeps the
+#: RINS / RENS sub-MIP heuristics, which find its incumbents (without them dgx1v max_trees=6 fell
+#: from 80.33 to 74.70 GB/s).
+MAX_TREES_ILP_OPTIONS = {"mip_max_nodes": MILP_NODE_LIMIT, "presolve": "on",
+                         "mip_heuristic_run_feasibility_jump": False, "mip_detect_symmetry": False}
+#: HiGHS options of the minimum-count ILP: as above, and without RINS / RENS and restarts, which cost
+#: more than they found there: with the saturation rows, over the 161 ILPs of dgx1v allocations 1200 ->
+#: 730 ms in all (max 132 -> 97 ms), the same minimum count in every one
+ILP_OPTIONS = {**MAX_TREES_ILP_OPTIONS, "mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False,
                "mip_allow_restart": False}
 L1_ROUNDS = 6            # most reweighted-L1 LPs in the tree-count reduction
 MILP_MAX_COLUMNS = 24    # exact min-count ILP only over at most this many generated trees (its root LP
@@ -88,17 +93,18 @@ def _saturation_rows(a: np.ndarray, cap: np.ndarray, rate: float):
     return rows, -(cap[priced] - slack)
 
 
-def _tree_count_ilp(c, a, cap, rate, a_more, b_more, a_eq=None):
+def _tree_count_ilp(c, a, cap, rate, a_more, b_more, a_eq=None, options=None):
     """The tree-count ILP (HiGHS, node-limited so deterministic): minimise ``c`` over [w, z] (weights
     [T], 0/1 tree indicators [T]) subject to the link capacities ``a`` w <= ``cap``, w_t <= ``rate`` z_t,
-    ``a_more`` [w, z] <= ``b_more`` and ``a_eq`` [w, z] = 0 (both over 2T columns)."""
+    ``a_more`` [w, z] <= ``b_more`` and ``a_eq`` [w, z] = 0 (both over 2T columns); HiGHS ``options``
+    (default :data:`ILP_OPTIONS`)."""
     t = a.shape[1]
     a_ub = np.vstack([np.hstack([a, np.zeros((a.shape[0], t))]), np.hstack([np.eye(t), -rate * np.eye(t)]),
                       np.asarray(a_more, dtype=np.float64)])
     b_ub = np.concatenate([cap, np.zeros(t), np.asarray(b_more, dtype=np.float64)])
     return solve_lp(c, a_ub, b_ub, a_eq, upper=np.concatenate([np.full(t, rate), np.ones(t)]),
                     integrality=np.concatenate([np.zeros(t), np.ones(t)]),
-                    options=ILP_OPTIONS)
+                    options=ILP_OPTIONS if options is None else options)
 
 
 def fewest_trees(cap: np.ndarray, cols, rate: float, max_trees: int | None, lp_weights, groups=None):
@@ -155,10 +161,20 @@ def fewest_trees(cap: np.ndarray, cols, rate: float, max_trees: int | None, lp_w
     else:
         count = np.concatenate([np.zeros(t), np.ones(t)])[None, :]
         res = _tree_count_ilp(np.concatenate([-np.ones(t), np.zeros(t)]), a, cap, rate, count, [max_trees],
-                              None if eq is None else np.hstack([eq, np.zeros_like(eq)]))
-        if not res.feasible:
+                              None if eq is None else np.hstack([eq, np.zeros_like(eq)]), MAX_TREES_ILP_OPTIONS)
+        chosen = np.flatnonzero(res.x[t:] > 0.5) if res.feasible else np.zeros(0, dtype=np.int64)
+        # the ILP stops at its node limit with its best so far; the LP's max_trees heaviest columns,
+        # re-optimised, can do better when max_trees is close to the LP's support (many columns)
+        heavy = np.sort(np.argsort(-np.asarray(lp_weights), kind="stable")[:max_trees])
+        x_heavy = _reoptimise(a, cap, heavy, groups)
+        if x_heavy is not None:
+            x_ilp = _reoptimise(a, cap, chosen, groups) if len(chosen) else None
+            if x_ilp is None or x_heavy.sum() > x_ilp.sum() + 1e-9:
+                w = np.zeros(t)
+                w[heavy] = x_heavy
+                return w
+        if not len(chosen):
             return None
-        chosen = np.flatnonzero(res.x[t:] > 0.5)
     if not len(chosen):
         return None
     if max_trees is None and np.array_equal(chosen, np.flatnonzero(lp_weights > 1e-9)):

@@ -31,6 +31,7 @@ from ..errors import PlanError
 from ..topology.model import Topology
 from .bounds import _checked, allreduce_bound, broadcast_bound, certificate, reduce_bound
 from .colgen import column_generation
+from .minimize import fewest_trees
 from .model import Plan, Tree, _hops, _parse_routes, _round, cached, clear_on_reset, job_devices, plan_cache
 from .routes import Column, RouteTable, pricer
 
@@ -81,13 +82,15 @@ def _two_opt_cycle(w: np.ndarray) -> list | None:
     return best if best_cost < 1e11 else None
 
 
-def ring_packing(topology: Topology, devices, table: RouteTable | None = None):
+def ring_packing(topology: Topology, devices, table: RouteTable | None = None, max_rings: int | None = None):
     """Best packing of directed Hamiltonian cycles (rings) over the job's GPU-level routes.
 
     LP: maximise sum_c b_c s.t. for every directed link e, sum_c usage_c(e) b_c <= cap(e); column
     generation (:func:`jax_blink.planner.colgen.column_generation`, at most 500 rounds) with pricing =
     cheapest Hamiltonian cycle under dual link prices (exact enumeration for <= EXACT_RING_MAX_GPUS
     GPUs, nearest-neighbour + 2-opt above: then a feasible, possibly suboptimal ring packing).
+    ``max_rings``: at most this many rings, the largest total bandwidth over the generated rings (the
+    tree-count ILP of :func:`jax_blink.planner.minimize.fewest_trees` with ``max_trees``).
     Returns (rate_gbps, [(cycle as list of GPUs, [route per hop], b_gbps)]). Returns (0.0, []) when
     no Hamiltonian cycle exists (e.g. GPUs behind a one-way link).
     """
@@ -131,8 +134,14 @@ def ring_packing(topology: Topology, devices, table: RouteTable | None = None):
 
     res = column_generation(table.cap, price, start=[(None, first)], max_iterations=500, what="ring packing",
                             devices=devices)
-    rings = [(list(c.edges[0]), list(c.edges[1]), float(x)) for c, x in zip(res.columns, res.weights) if x > 1e-9]
-    return res.rate, rings
+    weights = res.weights
+    if max_rings is not None and np.count_nonzero(weights > 1e-9) > max_rings:
+        weights = fewest_trees(table.cap, res.columns, res.rate, max_rings, weights)
+        if weights is None:
+            raise PlanError(f"no packing of at most {max_rings} ring(s) over devices {list(devices)} found "
+                            "(the count-limited ILP failed)")
+    rings = [(list(c.edges[0]), list(c.edges[1]), float(x)) for c, x in zip(res.columns, weights) if x > 1e-9]
+    return (res.rate if weights is res.weights else float(sum(b for *_, b in rings))), rings
 
 
 def ring_rate(topology: Topology | str | os.PathLike, devices) -> float:
@@ -195,16 +204,31 @@ def _sharded_ring_trees(rings, n, reduces: bool) -> list:
     return trees
 
 
-def _check_rings(topology, devices, b_ring: float, rings, max_trees) -> None:
-    """PlanError when a forced ring plan cannot be built: no ring through every GPU, or more trees
-    (n per ring) than ``max_trees``."""
+def _max_rings(devices, max_trees) -> int | None:
+    """The rings ``max_trees`` allows (a ring over n GPUs runs as n trees), None for no limit; PlanError
+    when it allows none."""
     n = len(devices)
+    if max_trees is None:
+        return None
+    if max_trees < n:
+        raise PlanError(f"a ring over {n} GPUs runs as {n} trees (one per rank): max_trees={max_trees} allows no "
+                        f"ring; use max_trees >= {n} (k rings: k*{n}) or another algorithm")
+    return max_trees // n
+
+
+def _check_rings(topology, devices, b_ring: float) -> None:
+    """PlanError when a forced ring plan cannot be built: no ring through every GPU."""
     if b_ring <= 0:
         raise PlanError(f"no ring (cycle through every GPU) over devices {list(devices)} on the links of "
                         f"{topology.name!r}")
-    if max_trees is not None and n * len(rings) > max_trees:
-        raise PlanError(f"no ring packing over devices {list(devices)} within max_trees={max_trees} "
-                        f"(it needs {n * len(rings)} trees)")
+
+
+def _limit_note(devices, max_trees, rings) -> tuple:
+    """The note of a ring plan limited by ``max_trees`` (empty without a limit)."""
+    if max_trees is None:
+        return ()
+    return (f"max_trees={max_trees}: at most {max_trees // len(devices)} ring(s) of {len(devices)} trees each; "
+            f"{len(rings)} used",)
 
 
 def allreduce_ring_plan(devices, b_ring: float, rings, ring_cap: float, notes: list, what: str) -> Plan:
@@ -227,11 +251,12 @@ def _forced_allreduce_ring_plan(topology, devices, max_trees) -> Plan:
     table.check_connected("allreduce plan")
     # any ring crosses every directed cut between job GPUs, so B_ring <= min max-flow between GPUs
     ring_cap = n * allreduce_bound(topology, devices) / (2 * (n - 1))
-    b_ring, rings = ring_packing(topology, devices, table)
-    _check_rings(topology, devices, b_ring, rings, max_trees)
+    b_ring, rings = ring_packing(topology, devices, table, _max_rings(devices, max_trees))
+    _check_rings(topology, devices, b_ring)
     # this is also how the cost model and the baselines build their ring candidate: describe the
     # packing, never claim the user asked for it
-    return allreduce_ring_plan(devices, b_ring, rings, ring_cap, [], "ring packing (algorithm='ring')")
+    return allreduce_ring_plan(devices, b_ring, rings, ring_cap, list(_limit_note(devices, max_trees, rings)),
+                               "ring packing (algorithm='ring')")
 
 
 def _sharded_ring_plan(topology, collective, devices, max_trees) -> Plan:
@@ -241,19 +266,21 @@ def _sharded_ring_plan(topology, collective, devices, max_trees) -> Plan:
     bound = certificate(topology, collective, devices, None)
     table = RouteTable.build(topology, devices)
     table.check_connected(f"{collective} ring plan")
-    b_ring, rings = ring_packing(topology, devices, table)
-    _check_rings(topology, devices, b_ring, rings, max_trees)
+    b_ring, rings = ring_packing(topology, devices, table, _max_rings(devices, max_trees))
+    _check_rings(topology, devices, b_ring)
     trees = _sharded_ring_trees(rings, n, _collectives.get(collective).reduces)
     rate = _round(sum(t.weight_gbps for t in trees))
     note = (f"ring: {len(rings)} ring(s) of {b_ring:.3f} GB/s in total; each shard travels n-1 = {n - 1} hops, "
-            f"rate n*B/(n-1) = {rate:.3f} GB/s; cut bound on the links of {topology.name!r}: {bound:.3f} GB/s",)
+            f"rate n*B/(n-1) = {rate:.3f} GB/s; cut bound on the links of {topology.name!r}: {bound:.3f} GB/s",
+            *_limit_note(devices, max_trees, rings))
     return Plan(collective, None, devices, tuple(trees), rate, _round(bound), "ring", note)
 
 
 def packed_ring_plan(topology: Topology, collective: str, devices: tuple, max_trees: int | None = None) -> Plan:
     """``plan(algorithm="ring")`` for all-reduce, all-gather or reduce-scatter over ``devices`` (a
     validated tuple of two or more GPU ids), cached: the LP ring packing as NCCL's ring algorithm.
-    Raises PlanError when no ring passes through every GPU or it needs more than ``max_trees`` trees."""
+    ``max_trees``: at most max_trees // n rings (each runs as n trees), the largest total bandwidth.
+    Raises PlanError when no ring passes through every GPU or ``max_trees`` < n."""
     def make():
         if collective == "allreduce":
             return _forced_allreduce_ring_plan(topology, devices, max_trees)
