@@ -115,7 +115,8 @@ def fewest_trees(cap: np.ndarray, cols, rate: float, max_trees: int | None, lp_w
     support found; then, over at most MILP_MAX_COLUMNS trees, the exact minimum-count ILP (larger
     column sets, e.g. with PCIe links: the ILP took 0.1-1 s, so the L1 result stands). With
     ``max_trees=k``: the ILP (:func:`_tree_count_ilp`) maximising
-    the total weight using at most k trees.
+    the total weight using at most k trees, or the LP's k heaviest trees re-optimised when those carry
+    more (the ILP is node-limited).
     ``groups`` (sharded collectives): the root of each column; every root then carries rate / (number
     of roots) and the same share of any re-optimised total.
     ``cap``: float64 [L], the link capacities (GB/s); ``cols``: the columns (``usage`` int [L] each);
