@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import pathlib
 import statistics
 import time
@@ -82,6 +83,8 @@ def timing_targets(console, reps: int, colls=("allreduce", "broadcast", "allgath
                     "-" if target is None else f"{target:g}",
                     "-" if target is None else "pass" if med < target else "FAIL")
     console.print(tab)
+    console.print(f"load average (1 min) {os.getloadavg()[0]:.1f} after the timing on {os.cpu_count()} cores: "
+                  "wall-clock targets, meaningful on a quiet machine")
 
 
 def ring_equiv(t, devs, coll):
