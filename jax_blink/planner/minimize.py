@@ -167,15 +167,13 @@ def fewest_trees(cap: np.ndarray, cols, rate: float, max_trees: int | None, lp_w
         # the ILP stops at its node limit with its best so far; the LP's max_trees heaviest columns,
         # re-optimised, can do better when max_trees is close to the LP's support (many columns)
         heavy = np.sort(np.argsort(-np.asarray(lp_weights), kind="stable")[:max_trees])
-        x_heavy = _reoptimise(a, cap, heavy, groups)
-        if x_heavy is not None:
-            x_ilp = _reoptimise(a, cap, chosen, groups) if len(chosen) else None
-            if x_ilp is None or x_heavy.sum() > x_ilp.sum() + 1e-9:
-                w = np.zeros(t)
-                w[heavy] = x_heavy
-                return w
-        if not len(chosen):
-            return None
+        best = None
+        for keep in (chosen, heavy):  # each re-optimised once; the heavy set only when strictly better
+            x = _reoptimise(a, cap, keep, groups) if len(keep) else None
+            if x is not None and (best is None or x.sum() > best.sum() + 1e-9):
+                best = np.zeros(t)
+                best[keep] = x
+        return best
     if not len(chosen):
         return None
     if max_trees is None and np.array_equal(chosen, np.flatnonzero(lp_weights > 1e-9)):
