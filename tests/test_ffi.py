@@ -11,6 +11,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 import time
 
 import jax
@@ -251,7 +252,8 @@ def test_bad_timeout_env_is_a_clear_error(monkeypatch, value):
 
 @pytest.mark.parametrize("name,value", [("JAX_BLINK_CPU_THREADS", "abc"), ("JAX_BLINK_CPU_THREADS", "0"),
                                         ("JAX_BLINK_CPU_THREADS", "100000"), ("JAX_BLINK_CPU_STREAM", "2"),
-                                        ("JAX_BLINK_CPU_HUGEPAGES", "yes"), ("JAX_BLINK_ALIAS", "-1")])
+                                        ("JAX_BLINK_CPU_HUGEPAGES", "yes"), ("JAX_BLINK_ALIAS", "-1"),
+                                        ("JAX_BLINK_CPU_ISA", "sse9")])
 def test_bad_cpu_executor_env_is_a_clear_error(monkeypatch, name, value):
     """The executor's C++ side can only ignore a setting it cannot use; the lowering names it instead."""
     monkeypatch.setenv(name, value)
@@ -263,6 +265,53 @@ def test_bad_cpu_executor_env_is_a_clear_error(monkeypatch, name, value):
 def test_good_cpu_executor_env_values_pass(monkeypatch):
     monkeypatch.setenv("JAX_BLINK_CPU_THREADS", " 2 ")
     monkeypatch.setenv("JAX_BLINK_CPU_STREAM", "0")
+    monkeypatch.setenv("JAX_BLINK_CPU_ISA", " avx2")
     x = np.arange(8 * 7, dtype=np.float32).reshape(8, 7)
     out = jax.pmap(lambda v: jax_blink.psum(v, "i", impl="ffi"), axis_name="i")(x)
     np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(x.sum(0), x.shape))
+
+
+SUM_DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint16", "int32", "uint64", "complex64",
+              "complex128"]
+
+
+@pytest.mark.parametrize("dtype", SUM_DTYPES)
+def test_sum_kernels_give_the_same_bits_on_every_instruction_set(dtype):
+    """The executor's sums are built per instruction set (baseline, AVX2, AVX-512 where the CPU has them):
+    each must equal the baseline bit for bit, for 1..12 sources (past the 8-at-a-time split) and lengths
+    with and without a partial cache line, with infinities, NaNs and overflow in the floats, and the
+    float32 baseline must equal NumPy's left-to-right sum."""
+    isas = cpu.sum_isas()
+    assert isas[0] == "baseline" and cpu.sum_isa() in isas
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 15, 16, 17, 1000, 4099):
+        for k in (1, 2, 7, 8, 9, 12):
+            xs = []
+            for _ in range(k + 1):
+                a = random_operand(rng, n, dtype)  # integers over their whole range: they wrap
+                if n > 3 and dtype in ("float16", "bfloat16", "float32", "float64"):
+                    a[:3] = np.asarray([np.inf, np.nan, 6e4 if dtype == "float16" else 1e30]).astype(a.dtype)
+                xs.append(a.view(np.uint16) if dtype == "bfloat16" else a)
+            got = {}
+            for isa in isas:
+                out = np.full_like(xs[0], 7)
+                assert cpu.sum_with(isa, dtype, out, xs[0], xs[1:], n) == ""
+                got[isa] = out.tobytes()
+            for isa in isas[1:]:
+                assert got[isa] == got["baseline"], (isa, n, k)
+            if dtype == "float32":
+                want = xs[0].copy()
+                for x in xs[1:]:
+                    want = want + x
+                assert got["baseline"] == want.tobytes()
+    assert cpu.sum_with("sse9", "float32", np.zeros(1, np.float32), np.zeros(1, np.float32), [], 1) \
+        == "unknown instruction set sse9"
+
+
+def test_cpu_isa_cap_picks_the_kernels(tmp_path):
+    """JAX_BLINK_CPU_ISA caps the kernels' instruction set for the process (read at the first sum)."""
+    for cap in ("baseline", "avx512"):
+        env = {**os.environ, "JAX_BLINK_CPU_ISA": cap}
+        out = subprocess.run([sys.executable, "-c", "from jax_blink._native import _cpu; print(_cpu.sum_isa())"],
+                             env=env, capture_output=True, text=True, check=True).stdout.strip()
+        assert out == ("baseline" if cap == "baseline" else cpu.sum_isas()[-1])

@@ -6,7 +6,8 @@ ranks, timeouts, FailCall) and checks the results against a plain sum. It is bui
 g++ twice (-fsanitize=thread; -fsanitize=address,undefined), cached in the temp dir by a hash of the
 sources and flags, and run. Any sanitizer report fails the test, also when the exit status is 0.
 Without sanitizers: g++ -std=c++17 -O2 -pthread -Iffi/src ffi/tests/core_stress.cc
-ffi/src/blink_core.cc ffi/src/cpu_executor.cc -o core_stress && ./core_stress
+ffi/src/blink_core.cc ffi/src/cpu_executor.cc ffi/src/cpu_sum.cc ffi/src/cpu_sum_dispatch.cc -o core_stress
+&& ./core_stress (the sum kernels in their baseline build only).
 """
 
 import hashlib
@@ -20,8 +21,8 @@ import tempfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCES = [ROOT / "ffi" / "tests" / "core_stress.cc", ROOT / "ffi" / "src" / "blink_core.cc",
-           ROOT / "ffi" / "src" / "cpu_executor.cc"]
+SOURCES = [ROOT / "ffi" / "tests" / "core_stress.cc"] + [
+    ROOT / "ffi" / "src" / f for f in ("blink_core.cc", "cpu_executor.cc", "cpu_sum.cc", "cpu_sum_dispatch.cc")]
 HEADERS = sorted((ROOT / "ffi" / "src").glob("*.h"))
 COMMON = ["-std=c++17", "-g", "-pthread", "-fno-omit-frame-pointer", "-I", str(ROOT / "ffi" / "src")]
 VARIANTS = {

@@ -15,6 +15,7 @@
 
 #include "blink_core.h"
 #include "cpu_executor.h"
+#include "cpu_sum.h"
 #include "cuda_compat.h"
 #include "nb_arrays.h"
 #include "xla/ffi/api/ffi.h"
@@ -235,6 +236,36 @@ std::string Simulate(I64Array schedule, I64Array device_table, std::vector<int64
   return "";
 }
 
+// Test entry: out = first + srcs[0] + ... (one kernel call) with the kernels of instruction set `isa`
+// (a SumIsaName); every array of `n` elements of dtype `dtype`, C-contiguous. Returns "" or why not.
+std::string SumWith(const std::string& isa, const std::string& dtype, AnyArray out, AnyArray first,
+                    std::vector<AnyArray> srcs, int64_t n) {
+  const Dtype dt = DtypeByName(dtype);
+  const size_t bytes = static_cast<size_t>(n) * DtypeSize(dt);
+  if (out.nbytes() < bytes || first.nbytes() < bytes) return "out and first need n elements";
+  std::vector<const void*> ptrs;
+  for (auto& a : srcs) {
+    if (a.nbytes() < bytes) return "every source needs n elements";
+    ptrs.push_back(a.data());
+  }
+  for (SumIsa i : {SumIsa::kBaseline, SumIsa::kAvx2, SumIsa::kAvx512}) {
+    if (isa != SumIsaName(i)) continue;
+    if (!SumIsaUsable(i)) return "instruction set " + isa + " is not built in or not supported by this CPU";
+    const Adder a = AdderFor(dt, i);
+    a.fn(out.data(), first.data(), ptrs.data(), static_cast<int>(ptrs.size()), n * a.lanes);
+    return "";
+  }
+  return "unknown instruction set " + isa;
+}
+
+// Instruction sets of the sum kernels this build and CPU run, lowest first.
+std::vector<std::string> SumIsas() {
+  std::vector<std::string> out;
+  for (SumIsa i : {SumIsa::kBaseline, SumIsa::kAvx2, SumIsa::kAvx512})
+    if (SumIsaUsable(i)) out.push_back(SumIsaName(i));
+  return out;
+}
+
 // Decodes and validates a schedule array; returns "" or the error message.
 std::string Validate(I64Array schedule) {
   std::vector<Schedule> s;
@@ -257,6 +288,11 @@ NB_MODULE(_cpu, m) {
         "Test entry: run one meeting with the given devices arriving from separate threads (each device's "
         "array cut into leaves of leaf_sizes elements; in_place: results alias the inputs). An input or "
         "output 1/nranks the size of the other is a shard form (all-gather input, reduce-scatter output).");
+  m.def("sum_isas", &jax_blink::SumIsas, "Instruction sets of the sum kernels that this build and CPU run.");
+  m.def("sum_isa", []() { return std::string(jax_blink::SumIsaName(jax_blink::ActiveSumIsa())); },
+        "The instruction set the executor's sum kernels use in this process (JAX_BLINK_CPU_ISA caps it).");
+  m.def("sum_with", &jax_blink::SumWith, nb::arg("isa"), nb::arg("dtype"), nb::arg("out"), nb::arg("first"),
+        nb::arg("srcs"), nb::arg("n"), "Test entry: out = first + srcs[0] + ... with one instruction set's kernel.");
   m.def("validate", &jax_blink::Validate, nb::arg("schedule"), "Decode + validate a schedule; '' or the error.");
   m.def("arch_support_reason", &jax_blink::ArchSupportReason, nb::arg("archs"), nb::arg("major"), nb::arg("minor"),
         "'' when a CUDA binary with these architectures runs on compute capability major.minor, else why not.");

@@ -111,12 +111,16 @@ def timeout_ms(default_ms: int) -> int:
 #: can only fall back to its default for a value it cannot use.
 CPU_ENV = {"JAX_BLINK_CPU_THREADS": (1, 256), "JAX_BLINK_CPU_STREAM": (0, 1), "JAX_BLINK_CPU_HUGEPAGES": (0, 1),
            "JAX_BLINK_ALIAS": (0, 1)}
+#: JAX_BLINK_CPU_ISA caps the instruction set of the executor's sum kernels (ffi/src/cpu_sum.h):
+#: the widest of these, up to the cap, that the build and the CPU have (default: no cap).
+CPU_ISAS = ("baseline", "avx2", "avx512")
 
 
 def check_cpu_env() -> None:
     """Raises BlinkError when a variable of :data:`CPU_ENV` is set to anything but an integer in its
-    range (e.g. ``JAX_BLINK_CPU_THREADS=abc`` or ``0``), naming the variable and what it takes: the
-    executor would otherwise ignore it without a word."""
+    range (e.g. ``JAX_BLINK_CPU_THREADS=abc`` or ``0``), or ``JAX_BLINK_CPU_ISA`` to a name not in
+    :data:`CPU_ISAS`, naming the variable and what it takes: the executor would otherwise ignore it
+    without a word."""
     for name, (lo, hi) in CPU_ENV.items():
         text = os.environ.get(name)
         if text is None or not text.strip():
@@ -128,6 +132,10 @@ def check_cpu_env() -> None:
         if not ok:
             what = "0 or 1" if (lo, hi) == (0, 1) else f"an integer in {lo}..{hi}"
             raise BlinkError(f"{name} must be {what}, got {text!r}; unset it for the default")
+    isa = os.environ.get("JAX_BLINK_CPU_ISA")
+    if isa is not None and isa.strip() and isa.strip() not in CPU_ISAS:
+        raise BlinkError(f"JAX_BLINK_CPU_ISA must be one of {', '.join(CPU_ISAS)} (the widest instruction set the "
+                         f"CPU executor's sums may use), got {isa!r}; unset it for the widest this CPU has")
 
 
 def _produced(x, through_reshapes: bool = False) -> bool:

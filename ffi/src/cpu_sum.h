@@ -1,0 +1,46 @@
+// The CPU executor's sum kernels: out = first + s[0] + ... + s[k-1], element by element, added left to
+// right. cpu_sum.cc is compiled once per instruction set (baseline, AVX2, AVX-512 on x86-64; CMake
+// object libraries) into its own namespace, and AdderFor picks the widest one this CPU runs, once.
+// The vector width changes only how many elements one instruction adds, never the order of the adds
+// in an element, so every kernel gives the same bits.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_blink {
+
+enum class Dtype : int;
+
+// out[i] = first[i] + s[0][i] + ... + s[k-1][i] over n scalars; `out` may alias `first`, not the s[j].
+using SumFn = void (*)(void* out, const void* first, const void* const* s, int k, int64_t n);
+
+// Scalar kinds with a kernel; complex dtypes add their real and imaginary parts as two scalars.
+enum class SumKind : int { kF16, kBF16, kF32, kF64, kU8, kU16, kU32, kU64, kCount };
+
+// A dtype's kernel and how many scalars one element holds (2 for complex).
+struct Adder {
+  SumFn fn = nullptr;
+  int64_t lanes = 0;
+};
+
+// Instruction sets with a kernel build, lowest first. kBaseline is what the compiler targets by
+// default (SSE2 on x86-64).
+enum class SumIsa : int { kBaseline, kAvx2, kAvx512 };
+const char* SumIsaName(SumIsa isa);
+
+// The instruction set the kernels use in this process: the widest compiled in and supported by the
+// CPU, capped by JAX_BLINK_CPU_ISA (baseline | avx2 | avx512) when set. Decided at the first call.
+SumIsa ActiveSumIsa();
+// True when `isa` was compiled in and this CPU runs it.
+bool SumIsaUsable(SumIsa isa);
+
+// The dtype's kernel for ActiveSumIsa(), or for `isa` (which must be usable).
+Adder AdderFor(Dtype t);
+Adder AdderFor(Dtype t, SumIsa isa);
+
+// One per compiled instruction set (cpu_sum.cc): fills kernels[SumKind].
+namespace sum_baseline { void Kernels(SumFn* kernels); }
+namespace sum_avx2 { void Kernels(SumFn* kernels); }
+namespace sum_avx512 { void Kernels(SumFn* kernels); }
+
+}  // namespace jax_blink

@@ -1,0 +1,99 @@
+// Picks the sum kernels' instruction set at run time (cpu_sum.h). JAX_BLINK_SUM_AVX2 / _AVX512 are
+// defined by CMake where those builds of cpu_sum.cc are linked in (x86-64 with GCC or Clang).
+#include <cstdlib>
+#include <string>
+
+#include "blink_core.h"
+#include "cpu_sum.h"
+
+namespace jax_blink {
+namespace {
+
+bool CpuRuns(SumIsa isa) {
+  switch (isa) {
+    case SumIsa::kBaseline: return true;
+#if defined(JAX_BLINK_SUM_AVX2)
+    case SumIsa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+#if defined(JAX_BLINK_SUM_AVX512)
+    case SumIsa::kAvx512:
+      return CpuRuns(SumIsa::kAvx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+    default: return false;
+  }
+}
+
+struct Table {
+  SumFn fn[static_cast<int>(SumKind::kCount)] = {};
+};
+
+const Table& TableFor(SumIsa isa) {
+  static const Table* tables = [] {
+    static Table t[3];
+    sum_baseline::Kernels(t[0].fn);
+#if defined(JAX_BLINK_SUM_AVX2)
+    sum_avx2::Kernels(t[1].fn);
+#endif
+#if defined(JAX_BLINK_SUM_AVX512)
+    sum_avx512::Kernels(t[2].fn);
+#endif
+    return t;
+  }();
+  return tables[static_cast<int>(isa)];
+}
+
+}  // namespace
+
+const char* SumIsaName(SumIsa isa) {
+  switch (isa) {
+    case SumIsa::kBaseline: return "baseline";
+    case SumIsa::kAvx2: return "avx2";
+    case SumIsa::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+bool SumIsaUsable(SumIsa isa) { return CpuRuns(isa); }
+
+SumIsa ActiveSumIsa() {
+  static const SumIsa active = [] {
+    // The cap (checked by the Python side at lowering; an unknown name here means no cap).
+    SumIsa cap = SumIsa::kAvx512;
+    if (const char* env = std::getenv("JAX_BLINK_CPU_ISA")) {
+      std::string v(env);
+      const size_t a = v.find_first_not_of(" \t"), b = v.find_last_not_of(" \t");
+      v = a == std::string::npos ? "" : v.substr(a, b - a + 1);
+      for (SumIsa i : {SumIsa::kBaseline, SumIsa::kAvx2, SumIsa::kAvx512})
+        if (v == SumIsaName(i)) cap = i;
+    }
+    SumIsa best = SumIsa::kBaseline;
+    for (SumIsa i : {SumIsa::kAvx2, SumIsa::kAvx512})
+      if (static_cast<int>(i) <= static_cast<int>(cap) && CpuRuns(i)) best = i;
+    return best;
+  }();
+  return active;
+}
+
+Adder AdderFor(Dtype t, SumIsa isa) {
+  const SumFn* fn = TableFor(isa).fn;
+  auto of = [fn](SumKind k, int64_t lanes) { return Adder{fn[static_cast<int>(k)], lanes}; };
+  switch (t) {
+    case Dtype::kF16: return of(SumKind::kF16, 1);
+    case Dtype::kBF16: return of(SumKind::kBF16, 1);
+    case Dtype::kF32: return of(SumKind::kF32, 1);
+    case Dtype::kF64: return of(SumKind::kF64, 1);
+    case Dtype::kC64: return of(SumKind::kF32, 2);
+    case Dtype::kC128: return of(SumKind::kF64, 2);
+    case Dtype::kS8: case Dtype::kU8: return of(SumKind::kU8, 1);
+    case Dtype::kS16: case Dtype::kU16: return of(SumKind::kU16, 1);
+    case Dtype::kS32: case Dtype::kU32: return of(SumKind::kU32, 1);
+    case Dtype::kS64: case Dtype::kU64: return of(SumKind::kU64, 1);
+  }
+  return {};
+}
+
+Adder AdderFor(Dtype t) { return AdderFor(t, ActiveSumIsa()); }
+
+}  // namespace jax_blink
