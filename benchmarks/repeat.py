@@ -28,10 +28,17 @@ _RECORDS: list[dict] = []
 
 def add_arguments(ap, default: int) -> None:
     """Adds ``--processes N`` (default ``default``) and the internal ``--records FILE``."""
-    ap.add_argument("--processes", type=int, default=default,
+    ap.add_argument("--processes", type=_positive, default=default,
                     help=f"fresh processes to run, one after another; targets are judged on the median of "
                          f"their ratios (default {default}; 1: this process only, its own tables)")
     ap.add_argument("--records", default=None, help=argparse.SUPPRESS)
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
+    return n
 
 
 def record(table: str, row: str, ratio: float, target: float | None) -> None:
