@@ -35,9 +35,12 @@ def add_arguments(ap, default: int) -> None:
 
 
 def _positive(text: str) -> int:
-    n = int(text)
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
     return n
 
 

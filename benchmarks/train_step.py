@@ -10,9 +10,10 @@ slower), so machine noise hits both alike.
 threads), which other jobs on a shared machine disturb far less:
 
 (a) bare all-reduce, one float32 leaf of 64 KiB .. --max-mib per device: ``jax_blink.psum`` vs
-    ``lax.psum`` (target: <= 0.9x from 1 MiB, <= 1.0x below); beside them "floor", ``v + 1`` on every
+    ``lax.psum`` (target: <= 0.9x from 1 MiB, <= 1.0x below); beside them "local", ``v + 1`` on every
     device: the memory traffic of an all-reduce (read the operand, write a result of its size) without
-    the communication, which no executor on a shared-memory host can beat;
+    the communication, what XLA takes to move those bytes here (a yardstick, not a strict bound: an
+    executor avoiding XLA's fresh output pages can beat it);
 (b) a pytree of k float32 leaves (k = 1, 2, 4, 16), same total bytes: ``jax_blink.psum`` of the
     pytree vs ``jax_blink.psum`` of one array of those bytes (target <= 1.1x); lax's pytree beside it;
 (c) an ~8M-parameter MLP train step (``jit(shard_map)``, check_vma on, optax Adam,
@@ -116,11 +117,11 @@ def _check(a, b, what):
 def bare(args) -> list:
     """(a): one float32 leaf per device, jax_blink.psum vs lax.psum."""
     mesh = _mesh()
-    # floor: a local op with an all-reduce's memory traffic (reads the operand, writes a result of its
-    # size) and no communication; no executor on a shared-memory host can beat it.
+    # local: a local op with an all-reduce's memory traffic (reads the operand, writes a result of its
+    # size) and no communication: what XLA takes to move those bytes here (a yardstick, not a bound).
     fns = {"lax": _smap(lambda v: lax.psum(v, AXIS), mesh),
            "blink": _smap(lambda v: jax_blink.psum(v, AXIS, impl=args.impl), mesh),
-           "floor": _smap(lambda v: v + 1, mesh)}
+           "local": _smap(lambda v: v + 1, mesh)}
     rows = []
     for nbytes in _sizes(args.max_mib):
         x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal(8 * nbytes // 4), jnp.float32),
@@ -130,16 +131,16 @@ def bare(args) -> list:
         target = 0.9 if nbytes >= 1 << 20 else 1.0
         r = t["blink"] / t["lax"]
         repeat.record("(a) bare psum", _fmt_bytes(nbytes), r, target)
-        repeat.record("(a) bare psum", f"{_fmt_bytes(nbytes)} blink/floor", t["blink"] / t["floor"], None)
-        repeat.record("(a) bare psum", f"{_fmt_bytes(nbytes)} lax/floor", t["lax"] / t["floor"], None)
+        repeat.record("(a) bare psum", f"{_fmt_bytes(nbytes)} blink/local", t["blink"] / t["local"], None)
+        repeat.record("(a) bare psum", f"{_fmt_bytes(nbytes)} lax/local", t["lax"] / t["local"], None)
         rows.append([_fmt_bytes(nbytes), f"{t['lax'] * 1e3:.3f}", f"{t['blink'] * 1e3:.3f}", f"{r:.2f}",
-                     f"{t['blink cpu'] / t['lax cpu']:.2f}", f"{t['floor'] * 1e3:.3f}",
-                     f"{t['lax'] / t['floor']:.2f}", f"{t['blink'] / t['floor']:.2f}",
+                     f"{t['blink cpu'] / t['lax cpu']:.2f}", f"{t['local'] * 1e3:.3f}",
+                     f"{t['lax'] / t['local']:.2f}", f"{t['blink'] / t['local']:.2f}",
                      f"<= {target}", "ok" if r <= target else "MISSED"])
         del x
     _print("(a) bare all-reduce, 1 float32 leaf, per device (ms per call, median)",
-           ["bytes/device", "lax.psum", "jax_blink.psum", "ratio", "cpu ratio", "floor (v+1)", "lax/floor",
-            "blink/floor", "target", ""], rows)
+           ["bytes/device", "lax.psum", "jax_blink.psum", "ratio", "cpu ratio", "local v+1", "lax/local",
+            "blink/local", "target", ""], rows)
     return rows
 
 
@@ -165,11 +166,12 @@ def pytree(args) -> list:
             fns = {"one": call_one, "tree": psum_tree, "lax_tree": lax_tree}
             t = interleaved(fns, tuple(xs), _reps(total, args.reps))
             r = t["tree"] / t["one"]
-            repeat.record("(b) k leaves / 1 array", f"{_fmt_bytes(total)} k={k}", r, 1.1)
+            goal = None if k == 1 else 1.1  # k = 1 times the identical call twice: the noise, no target
+            repeat.record("(b) k leaves / 1 array", f"{_fmt_bytes(total)} k={k}", r, goal)
             rows.append([_fmt_bytes(total), k, f"{t['one'] * 1e3:.3f}", f"{t['tree'] * 1e3:.3f}", f"{r:.2f}",
                          f"{t['tree cpu'] / t['one cpu']:.2f}", f"{t['lax_tree'] * 1e3:.3f}",
                          f"{t['tree'] / t['lax_tree']:.2f}",
-                         "ok" if r <= 1.1 else "MISSED"])
+                         "-" if goal is None else ("ok" if r <= goal else "MISSED")])
             del xs, one, fns, call_one  # free this size's buffers before the next
     _print("(b) pytree of k float32 leaves vs one array of the same bytes (ms per call, median; target <= 1.1)",
            ["bytes/device", "k", "blink 1 array", "blink k leaves", "ratio", "cpu ratio", "lax k leaves", "blink/lax",
@@ -269,9 +271,11 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default="auto", help="jax_blink lowering: auto, ffi or ppermute")
     repeat.add_arguments(ap, default=5)
     args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    if not only <= set("abcd"):
+        ap.error(f"--only takes tables among a,b,c,d, got {args.only!r}")
     if args.processes > 1:
         return repeat.run_processes(__file__, list(sys.argv[1:] if argv is None else argv), args.processes)
-    only = set(args.only.split(","))
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
           f"{os.cpu_count()} cores, jax_blink impl={args.impl}")
     if "a" in only:

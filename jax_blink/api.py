@@ -420,8 +420,9 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False, axis_index_g
 
     Returns: per leaf, this rank's block of the sum (equal to ``lax.psum_scatter``: bitwise for
     integers, up to summation order for floats). Under ``check_vma=True`` it stays varying (as lax).
-    Raises ValueError (as lax) when ``scatter_dimension`` is out of range, its size is not divisible
-    by the axis size (tiled) or differs from it (not tiled); otherwise :func:`all_gather`'s errors.
+    Raises ValueError when ``scatter_dimension`` is out of range (lax: an IndexError), or (as lax) its
+    size is not divisible by the axis size (tiled) or differs from it (not tiled); otherwise
+    :func:`all_gather`'s errors.
     """
     api = "jax_blink.psum_scatter"
     leaves, treedef, params = _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_map,

@@ -159,15 +159,15 @@ def all_gather_shape(shape, dim: int, n: int, tiled: bool) -> tuple:
 def reduce_scatter_shape(shape, dim: int, n: int, tiled: bool, api: str = "jax_blink.psum_scatter") -> tuple:
     """Output shape of reduce-scattering ``shape`` over ``n`` ranks at ``dim`` (lax.psum_scatter).
 
-    Raises ValueError (as lax) for ``dim`` out of range, a tiled dimension not divisible by ``n`` or
-    an untiled dimension whose size is not ``n``."""
+    Raises ValueError for ``dim`` out of range (lax: an IndexError), a tiled dimension not divisible
+    by ``n`` or an untiled dimension whose size is not ``n`` (as lax)."""
     shape = list(shape)
     if not shape:
         raise ValueError(f"{api}: a scalar operand has no dimension to scatter; pass an array with a "
                          f"dimension of the axis size {n} (or divisible by it with tiled=True)")
     if not 0 <= dim < len(shape):
-        raise ValueError(f"{api}: scatter_dimension must be in [0, {len(shape)}) for an operand of shape "
-                         f"{tuple(shape)}, got {dim}")
+        raise ValueError(f"{api}: scatter_dimension must be in [-{len(shape)}, {len(shape)}) for an operand "
+                         f"of shape {tuple(shape)}, got {dim}")
     if tiled:
         if shape[dim] % n:
             raise ValueError(f"{api}: tiled operand dimension {dim} of size {shape[dim]} must be divisible by "

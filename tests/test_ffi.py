@@ -9,6 +9,7 @@ that the CUDA module compiles where nvcc exists.
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -253,12 +254,13 @@ def test_bad_timeout_env_is_a_clear_error(monkeypatch, value):
 @pytest.mark.parametrize("name,value", [("JAX_BLINK_CPU_THREADS", "abc"), ("JAX_BLINK_CPU_THREADS", "0"),
                                         ("JAX_BLINK_CPU_THREADS", "100000"), ("JAX_BLINK_CPU_STREAM", "2"),
                                         ("JAX_BLINK_CPU_HUGEPAGES", "yes"), ("JAX_BLINK_ALIAS", "-1"),
-                                        ("JAX_BLINK_CPU_ISA", "sse9")])
+                                        ("JAX_BLINK_CPU_ISA", "sse9"), ("JAX_BLINK_CPU_ISA", "\xa0avx2"),
+                                        ("JAX_BLINK_CPU_THREADS", "1_0"), ("JAX_BLINK_CPU_THREADS", "\u0661")])
 def test_bad_cpu_executor_env_is_a_clear_error(monkeypatch, name, value):
     """The executor's C++ side can only ignore a setting it cannot use; the lowering names it instead."""
     monkeypatch.setenv(name, value)
     f = jax.pmap(lambda v: jax_blink.psum(v, "i", impl="ffi"), axis_name="i")
-    with pytest.raises(BlinkError, match=rf"{name} must be .*got '{value}'"):
+    with pytest.raises(BlinkError, match=rf"{name} must be .*got {re.escape(repr(value))}"):
         f(np.ones((8, 5 + len(name) + len(value)), np.float32))  # a new shape: a new lowering
 
 
@@ -308,10 +310,39 @@ def test_sum_kernels_give_the_same_bits_on_every_instruction_set(dtype):
         == "unknown instruction set sse9"
 
 
-def test_cpu_isa_cap_picks_the_kernels(tmp_path):
-    """JAX_BLINK_CPU_ISA caps the kernels' instruction set for the process (read at the first sum)."""
-    for cap in ("baseline", "avx512"):
+def test_cpu_isa_cap_picks_the_kernels():
+    """JAX_BLINK_CPU_ISA caps the kernels' instruction set for the process (read at the first sum); the
+    C++ side trims the ASCII blanks the lowering's check trims (a CRLF env file's value works)."""
+    order = ["baseline", "avx2", "avx512"]
+    for cap in ("baseline", " avx2\r\n", "avx512", "\tbaseline\n"):
         env = {**os.environ, "JAX_BLINK_CPU_ISA": cap}
         out = subprocess.run([sys.executable, "-c", "from jax_blink._native import _cpu; print(_cpu.sum_isa())"],
                              env=env, capture_output=True, text=True, check=True).stdout.strip()
-        assert out == ("baseline" if cap == "baseline" else cpu.sum_isas()[-1])
+        want = max((i for i in cpu.sum_isas() if order.index(i) <= order.index(cap.strip())), key=order.index)
+        assert out == want, (cap, out)
+        ffi_lowering_env = dict(os.environ)
+        try:
+            os.environ["JAX_BLINK_CPU_ISA"] = cap
+            ffi_lowering.check_cpu_env()  # accepted by the lowering too
+        finally:
+            os.environ.clear()
+            os.environ.update(ffi_lowering_env)
+
+
+@pytest.mark.parametrize("value", ["2", " 2 ", "\t2\r\n", "+2", " ", "", "1_0", "\u0661", "2x", "0x2", "-1",
+                                   "300", "99999999999999999999"])
+def test_cpu_int_settings_parse_alike_in_python_and_cpp(monkeypatch, value):
+    """The lowering's check and the executor read an integer setting alike: what the check accepts the
+    executor uses, what it treats as unset or rejects the executor replaces by its default (the C++ side
+    once read a blank JAX_BLINK_CPU_HUGEPAGES as 0 and "1_0" threads as 1)."""
+    monkeypatch.setenv("JAX_BLINK_CPU_THREADS", value)
+    try:
+        ffi_lowering.check_cpu_env()
+        accepted = True
+    except BlinkError:
+        accepted = False
+    native = cpu.env_int("JAX_BLINK_CPU_THREADS", 1, 256, 7)
+    if accepted and value.strip(" \t\n\v\f\r"):
+        assert native == int(value)
+    else:
+        assert native == 7, (value, native)

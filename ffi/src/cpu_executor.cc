@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -29,14 +30,20 @@
 #include "cpu_sum.h"
 
 namespace jax_blink {
-namespace {
 
 int EnvInt(const char* name, int lo, int hi, int fallback) {
   const char* env = std::getenv(name);
   if (!env) return fallback;
-  int v = std::atoi(env);
-  return v >= lo && v <= hi ? v : fallback;
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(env, &end, 10);
+  if (end == env || errno != 0) return fallback;
+  while (*end == ' ' || (*end >= '\t' && *end <= '\r')) ++end;
+  if (*end != '\0') return fallback;
+  return v >= lo && v <= hi ? static_cast<int>(v) : fallback;
 }
+
+namespace {
 
 // Threads that execute a meeting (the caller included): JAX_BLINK_CPU_THREADS, else the cores.
 int CpuThreads() {

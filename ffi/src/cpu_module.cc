@@ -288,6 +288,11 @@ NB_MODULE(_cpu, m) {
         "Test entry: run one meeting with the given devices arriving from separate threads (each device's "
         "array cut into leaves of leaf_sizes elements; in_place: results alias the inputs). An input or "
         "output 1/nranks the size of the other is a shard form (all-gather input, reduce-scatter output).");
+  m.def("env_int", [](const std::string& name, int lo, int hi, int fallback) {
+          return jax_blink::EnvInt(name.c_str(), lo, hi, fallback); },
+        nb::arg("name"), nb::arg("lo"), nb::arg("hi"), nb::arg("fallback"),
+        "Test entry: the executor's reading of integer setting `name` now (its settings are read once, at "
+        "their first use).");
   m.def("sum_isas", &jax_blink::SumIsas, "Instruction sets of the sum kernels that this build and CPU run.");
   m.def("sum_isa", []() { return std::string(jax_blink::SumIsaName(jax_blink::ActiveSumIsa())); },
         "The instruction set the executor's sum kernels use in this process (JAX_BLINK_CPU_ISA caps it).");

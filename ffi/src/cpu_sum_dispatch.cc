@@ -63,7 +63,8 @@ SumIsa ActiveSumIsa() {
     SumIsa cap = SumIsa::kAvx512;
     if (const char* env = std::getenv("JAX_BLINK_CPU_ISA")) {
       std::string v(env);
-      const size_t a = v.find_first_not_of(" \t"), b = v.find_last_not_of(" \t");
+      const char* blanks = " \t\n\v\f\r";  // the lowering's check trims the same
+      const size_t a = v.find_first_not_of(blanks), b = v.find_last_not_of(blanks);
       v = a == std::string::npos ? "" : v.substr(a, b - a + 1);
       for (SumIsa i : {SumIsa::kBaseline, SumIsa::kAvx2, SumIsa::kAvx512})
         if (v == SumIsaName(i)) cap = i;

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 from collections import OrderedDict
 
 import jax
@@ -114,6 +115,9 @@ CPU_ENV = {"JAX_BLINK_CPU_THREADS": (1, 256), "JAX_BLINK_CPU_STREAM": (0, 1), "J
 #: JAX_BLINK_CPU_ISA caps the instruction set of the executor's sum kernels (ffi/src/cpu_sum.h):
 #: the widest of these, up to the cap, that the build and the CPU have (default: no cap).
 CPU_ISAS = ("baseline", "avx2", "avx512")
+# What the C++ side trims around a setting (isspace in the C locale); str.strip() would also drop
+# Unicode spaces that the C++ side keeps.
+_ASCII_SPACE = " \t\n\v\f\r"
 
 
 def check_cpu_env() -> None:
@@ -123,17 +127,15 @@ def check_cpu_env() -> None:
     without a word."""
     for name, (lo, hi) in CPU_ENV.items():
         text = os.environ.get(name)
-        if text is None or not text.strip():
+        if text is None or not text.strip(_ASCII_SPACE):
             continue
-        try:
-            ok = lo <= int(text.strip()) <= hi
-        except ValueError:
-            ok = False
+        # the C++ side's grammar (EnvInt: strtol, ASCII blanks around): no '1_0', no non-ASCII digits
+        ok = re.fullmatch(r"[+-]?[0-9]+", text.strip(_ASCII_SPACE)) is not None and lo <= int(text) <= hi
         if not ok:
             what = "0 or 1" if (lo, hi) == (0, 1) else f"an integer in {lo}..{hi}"
             raise BlinkError(f"{name} must be {what}, got {text!r}; unset it for the default")
     isa = os.environ.get("JAX_BLINK_CPU_ISA")
-    if isa is not None and isa.strip() and isa.strip() not in CPU_ISAS:
+    if isa is not None and isa.strip(_ASCII_SPACE) and isa.strip(_ASCII_SPACE) not in CPU_ISAS:
         raise BlinkError(f"JAX_BLINK_CPU_ISA must be one of {', '.join(CPU_ISAS)} (the widest instruction set the "
                          f"CPU executor's sums may use), got {isa!r}; unset it for the widest this CPU has")
 
