@@ -7,6 +7,8 @@ native CPU lowering is registered).
 """
 
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_blink
 import jax_blink.api  # noqa: F401  (imports the lowerings, so "ffi" is registered before IMPLS is read)
-from jax_blink import lowering
+from jax_blink import lowering, mapping
 
 IMPLS = ["ppermute"] + (["ffi"] if lowering.find_lowering("ffi", "cpu") is not None else [])
 PERM8 = [3, 1, 0, 2, 7, 5, 4, 6]
@@ -230,13 +232,22 @@ def test_env_algorithm_is_a_preference_where_it_applies(monkeypatch):
     (found by a user test); the explicit algorithm= argument still raises (test above)."""
     mesh = mesh1(range(8))
     x = per_device(8, (3, 7), "int32", seed=9)
+    monkeypatch.setattr(mapping, "_WARNED", set())  # each fallback warns once per process
     for env in ("ring", "hierarchical"):
         monkeypatch.setenv("JAX_BLINK_ALGORITHM", env)
         def bc(v):
             return jax_blink.broadcast(v, "i", root=2, topology="dgx1v")
-        got = jax.jit(jax.shard_map(bc, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
+        why = "does not apply to broadcast" if env == "ring" else "on one node"
+        with pytest.warns(RuntimeWarning, match=f"JAX_BLINK_ALGORITHM={env}: .*{why}.*planning broadcast"):
+            got = jax.jit(jax.shard_map(bc, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
         np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(np.asarray(x)[2:3], x.shape))
         def ps(v):
             return jax_blink.psum(v, "i", topology="dgx1v")
-        got = jax.jit(jax.shard_map(ps, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = jax.jit(jax.shard_map(ps, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
+        # ring applies to all-reduce: no warning; hierarchical falls back on one node: one
+        assert [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)] == (
+            [] if env == "ring" else ["JAX_BLINK_ALGORITHM=hierarchical: the group's GPUs are on one node; "
+                                      "planning allreduce with 'auto' (pass algorithm= to a call to require it)"])
         assert_allreduce(got, x)  # int32 sums wrap like lax
