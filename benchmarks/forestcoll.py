@@ -42,6 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 import jax_blink
+from jax_blink.cli._args import positive_int  # the CLI's own "integer >= 1" argparse type
 from jax_blink.topology.presets import dgx1v
 
 
@@ -119,17 +120,6 @@ def parse_sizes(text: str) -> list:
     if not sizes or sizes[0] < 2 or sizes[-1] > 8:
         raise argparse.ArgumentTypeError(f"sizes must be GPU counts in 2..8 (a DGX-1V has 8 GPUs), got {text!r}")
     return sizes
-
-
-def positive_int(text: str) -> int:
-    """argparse's type for --reps: an int >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return v
 
 
 def main(argv=None):

@@ -23,25 +23,17 @@ import tempfile
 
 import numpy as np
 
+from jax_blink.cli._args import positive_int  # the CLI's own "integer >= 1" argparse type
+
 _RECORDS: list[dict] = []
 
 
 def add_arguments(ap, default: int) -> None:
     """Adds ``--processes N`` (default ``default``) and the internal ``--records FILE``."""
-    ap.add_argument("--processes", type=_positive, default=default,
+    ap.add_argument("--processes", type=positive_int, default=default,
                     help=f"fresh processes to run, one after another; targets are judged on the median of "
                          f"their ratios (default {default}; 1: this process only, its own tables)")
     ap.add_argument("--records", default=None, help=argparse.SUPPRESS)
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return n
 
 
 def record(table: str, row: str, ratio: float, target: float | None) -> None:
