@@ -18,11 +18,11 @@ void ExecuteOnCpu(std::shared_ptr<Meeting> meeting, int64_t caller_rank);
 // out[i] = first[i] + srcs[0][i] + ... + srcs[k-1][i] for n elements of `dtype`, added left to right
 // with the executors' arithmetic (integers wrap, fp16/bf16 add in fp32 and round after every add,
 // complex adds its parts). `out` may alias `first`, not the sources. Used by the GPU emulator.
+void SumInto(Dtype dtype, void* out, const void* first, const void* const* srcs, int k, int64_t n);
+
 // The executor's integer setting `name` from the environment: ASCII blanks, an optional sign, decimal
 // digits, ASCII blanks (the grammar jax_blink/lowering/ffi.py checks at lowering); unset, blank,
 // malformed or outside [lo, hi]: `fallback`.
 int EnvInt(const char* name, int lo, int hi, int fallback);
-
-void SumInto(Dtype dtype, void* out, const void* first, const void* const* srcs, int k, int64_t n);
 
 }  // namespace jax_blink

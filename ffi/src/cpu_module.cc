@@ -248,20 +248,18 @@ std::string SumWith(const std::string& isa, const std::string& dtype, AnyArray o
     if (a.nbytes() < bytes) return "every source needs n elements";
     ptrs.push_back(a.data());
   }
-  for (SumIsa i : {SumIsa::kBaseline, SumIsa::kAvx2, SumIsa::kAvx512}) {
-    if (isa != SumIsaName(i)) continue;
-    if (!SumIsaUsable(i)) return "instruction set " + isa + " is not built in or not supported by this CPU";
-    const Adder a = AdderFor(dt, i);
-    a.fn(out.data(), first.data(), ptrs.data(), static_cast<int>(ptrs.size()), n * a.lanes);
-    return "";
-  }
-  return "unknown instruction set " + isa;
+  SumIsa i;
+  if (!SumIsaFromName(isa.c_str(), &i)) return "unknown instruction set " + isa;
+  if (!SumIsaUsable(i)) return "instruction set " + isa + " is not built in or not supported by this CPU";
+  const Adder a = AdderFor(dt, i);
+  a.fn(out.data(), first.data(), ptrs.data(), static_cast<int>(ptrs.size()), n * a.lanes);
+  return "";
 }
 
 // Instruction sets of the sum kernels this build and CPU run, lowest first.
 std::vector<std::string> SumIsas() {
   std::vector<std::string> out;
-  for (SumIsa i : {SumIsa::kBaseline, SumIsa::kAvx2, SumIsa::kAvx512})
+  for (SumIsa i : kSumIsas)
     if (SumIsaUsable(i)) out.push_back(SumIsaName(i));
   return out;
 }

@@ -26,7 +26,10 @@ struct Adder {
 // Instruction sets with a kernel build, lowest first. kBaseline is what the compiler targets by
 // default (SSE2 on x86-64).
 enum class SumIsa : int { kBaseline, kAvx2, kAvx512 };
+constexpr SumIsa kSumIsas[] = {SumIsa::kBaseline, SumIsa::kAvx2, SumIsa::kAvx512};
 const char* SumIsaName(SumIsa isa);
+// The instruction set named `name` (a SumIsaName), or false.
+bool SumIsaFromName(const char* name, SumIsa* isa);
 
 // The instruction set the kernels use in this process: the widest compiled in and supported by the
 // CPU, capped by JAX_BLINK_CPU_ISA (baseline | avx2 | avx512) when set. Decided at the first call.

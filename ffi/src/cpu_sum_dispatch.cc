@@ -1,6 +1,7 @@
 // Picks the sum kernels' instruction set at run time (cpu_sum.h). JAX_BLINK_SUM_AVX2 / _AVX512 are
 // defined by CMake where those builds of cpu_sum.cc are linked in (x86-64 with GCC or Clang).
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "blink_core.h"
@@ -55,6 +56,15 @@ const char* SumIsaName(SumIsa isa) {
   return "?";
 }
 
+bool SumIsaFromName(const char* name, SumIsa* isa) {
+  for (SumIsa i : kSumIsas)
+    if (std::strcmp(name, SumIsaName(i)) == 0) {
+      *isa = i;
+      return true;
+    }
+  return false;
+}
+
 bool SumIsaUsable(SumIsa isa) { return CpuRuns(isa); }
 
 SumIsa ActiveSumIsa() {
@@ -65,12 +75,10 @@ SumIsa ActiveSumIsa() {
       std::string v(env);
       const char* blanks = " \t\n\v\f\r";  // the lowering's check trims the same
       const size_t a = v.find_first_not_of(blanks), b = v.find_last_not_of(blanks);
-      v = a == std::string::npos ? "" : v.substr(a, b - a + 1);
-      for (SumIsa i : {SumIsa::kBaseline, SumIsa::kAvx2, SumIsa::kAvx512})
-        if (v == SumIsaName(i)) cap = i;
+      SumIsaFromName(a == std::string::npos ? "" : v.substr(a, b - a + 1).c_str(), &cap);
     }
     SumIsa best = SumIsa::kBaseline;
-    for (SumIsa i : {SumIsa::kAvx2, SumIsa::kAvx512})
+    for (SumIsa i : kSumIsas)
       if (static_cast<int>(i) <= static_cast<int>(cap) && CpuRuns(i)) best = i;
     return best;
   }();
