@@ -3,6 +3,7 @@
 Pipeline: topology -> planner (plan) -> schedule -> lowering -> API.
 """
 
+from ._native import cpu_isa
 from .errors import BlinkError, PlanError, ScheduleError, TopologyError
 from .topology import PRESETS, Topology, detect, load_topology, multi_node
 
@@ -45,4 +46,4 @@ def __dir__():
 __all__ = ["BlinkError", "PlanError", "ScheduleError", "Topology", "TopologyError", "__version__",
            "PRESETS", "multi_node", "detect", "load_topology", "probe",
            "psum", "pmean", "broadcast", "reduce", "all_gather", "psum_scatter", "set_device_map", "plan", "Plan",
-           "Tree", "ring_rate", "selftest", "clear_caches"]
+           "Tree", "ring_rate", "selftest", "clear_caches", "cpu_isa"]

@@ -312,7 +312,9 @@ def test_sum_kernels_give_the_same_bits_on_every_instruction_set(dtype):
 
 def test_cpu_isa_cap_picks_the_kernels():
     """JAX_BLINK_CPU_ISA caps the kernels' instruction set for the process (read at the first sum); the
-    C++ side trims the ASCII blanks the lowering's check trims (a CRLF env file's value works)."""
+    C++ side trims the ASCII blanks the lowering's check trims (a CRLF env file's value works). A cap
+    this CPU does not run is refused by the lowering, naming the widest it runs (the C++ side alone
+    would quietly take a lower set)."""
     order = ["baseline", "avx2", "avx512"]
     for cap in ("baseline", " avx2\r\n", "avx512", "\tbaseline\n"):
         env = {**os.environ, "JAX_BLINK_CPU_ISA": cap}
@@ -323,10 +325,27 @@ def test_cpu_isa_cap_picks_the_kernels():
         ffi_lowering_env = dict(os.environ)
         try:
             os.environ["JAX_BLINK_CPU_ISA"] = cap
-            ffi_lowering.check_cpu_env()  # accepted by the lowering too
+            if cap.strip() in cpu.sum_isas():
+                ffi_lowering.check_cpu_env()  # accepted by the lowering too
+            else:
+                with pytest.raises(BlinkError, match=rf"JAX_BLINK_CPU_ISA={cap.strip()} names an instruction set "
+                                                     rf"this CPU .* the widest '{cpu.sum_isas()[-1]}'"):
+                    ffi_lowering.check_cpu_env()
         finally:
             os.environ.clear()
             os.environ.update(ffi_lowering_env)
+
+
+def test_cpu_isa_this_cpu_lacks_is_refused(monkeypatch):
+    """On any CPU: a cap above what it runs is refused at the call (simulated here by hiding the widest
+    set this CPU runs), with the widest set it does run in the message."""
+    usable = cpu.sum_isas()
+    monkeypatch.setattr(jax_blink._native, "cpu_isas", lambda: tuple(usable[:1]))
+    monkeypatch.setenv("JAX_BLINK_CPU_ISA", "avx2")
+    f = jax.pmap(lambda v: jax_blink.psum(v, "i", impl="ffi"), axis_name="i")
+    with pytest.raises(BlinkError, match=r"JAX_BLINK_CPU_ISA=avx2 names an instruction set this CPU \(or this build\) "
+                                         r"does not run: it runs baseline, the widest 'baseline'"):
+        f(np.ones((8, 13), np.float32))
 
 
 @pytest.mark.parametrize("value", ["2", " 2 ", "\t2\r\n", "+2", " ", "", "1_0", "\u0661", "2x", "0x2", "-1",

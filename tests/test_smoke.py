@@ -31,10 +31,11 @@ def test_cli_version(capsys):
 
     import pytest
 
+    import jax_blink
     from jax_blink.cli import main
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert out.strip() == (f"jax-blink {version('jax_blink')} (jax {version('jax')}, jaxlib {version('jaxlib')}, "
-                           f"Python {sys.version.split()[0]})")
+                           f"Python {sys.version.split()[0]}, CPU kernels {jax_blink.cpu_isa()})")

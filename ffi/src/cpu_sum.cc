@@ -1,7 +1,10 @@
 // Sum kernels, compiled once per instruction set with JAX_BLINK_SUM_NS naming the namespace
-// (sum_baseline, sum_avx2, sum_avx512; see ffi/CMakeLists.txt). Everything here lives in that
-// namespace and uses no inline function from outside it (only builtins): an inline function shared
-// by two builds would be merged by the linker, and the AVX-512 copy could then run on a CPU without it.
+// (sum_baseline, sum_avx2, sum_avx512; see ffi/CMakeLists.txt). This file holds kernels and nothing
+// that runs before the CPU check: no tables, no static initialisers. Everything lives in that
+// namespace (the templates in an unnamed one: internal linkage) and uses no inline function from
+// outside it (only builtins): an inline function shared by two builds would be merged by the linker,
+// and the AVX-512 copy could then run on a CPU without it. tests/test_cpu_portability.py checks the
+// built modules' disassembly for exactly that.
 #include "cpu_sum.h"
 
 #ifndef JAX_BLINK_SUM_NS
@@ -95,15 +98,20 @@ void Sum(void* out, const void* first, const void* const* s, int k, int64_t n) {
 
 }  // namespace
 
-void Kernels(SumFn* kernels) {
-  kernels[static_cast<int>(SumKind::kF16)] = Sum<F16Add>;
-  kernels[static_cast<int>(SumKind::kBF16)] = Sum<BF16Add>;
-  kernels[static_cast<int>(SumKind::kF32)] = Sum<PlainAdd<float>>;
-  kernels[static_cast<int>(SumKind::kF64)] = Sum<PlainAdd<double>>;
-  kernels[static_cast<int>(SumKind::kU8)] = Sum<PlainAdd<uint8_t>>;
-  kernels[static_cast<int>(SumKind::kU16)] = Sum<PlainAdd<uint16_t>>;
-  kernels[static_cast<int>(SumKind::kU32)] = Sum<PlainAdd<uint32_t>>;
-  kernels[static_cast<int>(SumKind::kU64)] = Sum<PlainAdd<uint64_t>>;
+// The exported kernels (cpu_sum.h): thin named entries, the only external symbols of this build.
+void SumF16(void* o, const void* f, const void* const* s, int k, int64_t n) { Sum<F16Add>(o, f, s, k, n); }
+void SumBF16(void* o, const void* f, const void* const* s, int k, int64_t n) { Sum<BF16Add>(o, f, s, k, n); }
+void SumF32(void* o, const void* f, const void* const* s, int k, int64_t n) { Sum<PlainAdd<float>>(o, f, s, k, n); }
+void SumF64(void* o, const void* f, const void* const* s, int k, int64_t n) { Sum<PlainAdd<double>>(o, f, s, k, n); }
+void SumU8(void* o, const void* f, const void* const* s, int k, int64_t n) { Sum<PlainAdd<uint8_t>>(o, f, s, k, n); }
+void SumU16(void* o, const void* f, const void* const* s, int k, int64_t n) {
+  Sum<PlainAdd<uint16_t>>(o, f, s, k, n);
+}
+void SumU32(void* o, const void* f, const void* const* s, int k, int64_t n) {
+  Sum<PlainAdd<uint32_t>>(o, f, s, k, n);
+}
+void SumU64(void* o, const void* f, const void* const* s, int k, int64_t n) {
+  Sum<PlainAdd<uint64_t>>(o, f, s, k, n);
 }
 
 }  // namespace JAX_BLINK_SUM_NS

@@ -15,7 +15,10 @@ enum class Dtype : int;
 using SumFn = void (*)(void* out, const void* first, const void* const* s, int k, int64_t n);
 
 // Scalar kinds with a kernel; complex dtypes add their real and imaginary parts as two scalars.
-enum class SumKind : int { kF16, kBF16, kF32, kF64, kU8, kU16, kU32, kU64, kCount };
+#define JAX_BLINK_SUM_KINDS(X) X(F16) X(BF16) X(F32) X(F64) X(U8) X(U16) X(U32) X(U64)
+#define JAX_BLINK_SUM_ENUM(kind) k##kind,
+enum class SumKind : int { JAX_BLINK_SUM_KINDS(JAX_BLINK_SUM_ENUM) kCount };
+#undef JAX_BLINK_SUM_ENUM
 
 // A dtype's kernel and how many scalars one element holds (2 for complex).
 struct Adder {
@@ -41,9 +44,14 @@ bool SumIsaUsable(SumIsa isa);
 Adder AdderFor(Dtype t);
 Adder AdderFor(Dtype t, SumIsa isa);
 
-// One per compiled instruction set (cpu_sum.cc): fills kernels[SumKind].
-namespace sum_baseline { void Kernels(SumFn* kernels); }
-namespace sum_avx2 { void Kernels(SumFn* kernels); }
-namespace sum_avx512 { void Kernels(SumFn* kernels); }
+// The kernels, one plain function per SumKind and instruction set (cpu_sum.cc, compiled once per
+// instruction set into namespace sum_<isa>). Only these functions hold that set's instructions: the
+// dispatcher (cpu_sum_dispatch.cc, baseline flags) takes their addresses into constant tables, so no
+// code built for an instruction set runs before the CPU check (ActiveSumIsa / SumIsaUsable).
+#define JAX_BLINK_SUM_DECLARE(kind) void Sum##kind(void* out, const void* first, const void* const* s, int k, int64_t n);
+namespace sum_baseline { JAX_BLINK_SUM_KINDS(JAX_BLINK_SUM_DECLARE) }
+namespace sum_avx2 { JAX_BLINK_SUM_KINDS(JAX_BLINK_SUM_DECLARE) }
+namespace sum_avx512 { JAX_BLINK_SUM_KINDS(JAX_BLINK_SUM_DECLARE) }
+#undef JAX_BLINK_SUM_DECLARE
 
 }  // namespace jax_blink

@@ -26,24 +26,27 @@ bool CpuRuns(SumIsa isa) {
   }
 }
 
-struct Table {
-  SumFn fn[static_cast<int>(SumKind::kCount)] = {};
-};
-
-const Table& TableFor(SumIsa isa) {
-  static const Table* tables = [] {
-    static Table t[3];
-    sum_baseline::Kernels(t[0].fn);
+// Constant tables of the kernels' addresses, one row per SumIsa (a null row where that build is not
+// linked in): data filled by the loader, so picking a kernel runs no code of any instruction set.
+#define JAX_BLINK_SUM_ROW(ns) {JAX_BLINK_SUM_KINDS(JAX_BLINK_SUM_ENTRY_##ns)}
+#define JAX_BLINK_SUM_ENTRY_sum_baseline(kind) &sum_baseline::Sum##kind,
+#define JAX_BLINK_SUM_ENTRY_sum_avx2(kind) &sum_avx2::Sum##kind,
+#define JAX_BLINK_SUM_ENTRY_sum_avx512(kind) &sum_avx512::Sum##kind,
+constexpr SumFn kTables[][static_cast<int>(SumKind::kCount)] = {
+    JAX_BLINK_SUM_ROW(sum_baseline),
 #if defined(JAX_BLINK_SUM_AVX2)
-    sum_avx2::Kernels(t[1].fn);
+    JAX_BLINK_SUM_ROW(sum_avx2),
+#else
+    {},
 #endif
 #if defined(JAX_BLINK_SUM_AVX512)
-    sum_avx512::Kernels(t[2].fn);
+    JAX_BLINK_SUM_ROW(sum_avx512),
+#else
+    {},
 #endif
-    return t;
-  }();
-  return tables[static_cast<int>(isa)];
-}
+};
+static_assert(sizeof(kTables) / sizeof(kTables[0]) == sizeof(kSumIsas) / sizeof(kSumIsas[0]),
+              "one kernel table per SumIsa");
 
 }  // namespace
 
@@ -86,7 +89,7 @@ SumIsa ActiveSumIsa() {
 }
 
 Adder AdderFor(Dtype t, SumIsa isa) {
-  const SumFn* fn = TableFor(isa).fn;
+  const SumFn* fn = kTables[static_cast<int>(isa)];
   auto of = [fn](SumKind k, int64_t lanes) { return Adder{fn[static_cast<int>(k)], lanes}; };
   switch (t) {
     case Dtype::kF16: return of(SumKind::kF16, 1);

@@ -21,3 +21,29 @@ def _load(name: str):
 
 cpu, cpu_error = _load("_cpu")
 cuda, cuda_error = _load("_cuda")
+
+#: The CPU executor's instruction sets, lowest first (ffi/src/cpu_sum.h, SumIsa).
+CPU_ISAS = ("baseline", "avx2", "avx512")
+
+
+def cpu_isa() -> str:
+    """The instruction set of the CPU executor's sum kernels in this process.
+
+    ``"baseline"`` (what the compiler targets by default: SSE2 on x86-64, the plain ISA elsewhere),
+    ``"avx2"`` (AVX2 + FMA + F16C, e.g. Haswell and later, AMD Zen 1-3) or ``"avx512"`` (F, BW, VL, DQ;
+    e.g. Skylake-SP, Ice Lake, AMD Zen 4): the widest this build holds and this CPU runs (checked at
+    run time with the CPU's feature bits and the OS's register state), capped by
+    ``JAX_BLINK_CPU_ISA``. Every choice gives the same bits (tests/test_ffi.py).
+
+    Raises:
+      RuntimeError: the native CPU module is not built (``cpu_error`` says why).
+    """
+    if cpu is None:
+        raise RuntimeError(cpu_error)
+    return cpu.sum_isa()
+
+
+def cpu_isas() -> tuple[str, ...]:
+    """The instruction sets of :data:`CPU_ISAS` that this build holds and this CPU runs, lowest first
+    (``()`` when the native CPU module is not built)."""
+    return tuple(cpu.sum_isas()) if cpu is not None else ()

@@ -44,10 +44,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def version_text() -> str:
-    """'jax-blink 0.1.0 (jax 0.10.2, jaxlib 0.10.2, Python 3.11.7)', read without importing jax."""
+    """'jax-blink 0.1.0 (jax 0.10.2, jaxlib 0.10.2, Python 3.11.7, CPU kernels avx2)', read without
+    importing jax (the last part: :func:`jax_blink.cpu_isa`, or why the native module is missing)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from .. import __version__
+    from .. import __version__, _native
 
     def v(dist: str) -> str:
         try:
@@ -55,8 +56,9 @@ def version_text() -> str:
         except PackageNotFoundError:
             return "not installed"
 
+    kernels = _native.cpu.sum_isa() if _native.cpu is not None else "not built"
     return (f"jax-blink {__version__} (jax {v('jax')}, jaxlib {v('jaxlib')}, "
-            f"Python {sys.version.split()[0]})")
+            f"Python {sys.version.split()[0]}, CPU kernels {kernels})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,7 +114,7 @@ CPU_ENV = {"JAX_BLINK_CPU_THREADS": (1, 256), "JAX_BLINK_CPU_STREAM": (0, 1), "J
            "JAX_BLINK_ALIAS": (0, 1)}
 #: JAX_BLINK_CPU_ISA caps the instruction set of the executor's sum kernels (ffi/src/cpu_sum.h):
 #: the widest of these, up to the cap, that the build and the CPU have (default: no cap).
-CPU_ISAS = ("baseline", "avx2", "avx512")
+CPU_ISAS = _native.CPU_ISAS
 # What the C++ side trims around a setting (isspace in the C locale); str.strip() would also drop
 # Unicode spaces that the C++ side keeps.
 _ASCII_SPACE = " \t\n\v\f\r"
@@ -123,8 +123,8 @@ _ASCII_SPACE = " \t\n\v\f\r"
 def check_cpu_env() -> None:
     """Raises BlinkError when a variable of :data:`CPU_ENV` is set to anything but an integer in its
     range (e.g. ``JAX_BLINK_CPU_THREADS=abc`` or ``0``), or ``JAX_BLINK_CPU_ISA`` to a name not in
-    :data:`CPU_ISAS`, naming the variable and what it takes: the executor would otherwise ignore it
-    without a word."""
+    :data:`CPU_ISAS` or to one this build and CPU do not run (the executor would cap at a lower set
+    without a word), naming the variable, what it takes and the widest set this CPU runs."""
     for name, (lo, hi) in CPU_ENV.items():
         text = os.environ.get(name)
         if text is None or not text.strip(_ASCII_SPACE):
@@ -134,10 +134,18 @@ def check_cpu_env() -> None:
         if not ok:
             what = "0 or 1" if (lo, hi) == (0, 1) else f"an integer in {lo}..{hi}"
             raise BlinkError(f"{name} must be {what}, got {text!r}; unset it for the default")
-    isa = os.environ.get("JAX_BLINK_CPU_ISA")
-    if isa is not None and isa.strip(_ASCII_SPACE) and isa.strip(_ASCII_SPACE) not in CPU_ISAS:
+    cap = os.environ.get("JAX_BLINK_CPU_ISA", "").strip(_ASCII_SPACE)
+    if not cap:
+        return
+    if cap not in CPU_ISAS:
         raise BlinkError(f"JAX_BLINK_CPU_ISA must be one of {', '.join(CPU_ISAS)} (the widest instruction set the "
-                         f"CPU executor's sums may use), got {isa!r}; unset it for the widest this CPU has")
+                         f"CPU executor's sums may use), got {os.environ['JAX_BLINK_CPU_ISA']!r}; unset it for the "
+                         "widest this CPU has")
+    usable = _native.cpu_isas()
+    if usable and cap not in usable:
+        raise BlinkError(f"JAX_BLINK_CPU_ISA={cap} names an instruction set this CPU (or this build) does not run: "
+                         f"it runs {', '.join(usable)}, the widest {usable[-1]!r}; set JAX_BLINK_CPU_ISA={usable[-1]} "
+                         "or lower, or unset it")
 
 
 def _produced(x, through_reshapes: bool = False) -> bool:
