@@ -318,9 +318,11 @@ def test_cpu_isa_cap_picks_the_kernels():
     order = ["baseline", "avx2", "avx512"]
     for cap in ("baseline", " avx2\r\n", "avx512", "\tbaseline\n"):
         env = {**os.environ, "JAX_BLINK_CPU_ISA": cap}
-        out = subprocess.run([sys.executable, "-c", "from jax_blink._native import _cpu; print(_cpu.sum_isa())"],
-                             env=env, capture_output=True, text=True, check=True).stdout.strip()
-        want = max((i for i in cpu.sum_isas() if order.index(i) <= order.index(cap.strip())), key=order.index)
+        # the child's own view of its CPU (under qemu-user the child runs natively, on the host's CPU)
+        out, child_isas = subprocess.run(
+            [sys.executable, "-c", "from jax_blink._native import _cpu; print(_cpu.sum_isa(), *_cpu.sum_isas())"],
+            env=env, capture_output=True, text=True, check=True).stdout.split(maxsplit=1)
+        want = max((i for i in child_isas.split() if order.index(i) <= order.index(cap.strip())), key=order.index)
         assert out == want, (cap, out)
         ffi_lowering_env = dict(os.environ)
         try:
