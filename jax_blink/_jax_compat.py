@@ -95,3 +95,67 @@ def distributed_client():
     """The ``jax.distributed`` key-value client of this process, or None when not initialised."""
     from jax._src import distributed as jd
     return jd.global_state.client
+
+
+# ----------------------------------------------------------------------------- lax's typing rules
+#: lax's state of an operand over ``axes`` ("varying", "unreduced", "reduced" or "invarying"); raises
+#: ValueError (lax's message) when the axes disagree. ``get_from(aval, axes, api_name)``.
+get_from = _parallel._get_from
+#: lax's check that no operand is unreduced / reduced over ``axes`` (ValueError, lax's message).
+check_unreduced_args = core.check_unreduced_args
+#: ``lax.preduced``-style cast Invariant -> Reduced (no communication): the transpose of an unreduced psum.
+preduced = _parallel.preduced
+
+
+def auto_pcast() -> bool:
+    """True when lax inserts ``pvary`` before a collective on an operand not varying over its axes
+    (``jax_auto_pcast``, on by default); lax's collectives then accept invariant operands."""
+    return bool(_config.auto_pcast.value)
+
+
+def _all_gather_to_values():
+    import inspect
+    if "to" not in inspect.signature(_parallel.all_gather).parameters:
+        return None
+    return ("varying", "reduced", "invarying")
+
+
+#: The ``to=`` values ``lax.all_gather`` takes at the installed jax (None: no ``to`` keyword).
+ALL_GATHER_TO = _all_gather_to_values()
+
+
+def manual_axes(ctx) -> frozenset:
+    """The manual mesh axes of a lowering context (shard_map); empty outside shard_map."""
+    axis_ctx = ctx.module_context.axis_context
+    return frozenset(getattr(axis_ctx, "manual_axes", ()) or ())
+
+
+def axis_index_hlo(ctx, name):
+    """lax's lowering of ``axis_index(name)`` (an i32 scalar hlo value). Under a partially manual
+    shard_map it avoids a bare partition-id (ambiguous under SPMD partitioning), as lax does."""
+    return _parallel._build_axis_index_lowering_hlo(ctx, name, ctx.module_context.axis_context)
+
+
+# ----------------------------------------------------------------------------- roofline
+def _roofline_module():
+    import importlib
+    try:
+        importlib.import_module("jax.experimental.roofline")  # registers lax's rules (rooflines.py)
+        return importlib.import_module("jax.experimental.roofline.roofline")
+    except ImportError:  # pragma: no cover - roofline ships with every supported jax
+        return None
+
+
+def lax_roofline_rule(name: str):
+    """The ``jax.experimental.roofline`` rule lax registers for its primitive ``name`` (an attribute
+    of ``jax._src.lax.parallel``, e.g. "psum_invariant_p"), or None (no rule, or no roofline)."""
+    mod = _roofline_module()
+    prim = getattr(_parallel, name, None)
+    return None if mod is None or prim is None else mod._rooflines.get(prim)
+
+
+def register_roofline(prim, rule) -> None:
+    """Register ``rule`` as ``prim``'s ``jax.experimental.roofline`` rule (if roofline imports)."""
+    mod = _roofline_module()
+    if mod is not None:
+        mod.register_roofline(prim)(rule)

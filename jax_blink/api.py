@@ -25,10 +25,13 @@ from jax import lax
 from . import collectives, lowering, mapping
 from . import primitives as P  # registers the lowerings (ppermute, ffi where built)
 from ._jax_compat import (
+    ALL_GATHER_TO,
     abstract_mesh,
+    auto_pcast,
     check_vma,
     core,
     dtypes,
+    get_from,
     lax_const,
     skip_one_sized_axes,
     validate_axis_index_groups,
@@ -82,27 +85,39 @@ def _prepare(x, axes, api):
 
 
 def _vary(leaf, axes):
-    """Under check_vma, make ``leaf`` varying over ``axes`` (lax.psum does the same via pvary)."""
-    if not check_vma():
+    """Under check_vma, make ``leaf`` varying over ``axes`` as lax's collectives do (pvary, when
+    ``jax_auto_pcast`` is on; lax's typing rules then reject an operand that is still invariant)."""
+    if not check_vma() or not auto_pcast():
         return leaf
     missing = tuple(a for a in axes if a not in core.typeof(leaf).mat.varying)
     return core.pvary(leaf, axis_name=missing) if missing else leaf
 
 
-def _bucketed(leaves, axes, bind):
-    """Apply ``bind`` (leaves -> results) once per (dtype, vma) bucket of leaves.
+def _unreduced(leaf, axes, api) -> bool:
+    """True when ``leaf`` is unreduced over ``axes`` (lax's typing, check_vma on): the collective then
+    takes the sum of the unreduced partial values (lax's unreduced_psum / unreduced_psum_scatter) and
+    the operand is not pvaried. ValueError (lax's) when the axes' states disagree."""
+    return check_vma() and get_from(core.typeof(leaf), axes, api) == "unreduced"
+
+
+def _bucketed(leaves, axes, bind, api="jax_blink.psum", unreduced_bind=None):
+    """Apply ``bind`` (leaves -> results) once per (dtype, vma) bucket of leaves; leaves unreduced over
+    ``axes`` go to ``unreduced_bind`` instead, as they are (not pvaried).
 
     The leaves go to the primitive as they are: its lowering runs one schedule over their virtual
     concatenation (one custom call, or per-leaf collective_permutes), so no concatenate / slice copies.
     """
-    leaves = [_vary(jnp.asarray(leaf), axes) for leaf in leaves]
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
+    unred = [unreduced_bind is not None and _unreduced(leaf, axes, api) for leaf in leaves]
+    leaves = [leaf if u else _vary(leaf, axes) for leaf, u in zip(leaves, unred)]
     buckets: dict = {}
     for i, leaf in enumerate(leaves):
         aval = core.typeof(leaf)
-        buckets.setdefault((aval.dtype, frozenset(aval.mat.varying)), []).append(i)
+        buckets.setdefault((unred[i], aval.dtype, frozenset(aval.mat.varying), frozenset(aval.mat.unreduced)),
+                           []).append(i)
     out = [None] * len(leaves)
-    for idx in buckets.values():
-        for i, r in zip(idx, bind(*[leaves[i] for i in idx])):
+    for (u, *_), idx in buckets.items():
+        for i, r in zip(idx, (unreduced_bind if u else bind)(*[leaves[i] for i in idx])):
             out[i] = r
     return out
 
@@ -232,14 +247,16 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
     if constant:
         size = len(groups[0]) if groups is not None else size
         return jax.tree_util.tree_unflatten(treedef, [lax_const(leaf, size) * leaf for leaf in leaves])
+    unreduced_bind = None
     if check_vma():
         if groups is not None:
             raise NotImplementedError("axis_index_groups is not supported with shard_map(check_vma=True) "
                                       "(as lax.psum); use check_vma=False")
         bind = functools.partial(P.blink_psum_invariant_p.bind, axes=axes, impl=impl, key=key)
+        unreduced_bind = functools.partial(P.blink_unreduced_psum_p.bind, axes=axes, impl=impl, key=key)
     else:
         bind = functools.partial(P.blink_psum_p.bind, axes=axes, impl=impl, key=key, axis_index_groups=groups)
-    return jax.tree_util.tree_unflatten(treedef, _bucketed(leaves, axes, bind))
+    return jax.tree_util.tree_unflatten(treedef, _bucketed(leaves, axes, bind, "jax_blink.psum", unreduced_bind))
 
 
 def pmean(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, device_map=None,
@@ -324,9 +341,6 @@ def _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_
         if sorted(i for g in groups for i in g) != list(range(size)):
             raise ValueError(f"{api}: axis_index_groups {[list(g) for g in groups]} must cover every index of "
                              f"axes {axes} (size {size}) exactly once")
-        if check_vma():
-            raise NotImplementedError(f"axis_index_groups is not supported with shard_map(check_vma=True) "
-                                      f"({api}, as lax); use check_vma=False")
         size = len(groups[0])
     key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm, max_trees)
     _check_topology(key, axes, api)
@@ -345,18 +359,33 @@ def _static_int(value, name, api) -> int:
 
 
 def _sharded_leaves(x, axes, api):
-    """Leaves as arrays (bool kept, marked), dtypes checked, pvaried over ``axes`` under check_vma."""
+    """Leaves as arrays (bool kept), dtypes checked; pvarying them is each collective's business."""
     leaves, treedef = jax.tree_util.tree_flatten(x)
     out = []
     for leaf in leaves:
         leaf = jnp.asarray(leaf)
         if leaf.dtype != np.bool_:
             _check_dtype(leaf.dtype, api)
-        out.append(_vary(leaf, axes))
+        out.append(leaf)
     return out, treedef
 
 
-def all_gather(x, axis_name, *, axis=0, tiled=False, axis_index_groups=None, topology=None, impl=None,
+def _gather_to(to, groups, api) -> str:
+    """``to=`` of :func:`all_gather` checked as the installed ``lax.all_gather`` checks it."""
+    if ALL_GATHER_TO is None:
+        if to is not None:
+            raise TypeError(f"{api}() got an unexpected keyword argument 'to' (lax.all_gather of the installed "
+                            "jax has none)")
+        return "varying"
+    to = "varying" if to is None else to
+    if to not in ALL_GATHER_TO:
+        raise ValueError(f"{api}: got unexpected `to` value {to!r}; allowed `to` values are: {set(ALL_GATHER_TO)}")
+    if to != "varying" and groups is not None:
+        raise NotImplementedError(f"{api}: axis_index_groups is not supported with to={to!r} (as lax.all_gather)")
+    return to
+
+
+def all_gather(x, axis_name, *, axis=0, tiled=False, axis_index_groups=None, to=None, topology=None, impl=None,
                device_map=None, chunk_elems=None, algorithm=None, max_trees=None):
     """Gather every rank's ``x`` over ``axis_name`` along tree packings (drop-in for ``lax.all_gather``).
 
@@ -370,14 +399,19 @@ def all_gather(x, axis_name, *, axis=0, tiled=False, axis_index_groups=None, top
       axis: where the gathered axis goes: non-tiled, a new axis of size n at position ``axis`` of the
         output (in [-(ndim+1), ndim]); tiled, the operand's ``axis`` is concatenated (size * n).
       tiled: as ``lax.all_gather``.
-      axis_index_groups: like ``lax.all_gather`` (not with ``check_vma=True``).
+      axis_index_groups: like ``lax.all_gather`` (check_vma on or off; not with ``to`` other than "varying").
+      to: the result's type over ``axis_name`` under ``check_vma=True``, as ``lax.all_gather``'s ``to``
+        where the installed jax has it (jax 0.10.2: "varying" (default), "invarying": the same gathered
+        value typed invariant, transpose a local slice; "reduced": typed reduced, transpose a
+        reduce-scatter of an unreduced cotangent). None: the default.
       topology, impl, device_map, chunk_elems, algorithm, max_trees: as :func:`psum` (algorithm
         "auto", "trees" or "ring").
 
     Returns: per leaf, the gathered array, bitwise identical to ``lax.all_gather`` (data is only
-    copied). Under ``check_vma=True`` it stays varying over ``axis_name`` (as lax).
-    Raises NameError for an unbound axis, TypeError for an unsupported dtype, ValueError for an
-    ``axis`` out of range or bad ``axis_index_groups``, TopologyError / PlanError / BlinkError at
+    copied). Under ``check_vma=True`` it stays varying over ``axis_name`` (as lax), or is typed as ``to``.
+    Raises NameError for an unbound axis, TypeError for an unsupported dtype (or ``to`` where the
+    installed lax has none), ValueError for an ``axis`` out of range, bad ``axis_index_groups`` or an
+    unknown ``to`` (NotImplementedError: groups with ``to`` not "varying", as lax), TopologyError / PlanError / BlinkError at
     lowering when the topology does not cover the mesh devices.
     """
     api = "jax_blink.all_gather"
@@ -385,6 +419,10 @@ def all_gather(x, axis_name, *, axis=0, tiled=False, axis_index_groups=None, top
                                              chunk_elems, algorithm, max_trees)
 
     axis = _static_int(axis, "axis", api)
+    to = _gather_to(to, params["axis_index_groups"], api)
+    prim = {"varying": P.blink_all_gather_p, "invarying": P.blink_all_gather_invariant_p,
+            "reduced": P.blink_all_gather_reduced_p}[to]
+    axes = params["axes"]
 
     def one(leaf):
         nd = leaf.ndim if tiled else leaf.ndim + 1
@@ -396,7 +434,9 @@ def all_gather(x, axis_name, *, axis=0, tiled=False, axis_index_groups=None, top
             raise ValueError(f"{api}: tiled=True needs an operand with at least one dimension")
         was_bool = leaf.dtype == np.bool_
         v = lax.convert_element_type(leaf, np.uint8) if was_bool else leaf
-        out = P.blink_all_gather_p.bind(v, tiled=bool(tiled), all_gather_dimension=dim, **params)
+        if to != "reduced":  # lax's all_gather_reduced takes its operand as it is
+            v = _vary(v, axes)
+        out = prim.bind(v, tiled=bool(tiled), all_gather_dimension=dim, **params)
         return lax.convert_element_type(out, np.bool_) if was_bool else out
 
     return jax.tree_util.tree_unflatten(treedef, [one(leaf) for leaf in leaves])
@@ -416,11 +456,13 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False, axis_index_g
       scatter_dimension: the operand dimension split into n blocks (rank r keeps block r).
       tiled: False: that dimension must have size n and is removed; True: its size must be divisible
         by n and becomes size / n.
-      axis_index_groups: like ``lax.psum_scatter`` (not with ``check_vma=True``).
+      axis_index_groups: like ``lax.psum_scatter`` (check_vma on or off).
       topology, impl, device_map, chunk_elems, algorithm, max_trees: as :func:`all_gather`.
 
     Returns: per leaf, this rank's block of the sum (equal to ``lax.psum_scatter``: bitwise for
-    integers, up to summation order for floats). Under ``check_vma=True`` it stays varying (as lax).
+    integers, up to summation order for floats). Under ``check_vma=True`` it stays varying (as lax);
+    an operand unreduced over ``axis_name`` (lax's ``{U: axes}`` types) is summed as it is and the
+    result is varying (lax's unreduced_psum_scatter; its transpose an all-gather to a reduced type).
     Raises ValueError when ``scatter_dimension`` is out of range (lax: an IndexError), or (as lax) its
     size is not divisible by the axis size (tiled) or differs from it (not tiled); otherwise
     :func:`all_gather`'s errors.
@@ -438,6 +480,13 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False, axis_index_g
         if leaf.ndim and -leaf.ndim <= dim < 0:
             dim %= leaf.ndim
         P.reduce_scatter_shape(leaf.shape, dim, params["axis_size"], bool(tiled), api)
+        if _unreduced(leaf, params["axes"], api):
+            if params["axis_index_groups"] is not None:
+                raise NotImplementedError(f"{api}: axis_index_groups is not supported for an operand unreduced "
+                                          f"over {params['axes']} (as lax.psum_scatter)")
+            return P.blink_unreduced_reduce_scatter_p.bind(leaf, tiled=bool(tiled), scatter_dimension=dim,
+                                                            **params)
+        leaf = _vary(leaf, params["axes"])
         return P.blink_reduce_scatter_p.bind(leaf, tiled=bool(tiled), scatter_dimension=dim, **params)
 
     return jax.tree_util.tree_unflatten(treedef, [one(leaf) for leaf in leaves])

@@ -42,7 +42,18 @@ from jax import lax
 
 from . import collectives, costmodel, mapping
 from . import lowering as _lowering
-from ._jax_compat import AbstractMesh, SPMDAxisContext, ad, batching, core, dispatch, lax_const, mlir
+from ._jax_compat import (
+    AbstractMesh,
+    SPMDAxisContext,
+    ad,
+    batching,
+    check_unreduced_args,
+    core,
+    dispatch,
+    lax_const,
+    mlir,
+    preduced,
+)
 from .errors import BlinkError
 from .lowering import ffi as _ffi  # noqa: F401  (registers the "ffi" records)
 from .lowering import ppermute as _ppermute  # registers the "ppermute" record
@@ -181,11 +192,36 @@ def reduce_scatter_shape(shape, dim: int, n: int, tiled: bool, api: str = "jax_b
     return tuple(shape)
 
 
-def _sharded_out(aval, shape, axes, vma):
+def _sharded_out(aval, shape, axes, vma, name="jax_blink sharded collective"):
     if vma:
-        _require_varying(aval, axes, "jax_blink sharded collective")
+        check_unreduced_args([aval], axes, name)
+        _require_varying(aval, axes, name)
         return aval.update(shape=shape)
     return core.ShapedArray(shape, aval.dtype, sharding=aval.sharding)
+
+
+def _typed_out(aval, shape, vma, **mat):
+    """``aval`` reshaped with its manual-axes type updated (``varying=``, ``reduced=``, ``unreduced=``
+    as frozensets); check_vma off: a plain aval."""
+    if not vma:
+        return core.ShapedArray(shape, aval.dtype, sharding=aval.sharding)
+    return aval.update(shape=shape, manual_axis_type=aval.mat.update(**mat))
+
+
+def _check_unreduced_in(aval, axes, name, to):
+    """lax's rules for an Unreduced -> ``to`` collective (unreduced_psum, unreduced_psum_scatter):
+    the operand is unreduced over ``axes`` and not varying over them. ValueError otherwise."""
+    if not aval.mat.unreduced & frozenset(axes):
+        raise ValueError(f"{name} is a Unreduced -> {to} collective: the axes {axes} must be in "
+                         f"jax.typeof(x).mat.unreduced, got {aval.str_short(True)}")
+    if aval.mat.varying & set(axes):
+        raise ValueError(f"{name}'s input cannot be varying across the axes {axes}; got {aval.str_short(True)}")
+
+
+def _no_batching(name):
+    def batcher(prim, axis_data, vals_in, dims_in, **params):
+        raise NotImplementedError(f"{name} under vmap is not supported (as lax's {name})")
+    return batcher
 
 
 # -------------------------------------------------------------------------------- choice of lowering
@@ -476,6 +512,29 @@ blink_psum_invariant_p = _define("blink_psum_invariant", multiple_results=True,
                                  batcher=_psum_batcher, lowering=functools.partial(_lower, "allreduce"))
 
 
+# ================================================================================ psum of unreduced operands
+# lax's unreduced_psum (jax/_src/lax/parallel.py): Unreduced -> Invariant over ``axes`` (the operand
+# holds per-device partial values of one sum, as explicit-sharding FSDP leaves them); the operand is
+# not pvaried; the transpose is ``preduced`` (Invariant -> Reduced, no communication).
+def _unreduced_psum_abstract(*avals, axes, impl, key):
+    check_axis_names(axes, "jax_blink.psum")
+    out = []
+    for a in avals:
+        _check_unreduced_in(a, axes, "jax_blink.psum (unreduced)", "Invariant")
+        out.append(a.update(manual_axis_type=a.mat.update(unreduced=a.mat.unreduced - frozenset(axes))))
+    return out, _effects(axes)
+
+
+def _unreduced_psum_transpose(cts, *xs, axes, impl, key):
+    return [preduced(ct, axis_name=tuple(axes)) for ct in _cts(cts, xs)]
+
+
+blink_unreduced_psum_p = _define("blink_unreduced_psum", multiple_results=True,
+                                 abstract_eval=_unreduced_psum_abstract, transpose=_unreduced_psum_transpose,
+                                 batcher=_no_batching("unreduced_psum"),
+                                 lowering=functools.partial(_lower, "allreduce"))
+
+
 # ================================================================================ broadcast
 def _broadcast_abstract(*avals, axes, root, impl, key, vma):
     check_axis_names(axes, "jax_blink.broadcast")
@@ -545,7 +604,7 @@ blink_reduce_p = _define("blink_reduce", multiple_results=True, abstract_eval=_r
 def _all_gather_abstract(x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma, all_gather_dimension):
     check_axis_names(axes, "jax_blink.all_gather")
     shape = all_gather_shape(x.shape, all_gather_dimension, axis_size, tiled)
-    return _sharded_out(x, shape, axes, vma), _effects(axes)
+    return _sharded_out(x, shape, axes, vma, "jax_blink.all_gather"), _effects(axes)
 
 
 def _all_gather_transpose(ct, x, *, all_gather_dimension, **params):
@@ -577,11 +636,67 @@ blink_all_gather_p = _define("blink_all_gather", multiple_results=False, abstrac
                              lowering=functools.partial(_lower_sharded, "allgather"))
 
 
+# all_gather(to="invarying"): lax's all_gather_invariant, Varying -> Invariant over ``axes`` (every rank
+# holds the same gathered value); the transpose is the rank's own block of the (invariant) cotangent,
+# a local slice (Invariant -> Varying).
+def _all_gather_invariant_abstract(x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma,
+                                   all_gather_dimension):
+    check_axis_names(axes, "jax_blink.all_gather")
+    if vma:
+        check_unreduced_args([x], axes, "jax_blink.all_gather(to='invarying')")
+    shape = all_gather_shape(x.shape, all_gather_dimension, axis_size, tiled)
+    return _typed_out(x, shape, vma, varying=x.mat.varying - frozenset(axes)), _effects(axes)
+
+
+def _all_gather_invariant_transpose(ct, x, *, axes, axis_size, tiled, all_gather_dimension, **params):
+    ct = ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct
+    block = ct.shape[all_gather_dimension] // axis_size
+    out = lax.dynamic_slice_in_dim(ct, lax.axis_index(tuple(axes)) * block, block, all_gather_dimension)
+    return [out if tiled else lax.squeeze(out, [all_gather_dimension])]
+
+
+blink_all_gather_invariant_p = _define(
+    "blink_all_gather_invariant", multiple_results=False, abstract_eval=_all_gather_invariant_abstract,
+    transpose=_all_gather_invariant_transpose, batcher=_all_gather_batcher,
+    lowering=functools.partial(_lower_sharded, "allgather"))
+
+
+# all_gather(to="reduced"): lax's all_gather_reduced, Varying -> Reduced over ``axes``; the operand is
+# not pvaried; the transpose reduce-scatters the (unreduced) cotangent (blink_unreduced_reduce_scatter).
+def _all_gather_reduced_abstract(x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma,
+                                 all_gather_dimension):
+    check_axis_names(axes, "jax_blink.all_gather")
+    if vma:
+        if x.mat.unreduced:
+            raise ValueError(f"jax_blink.all_gather(to='reduced') only accepts inputs that are not unreduced; "
+                             f"got {x.str_short(True)}")
+        if not set(axes) <= x.mat.varying:
+            raise ValueError(f"jax_blink.all_gather(to='reduced') is a Varying -> Reduced collective: the axes "
+                             f"{axes} must be in jax.typeof(x).mat.varying, got {x.str_short(True)}")
+        if x.mat.reduced & set(axes):
+            raise ValueError(f"jax_blink.all_gather(to='reduced')'s input cannot be reduced across {axes}; got "
+                             f"{x.str_short(True)}")
+    shape = all_gather_shape(x.shape, all_gather_dimension, axis_size, tiled)
+    return _typed_out(x, shape, vma, varying=x.mat.varying - frozenset(axes),
+                      reduced=x.mat.reduced | frozenset(axes)), _effects(axes)
+
+
+def _all_gather_reduced_transpose(ct, x, *, all_gather_dimension, **params):
+    ct = ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct
+    return [blink_unreduced_reduce_scatter_p.bind(ct, scatter_dimension=all_gather_dimension, **params)]
+
+
+blink_all_gather_reduced_p = _define(
+    "blink_all_gather_reduced", multiple_results=False, abstract_eval=_all_gather_reduced_abstract,
+    transpose=_all_gather_reduced_transpose, batcher=_no_batching("all_gather_reduced"),
+    lowering=functools.partial(_lower_sharded, "allgather"))
+
+
 # ================================================================================ reduce-scatter
 def _reduce_scatter_abstract(x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma, scatter_dimension):
     check_axis_names(axes, "jax_blink.psum_scatter")
     shape = reduce_scatter_shape(x.shape, scatter_dimension, axis_size, tiled)
-    return _sharded_out(x, shape, axes, vma), _effects(axes)
+    return _sharded_out(x, shape, axes, vma, "jax_blink.psum_scatter"), _effects(axes)
 
 
 def _reduce_scatter_transpose(ct, x, *, scatter_dimension, **params):
@@ -608,3 +723,25 @@ blink_reduce_scatter_p = _define("blink_reduce_scatter", multiple_results=False,
                                  abstract_eval=_reduce_scatter_abstract, transpose=_reduce_scatter_transpose,
                                  batcher=_reduce_scatter_batcher,
                                  lowering=functools.partial(_lower_sharded, "reducescatter"))
+
+
+# psum_scatter of an operand unreduced over ``axes``: lax's unreduced_psum_scatter, Unreduced -> Varying;
+# the operand is not pvaried; the transpose is all_gather(to="reduced").
+def _unreduced_reduce_scatter_abstract(x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma,
+                                       scatter_dimension):
+    check_axis_names(axes, "jax_blink.psum_scatter")
+    _check_unreduced_in(x, axes, "jax_blink.psum_scatter (unreduced)", "Varying")
+    shape = reduce_scatter_shape(x.shape, scatter_dimension, axis_size, tiled)
+    return _typed_out(x, shape, True, varying=x.mat.varying | frozenset(axes),
+                      unreduced=x.mat.unreduced - frozenset(axes)), _effects(axes)
+
+
+def _unreduced_reduce_scatter_transpose(ct, x, *, scatter_dimension, **params):
+    ct = ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct
+    return [blink_all_gather_reduced_p.bind(ct, all_gather_dimension=scatter_dimension, **params)]
+
+
+blink_unreduced_reduce_scatter_p = _define(
+    "blink_unreduced_reduce_scatter", multiple_results=False, abstract_eval=_unreduced_reduce_scatter_abstract,
+    transpose=_unreduced_reduce_scatter_transpose, batcher=_no_batching("unreduced_psum_scatter"),
+    lowering=functools.partial(_lower_sharded, "reducescatter"))
