@@ -69,7 +69,7 @@ from jax._src.lax import lax as _lax  # noqa: E402
 from jax._src.lax import parallel as _parallel  # noqa: E402
 from jax._src.lib.mlir import ir  # noqa: E402,F401
 from jax._src.lib.mlir.dialects import hlo  # noqa: E402,F401
-from jax._src.mesh import AbstractMesh, get_abstract_mesh  # noqa: E402,F401
+from jax._src.mesh import AbstractMesh, empty_abstract_mesh, get_abstract_mesh, use_abstract_mesh  # noqa: E402,F401
 from jax._src.sharding_impls import SPMDAxisContext  # noqa: E402,F401
 
 #: ``lax._const(x, value)``: ``value`` as a constant of ``x``'s dtype (weak type kept).
@@ -123,6 +123,28 @@ def _all_gather_to_values():
 #: The ``to=`` values ``lax.all_gather`` takes at the installed jax (None: no ``to`` keyword).
 ALL_GATHER_TO = _all_gather_to_values()
 
+#: True where ``lax.all_gather`` ignores ``to`` outside ``check_vma=True`` (a plain all-gather, whose
+#: transpose is a reduce-scatter): jax 0.12; jax 0.10 binds the typed collective either way.
+ALL_GATHER_TO_NEEDS_VMA = ALL_GATHER_TO is not None and "_check_vma" in __import__("inspect").getsource(
+    _parallel._all_gather_is_async)
+
+_UNREDUCED_KIND = getattr(core, "UnreducedKind", None)  # jax 0.12: sum / max / min unreduced values
+
+
+def with_unreduced(mat, unreduced: frozenset, **updates):
+    """``mat`` (a manual-axes type) with its unreduced axes set to ``unreduced`` (and the other
+    ``updates``); where jax types the kind of unreduced values (0.12), a sum while any axis stays
+    unreduced, none after (as lax's unreduced_psum / unreduced_psum_scatter)."""
+    if _UNREDUCED_KIND is not None:
+        updates["unreduced_kind"] = _UNREDUCED_KIND.sum if unreduced else None
+    return mat.update(unreduced=frozenset(unreduced), **updates)
+
+
+def check_unreduced_sum(mat, name: str) -> None:
+    """Where jax types unreduced kinds (0.12): ValueError (lax's) unless ``mat``'s are sums."""
+    if _UNREDUCED_KIND is not None:
+        _parallel.check_unreduced_kind(name, mat, _UNREDUCED_KIND.sum)
+
 
 def manual_axes(ctx) -> frozenset:
     """The manual mesh axes of a lowering context (shard_map); empty outside shard_map."""
@@ -130,10 +152,32 @@ def manual_axes(ctx) -> frozenset:
     return frozenset(getattr(axis_ctx, "manual_axes", ()) or ())
 
 
+_outer_meshes: list = []  # the abstract meshes lower_fun_plain stepped out of (innermost last)
+
+
 def axis_index_hlo(ctx, name):
     """lax's lowering of ``axis_index(name)`` (an i32 scalar hlo value). Under a partially manual
-    shard_map it avoids a bare partition-id (ambiguous under SPMD partitioning), as lax does."""
-    return _parallel._build_axis_index_lowering_hlo(ctx, name, ctx.module_context.axis_context)
+    shard_map it avoids a bare partition-id (ambiguous under SPMD partitioning), as lax does (by a
+    nested shard_map over the call site's abstract mesh, restored here inside :func:`lower_fun_plain`)."""
+    mesh = _outer_meshes[-1] if _outer_meshes else get_abstract_mesh()
+    with use_abstract_mesh(mesh):
+        return _parallel._build_axis_index_lowering_hlo(ctx, name, ctx.module_context.axis_context)
+
+
+def lower_fun_plain(fun, multiple_results: bool = True):
+    """``mlir.lower_fun`` traced outside the call site's mesh: the arrays the lowering creates (zeros,
+    constant tables) are plain like the avals it is given, not typed over the mesh's explicit / manual
+    axes (where mixing them would be a sharding type error)."""
+    lowered = mlir.lower_fun(fun, multiple_results=multiple_results)
+
+    def rule(ctx, *args, **params):
+        _outer_meshes.append(get_abstract_mesh())
+        try:
+            with use_abstract_mesh(empty_abstract_mesh):
+                return lowered(ctx, *args, **params)
+        finally:
+            _outer_meshes.pop()
+    return rule
 
 
 # ----------------------------------------------------------------------------- roofline

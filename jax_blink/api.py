@@ -26,6 +26,7 @@ from . import collectives, lowering, mapping
 from . import primitives as P  # registers the lowerings (ppermute, ffi where built)
 from ._jax_compat import (
     ALL_GATHER_TO,
+    ALL_GATHER_TO_NEEDS_VMA,
     abstract_mesh,
     auto_pcast,
     check_vma,
@@ -380,6 +381,8 @@ def _gather_to(to, groups, api) -> str:
     to = "varying" if to is None else to
     if to not in ALL_GATHER_TO:
         raise ValueError(f"{api}: got unexpected `to` value {to!r}; allowed `to` values are: {set(ALL_GATHER_TO)}")
+    if ALL_GATHER_TO_NEEDS_VMA and not check_vma():
+        return "varying"  # lax (jax 0.12) ignores ``to`` without varying-axes typing
     if to != "varying" and groups is not None:
         raise NotImplementedError(f"{api}: axis_index_groups is not supported with to={to!r} (as lax.all_gather)")
     return to
@@ -411,8 +414,8 @@ def all_gather(x, axis_name, *, axis=0, tiled=False, axis_index_groups=None, to=
     copied). Under ``check_vma=True`` it stays varying over ``axis_name`` (as lax), or is typed as ``to``.
     Raises NameError for an unbound axis, TypeError for an unsupported dtype (or ``to`` where the
     installed lax has none), ValueError for an ``axis`` out of range, bad ``axis_index_groups`` or an
-    unknown ``to`` (NotImplementedError: groups with ``to`` not "varying", as lax), TopologyError / PlanError / BlinkError at
-    lowering when the topology does not cover the mesh devices.
+    unknown ``to`` (NotImplementedError: groups with ``to`` not "varying", as lax), TopologyError /
+    PlanError / BlinkError at lowering when the topology does not cover the mesh devices.
     """
     api = "jax_blink.all_gather"
     leaves, treedef, params = _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_map,

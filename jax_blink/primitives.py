@@ -48,12 +48,18 @@ from ._jax_compat import (
     ad,
     batching,
     check_unreduced_args,
+    check_unreduced_sum,
     core,
     dispatch,
     lax_const,
+    lower_fun_plain,
+    manual_axes,
     mlir,
     preduced,
+    with_unreduced,
 )
+from ._jax_compat import lax_roofline_rule as _compat_roofline_rule
+from ._jax_compat import register_roofline as _compat_register_roofline
 from .errors import BlinkError
 from .lowering import ffi as _ffi  # noqa: F401  (registers the "ffi" records)
 from .lowering import ppermute as _ppermute  # registers the "ppermute" record
@@ -216,6 +222,7 @@ def _check_unreduced_in(aval, axes, name, to):
                          f"jax.typeof(x).mat.unreduced, got {aval.str_short(True)}")
     if aval.mat.varying & set(axes):
         raise ValueError(f"{name}'s input cannot be varying across the axes {axes}; got {aval.str_short(True)}")
+    check_unreduced_sum(aval.mat, name)
 
 
 def _no_batching(name):
@@ -291,29 +298,58 @@ def _shared_memory_stars(plan):
                 plan.notes + ("executed as one star per owner by the CPU executor (host memory)",))
 
 
+def _representatives(groups, shape, names, auto_axes) -> list[int]:
+    """Per group, the index of the group holding its first member with the ``auto_axes`` coordinates
+    set to 0 (itself when there are none)."""
+    if not auto_axes:
+        return list(range(len(groups)))
+    where = {p: g for g, members in enumerate(groups) for p in members}
+    auto = [names.index(a) for a in auto_axes]
+    out = []
+    for members in groups:
+        coords = list(np.unravel_index(members[0], shape))
+        for k in auto:
+            coords[k] = 0
+        out.append(where[int(np.ravel_multi_index(coords, shape))])
+    return out
+
+
+def auto_axes(ctx, mesh) -> tuple:
+    """The mesh axes a call site leaves to SPMD partitioning: those not manual in a shard_map over
+    some of the mesh's axes (empty when all are manual, under pmap, or outside shard_map)."""
+    manual = manual_axes(ctx)
+    return tuple(a for a in mesh.axis_names if a not in manual) if manual else ()
+
+
 @clear_on_reset
 @functools.lru_cache(maxsize=256)
 def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, key,
-                  nelems: int, itemsize: int, platform: str, impl: str = "ppermute") -> _lowering.LoweringRequest:
+                  nelems: int, itemsize: int, platform: str, impl: str = "ppermute",
+                  auto_axes: tuple = ()) -> _lowering.LoweringRequest:
     """The LoweringRequest for one call site: groups, device table, one schedule per group.
 
     Each group's schedule is the least predicted time over ``mapping.candidate_plans`` and chunk
     counts (:func:`jax_blink.costmodel.lowering_schedule` with the step latency and round-synchronous
     flag of lowering ``impl``'s record on ``platform``, usable here or not); a host-memory executor
     (the record's ``host_memory``: the CPU "ffi") keeps the first candidate (the packing) and chooses
-    only its chunks. Raises BlinkError for an ``impl`` with no record."""
+    only its chunks. Raises BlinkError for an ``impl`` with no record.
+    ``auto_axes``: mesh axes left to SPMD partitioning (a shard_map over the other axes): devices that
+    differ only along them run one program with no partition id to tell them apart (lowering.ppermute's
+    ``mesh_position``), so every group takes the schedule of its representative, the group at
+    coordinate 0 of those axes (ranks correspond: the collective's axes are manual)."""
     rec = _lowering.record(impl, platform)
     if rec is None:
         raise BlinkError(f"jax_blink: no lowering {impl!r} is registered (registered: {_lowering.names()})")
     groups = mapping.mesh_groups(tuple(mesh.devices.shape), tuple(mesh.axis_names), axes,
                                  axis_index_groups)
+    rep = _representatives(groups, tuple(mesh.devices.shape), tuple(mesh.axis_names), auto_axes)
     flat = list(mesh.devices.flat)
     table = mapping.device_table(flat, groups)
     all_ids = mapping.map_devices(flat, key)
     topo = mapping.resolve_topology(key.topology, platform, all_ids)
     schedules, cache = [], {}
-    for members in groups:
-        gpus = tuple(all_ids[p] for p in members)
+    for g in range(len(groups)):
+        gpus = tuple(all_ids[p] for p in groups[rep[g]])
         if gpus not in cache:
             algorithm = mapping.effective_algorithm(key, topo, collective, gpus)
             plans = mapping.candidate_plans(topo, collective, list(gpus), root, algorithm, key.max_trees)
@@ -366,7 +402,8 @@ def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=N
 
     def request_for(n: int) -> _lowering.LoweringRequest:
         return build_request(collective, mesh, tuple(axes), axis_index_groups, root, key,
-                             n, np.dtype(dtype).itemsize, ctx.module_context.platforms[0], rec.name)
+                             n, np.dtype(dtype).itemsize, ctx.module_context.platforms[0], rec.name,
+                             auto_axes(ctx, mesh))
 
     sub = ctx.replace(avals_in=avals, avals_out=[ctx.avals_out[i] for i in live])
     for i, o in zip(live, rec.rule(sub, [xs[i] for i in live], request_for)):
@@ -410,14 +447,15 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
             if gather:
                 return v.reshape(aval_out.shape)
             return _rs_layout(v, scatter_dimension, n, tiled)[0].reshape(aval_out.shape)
-        return mlir.lower_fun(f, multiple_results=False)(
+        return lower_fun_plain(f, multiple_results=False)(
             ctx.replace(primitive=None, avals_in=[core.ShapedArray(aval_in.shape, aval_in.dtype)],
                         avals_out=[core.ShapedArray(aval_out.shape, aval_out.dtype)]), x)
     rec = _site_lowering(ctx, mesh, impl)
 
     def request_for(nelems: int) -> _lowering.LoweringRequest:
         return build_request(collective, mesh, tuple(axes), axis_index_groups, None, key,
-                             nelems, np.dtype(aval_in.dtype).itemsize, ctx.module_context.platforms[0], rec.name)
+                             nelems, np.dtype(aval_in.dtype).itemsize, ctx.module_context.platforms[0], rec.name,
+                             auto_axes(ctx, mesh))
 
     ranks = _rank_table(request_for(n * m), mesh.size)
     plain_in = core.ShapedArray(aval_in.shape, aval_in.dtype)
@@ -442,12 +480,12 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
         out, = rec.rule(ctx.replace(avals_in=[shard], avals_out=[full]), [mlir.reshape(ctx, x, shard)], request_for)
     else:
         own_shard = not gather and rec.shard_output  # the executor writes only the own shard
-        placed, = mlir.lower_fun(pre, multiple_results=False)(
+        placed, = lower_fun_plain(pre, multiple_results=False)(
             ctx.replace(primitive=None, avals_in=[plain_in], avals_out=[full]), x)
         out, = rec.rule(ctx.replace(avals_in=[full], avals_out=[shard if own_shard else full]), [placed], request_for)
         if own_shard:
             return mlir.reshape(ctx, out, plain_out)
-    return mlir.lower_fun(post, multiple_results=False)(
+    return lower_fun_plain(post, multiple_results=False)(
         ctx.replace(primitive=None, avals_in=[full], avals_out=[plain_out]), out)
 
 
@@ -521,7 +559,7 @@ def _unreduced_psum_abstract(*avals, axes, impl, key):
     out = []
     for a in avals:
         _check_unreduced_in(a, axes, "jax_blink.psum (unreduced)", "Invariant")
-        out.append(a.update(manual_axis_type=a.mat.update(unreduced=a.mat.unreduced - frozenset(axes))))
+        out.append(a.update(manual_axis_type=with_unreduced(a.mat, a.mat.unreduced - frozenset(axes))))
     return out, _effects(axes)
 
 
@@ -732,8 +770,8 @@ def _unreduced_reduce_scatter_abstract(x, *, axes, impl, key, axis_index_groups,
     check_axis_names(axes, "jax_blink.psum_scatter")
     _check_unreduced_in(x, axes, "jax_blink.psum_scatter (unreduced)", "Varying")
     shape = reduce_scatter_shape(x.shape, scatter_dimension, axis_size, tiled)
-    return _typed_out(x, shape, True, varying=x.mat.varying | frozenset(axes),
-                      unreduced=x.mat.unreduced - frozenset(axes)), _effects(axes)
+    mat = with_unreduced(x.mat, x.mat.unreduced - frozenset(axes), varying=x.mat.varying | frozenset(axes))
+    return x.update(shape=shape, manual_axis_type=mat), _effects(axes)
 
 
 def _unreduced_reduce_scatter_transpose(ct, x, *, scatter_dimension, **params):
@@ -745,3 +783,35 @@ blink_unreduced_reduce_scatter_p = _define(
     "blink_unreduced_reduce_scatter", multiple_results=False, abstract_eval=_unreduced_reduce_scatter_abstract,
     transpose=_unreduced_reduce_scatter_transpose, batcher=_no_batching("unreduced_psum_scatter"),
     lowering=functools.partial(_lower_sharded, "reducescatter"))
+
+
+# ================================================================================ roofline
+# ``jax.experimental.roofline`` counts a collective's communication with lax's rules; each of ours uses
+# the rule of the lax primitive it stands in for (ring bytes per mesh axis, as lax's model), so a
+# roofline of a program is the same whether it calls lax or jax_blink. Broadcast and reduce (no lax
+# counterpart) count as one phase of an all-reduce: lax's reduce-scatter bytes of the operand.
+def _roofline_as(lax_name: str, axes_kw: str):
+    rule = _compat_roofline_rule(lax_name)
+    if rule is None:
+        return None
+
+    def stand_in(ctx, *args, axes, **params):
+        return rule(ctx, *args, **{axes_kw: tuple(axes)})
+    return stand_in
+
+
+def _register_rooflines():
+    table = {
+        "psum_invariant_p": ("axes", (blink_psum_p, blink_psum_invariant_p, blink_unreduced_psum_p)),
+        "all_gather_p": ("axis_name", (blink_all_gather_p, blink_all_gather_invariant_p, blink_all_gather_reduced_p)),
+        "reduce_scatter_p": ("axis_name", (blink_reduce_scatter_p, blink_unreduced_reduce_scatter_p,
+                                           blink_broadcast_p, blink_reduce_p)),
+    }
+    for lax_name, (kw, prims) in table.items():
+        rule = _roofline_as(lax_name, kw)
+        if rule is not None:
+            for prim in prims:
+                _compat_register_roofline(prim, rule)
+
+
+_register_rooflines()

@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 
 from .. import collectives
-from .._jax_compat import SPMDAxisContext, core, hlo, ir, mlir
+from .._jax_compat import SPMDAxisContext, axis_index_hlo, core, hlo, ir, lower_fun_plain, manual_axes, mlir
 from . import Lowering, LoweringRequest, register
 
 # ----------------------------------------------------------------- tiny internal primitives
@@ -51,8 +51,27 @@ _position_p.def_abstract_eval(lambda: core.ShapedArray((), np.int32))
 
 
 def _position_lowering(ctx):
-    pid = hlo.partition_id() if isinstance(ctx.module_context.axis_context, SPMDAxisContext) else hlo.replica_id()
-    return [hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)), pid)]
+    """The device's mesh position: the partition id (shard_map over every mesh axis), the replica id
+    (pmap), or, in a shard_map over some of the mesh axes, the position of the device's manual
+    coordinates with the other (SPMD-partitioned) axes at 0, from lax's ``axis_index`` lowering: a
+    partition id is ambiguous there (XLA: "PartitionId instruction is not supported for SPMD
+    partitioning"), and the request gives devices that differ only along those axes one schedule."""
+    i32 = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
+    axis_ctx = ctx.module_context.axis_context
+    if not isinstance(axis_ctx, SPMDAxisContext):
+        return [hlo.convert(i32, hlo.replica_id())]
+    mesh, manual = axis_ctx.mesh, manual_axes(ctx)
+    if not manual or manual >= set(mesh.axis_names):
+        return [hlo.convert(i32, hlo.partition_id())]
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    pos = None
+    for k, name in enumerate(mesh.axis_names):
+        if name not in manual or sizes[name] == 1:
+            continue
+        stride = int(np.prod(list(mesh.axis_sizes)[k + 1:], dtype=np.int64))
+        term = hlo.multiply(axis_index_hlo(ctx, name), mlir.ir_constant(np.int32(stride)))
+        pos = term if pos is None else hlo.add(pos, term)
+    return [mlir.ir_constant(np.int32(0)) if pos is None else pos]
 
 
 mlir.register_lowering(_position_p, _position_lowering)
@@ -127,7 +146,7 @@ def ppermute_lowering(ctx, xs, request_for):
             return _execute(v.reshape(-1), rounds, keep, nelems).reshape(shape)
 
         sub = ctx.replace(primitive=None, avals_in=[plain], avals_out=[plain])
-        out, = mlir.lower_fun(body, multiple_results=False)(sub, x)
+        out, = lower_fun_plain(body, multiple_results=False)(sub, x)
         outs.append(out)
     return outs
 
