@@ -208,8 +208,10 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
         two or more nodes of a multi-node topology). Default ``$JAX_BLINK_ALGORITHM``, else "auto".
 
     Returns: same structure/shapes as ``x``; every device holds bitwise-identical sums (all receive
-    the tree roots' results). Source: Blink (MLSys 2020) section 4: reduce then broadcast on the same
-    packed spanning trees.
+    the tree roots' results). Under ``check_vma=True`` the result is invariant over ``axis_name``; a
+    leaf unreduced over it (lax's ``{U: axes}`` types, explicit-sharding FSDP) is summed as it is, not
+    pvaried (lax's unreduced_psum; its transpose is ``preduced``). Source: Blink (MLSys 2020) section 4:
+    reduce then broadcast on the same packed spanning trees.
     Raises, when called (while tracing): NameError for an unbound axis; TypeError for a leaf that is
     not a valid JAX type (a str, a dtype name) or an unsupported dtype; ValueError for an unknown
     ``impl`` / ``algorithm`` or a bad ``chunk_elems`` / ``max_trees``; TopologyError for a
