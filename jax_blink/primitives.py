@@ -558,7 +558,7 @@ def _unreduced_psum_abstract(*avals, axes, impl, key):
     check_axis_names(axes, "jax_blink.psum")
     out = []
     for a in avals:
-        _check_unreduced_in(a, axes, "jax_blink.psum (unreduced)", "Invariant")
+        _check_unreduced_in(a, axes, "jax_blink.psum: unreduced_psum", "Invariant")
         out.append(a.update(manual_axis_type=with_unreduced(a.mat, a.mat.unreduced - frozenset(axes))))
     return out, _effects(axes)
 
@@ -768,7 +768,7 @@ blink_reduce_scatter_p = _define("blink_reduce_scatter", multiple_results=False,
 def _unreduced_reduce_scatter_abstract(x, *, axes, impl, key, axis_index_groups, axis_size, tiled, vma,
                                        scatter_dimension):
     check_axis_names(axes, "jax_blink.psum_scatter")
-    _check_unreduced_in(x, axes, "jax_blink.psum_scatter (unreduced)", "Varying")
+    _check_unreduced_in(x, axes, "jax_blink.psum_scatter: unreduced_psum_scatter", "Varying")
     shape = reduce_scatter_shape(x.shape, scatter_dimension, axis_size, tiled)
     mat = with_unreduced(x.mat, x.mat.unreduced - frozenset(axes), varying=x.mat.varying | frozenset(axes))
     return x.update(shape=shape, manual_axis_type=mat), _effects(axes)

@@ -211,3 +211,20 @@ def test_ppermute_in_partially_manual_shard_map(impl):
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-6)
     np.testing.assert_allclose(got[1], 2 * arr.reshape(2, 2, 8).sum(1), rtol=1e-6)
+
+
+def test_unreduced_kind_checked_as_lax():
+    """jax 0.12 types what an unreduced value awaits (sum / max / min): psum and psum_scatter take
+    sums only, with lax's message (jax 0.10 has no kinds: nothing to check)."""
+    kind = getattr(jax.sharding, "UnreducedKind", None)
+    if kind is None:
+        pytest.skip("the installed jax has no unreduced kinds")
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2], axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        arr = jax.device_put(np.arange(8.0).reshape(4, 2), P("x", None))
+        spec = P(None, unreduced={"x"}, unreduced_kind=kind.max)
+        part = jax.jit(lambda v: lax.reduce_max(v, axes=(0,), out_sharding=spec))(arr)
+        for call in (lambda z: jax_blink.psum(z, "x"), lambda z: jax_blink.psum_scatter(z, "x", tiled=True)):
+            f = jax.jit(jax.shard_map(call, out_specs=P()))
+            with pytest.raises(ValueError, match="cannot accept args with unreduced_kind"):
+                f(part)
