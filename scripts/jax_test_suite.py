@@ -279,9 +279,10 @@ def _run(impl: str, files, tests: Path, workdir: Path, select=None, k=None, exit
 
 def _artefact(nodeid: str, message: str):
     """The reason when a failure is a listed artefact failing the expected way, else None."""
-    base = re.sub(r"\d+$", "", nodeid.rsplit("::", 1)[-1])
+    test = nodeid.rsplit("::", 1)[-1]
+    base = re.sub(r"\d+$", "", test)  # absl's numbered parameter suffix
     for name, (reason, pattern) in ARTEFACTS.items():
-        if base == name or base.startswith(name + "_"):
+        if name in (test, base) or test.startswith(name + "_"):
             if re.search(pattern, message):
                 return reason
     return None
