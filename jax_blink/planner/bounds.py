@@ -117,7 +117,8 @@ def allreduce_bound(topology: Topology, devices, relays=()) -> float:
     return float(min(_max_flows(g, pairs)))
 
 
-def sharded_cut(topology: Topology, devices, *, reverse: bool = False, relays=()) -> tuple[float, frozenset]:
+def sharded_cut(topology: Topology, devices, *, reverse: bool = False, relays=(),
+                weights=None) -> tuple[float, frozenset]:
     """The exact all-gather cut bound per root and a node set attaining it.
 
     x* = min over node sets T of the job graph (GPUs and switch nodes, ``topology.subset(devices +
@@ -129,10 +130,17 @@ def sharded_cut(topology: Topology, devices, *, reverse: bool = False, relays=()
     ratio; while some rank t has maxflow(s, t) < n y, its minimum cut T has a smaller ratio: y :=
     ratio(T). Each y is the ratio of a real set, so the final y is the exact minimum.
 
+    ``weights``: {rank: positive weight} (default 1 each): the ratio's denominator is the weight of
+    ``T & ranks`` (the source arcs carry y w_r). A rank of weight k stands for k ranks beyond a cut
+    vertex: :func:`jax_blink.planner.symmetric.sharded_bounds` contracts the other N - 1 nodes of
+    a cluster of identical nodes into the network node with weight (N - 1) G.
+
     Returns (x*, T) with T the minimising node set; (inf, frozenset()) for one rank.
     """
     devices = list(devices)
     n = len(devices)
+    wt = {r: 1.0 for r in devices} if weights is None else {r: float(weights[r]) for r in devices}
+    total = sum(wt.values())
     if n < 2:
         return float("inf"), frozenset()
     g = _job_graph(topology, devices, relays)
@@ -144,7 +152,7 @@ def sharded_cut(topology: Topology, devices, *, reverse: bool = False, relays=()
 
     def ratio(t_set):
         out = sum(cap(a, b) for a in t_set for b in g.successors(a) if b not in t_set)
-        return out / len(t_set.intersection(devices))
+        return out / sum(wt[r] for r in t_set.intersection(devices))
 
     # start from the best of the usual binding sets (one rank; everything but one rank), so the
     # iteration mostly only verifies: n max-flows
@@ -154,12 +162,12 @@ def sharded_cut(topology: Topology, devices, *, reverse: bool = False, relays=()
     y = ratio(best)
     while True:
         for r in devices:
-            g.add_edge(src, r, bandwidth_gbps=y)
+            g.add_edge(src, r, bandwidth_gbps=y * wt[r])
         residual = build_residual_network(g, "bandwidth_gbps")
         for t in devices:
             val, (side, _) = nx.minimum_cut(g, src, t, capacity="bandwidth_gbps", flow_func=edmonds_karp,
                                             residual=residual)
-            if val < n * y * (1 - 1e-12):
+            if val < total * y * (1 - 1e-12):
                 t_set = frozenset(side) - {src}
                 if ratio(t_set) < y:
                     best, y = t_set, ratio(t_set)

@@ -24,6 +24,7 @@ from ..topology.model import Topology
 from .model import COLLECTIVES, Plan, cached, clear_caches, job_devices, plan_cache
 from .rings import packed_ring_plan
 from .sharded import rsag_plan
+from .symmetric import node_structure, symmetric_plan, symmetric_rsag_plan
 from .threephase import hierarchical_plan, node_groups
 from .trees import flat_plan, relay_plan
 
@@ -143,6 +144,9 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm, re
         return packed_ring_plan(topology, collective, devices, max_trees)
     if _collectives.get(collective).sharded:  # no three-phase variant: the flat packing is exact
         return flat_plan(topology, collective, devices, root, max_trees, algorithm, rate_tolerance, fingerprint)
+    struct = _structure(topology, collective, devices, max_trees)
+    if struct is not None and algorithm in ("auto", "trees", "hierarchical", "rsag"):
+        return _structured(topology, devices, algorithm, struct)
     if algorithm == "rsag":
         rs = planned(topology, "reducescatter", devices, None, None, "trees", (), 0.0)
         ag = planned(topology, "allgather", devices, None, None, "trees", (), 0.0)
@@ -167,3 +171,32 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm, re
         f"{len(groups)} nodes: the flat packing over all GPUs ({flat.rate_gbps:.3f} GB/s) is at least as fast "
         f"as Blink's three-phase hierarchical plan ({hier.rate_gbps:.3f} GB/s: leaders feed the NICs through "
         f"one GPU each, while flat trees spread NIC traffic over every GPU of a node)",))
+
+
+def _structure(topology, collective, devices, max_trees):
+    """The job's :class:`~jax_blink.planner.symmetric.NodeStructure` when an all-reduce over identical
+    nodes can be planned by symmetry (no ``max_trees``: the tree-count ILP is the flat packing's), else None."""
+    if collective != "allreduce" or max_trees is not None or len(devices) < 2:
+        return None
+    if all(k != "network" for _, k in topology.graph.nodes(data="kind")):
+        return None
+    return node_structure(topology, devices)
+
+
+def _structured(topology, devices, algorithm, struct) -> Plan:
+    """All-reduce over identical nodes planned on one node and the network (:mod:`.symmetric`)."""
+    if algorithm == "rsag":
+        return symmetric_rsag_plan(topology, devices, struct)
+    flat = symmetric_plan(topology, devices, struct, leader="any")
+    if algorithm == "trees":
+        return flat
+    hier = symmetric_plan(topology, devices, struct, leader="one", bound=flat.bound_gbps)
+    if algorithm == "hierarchical":
+        return dataclasses.replace(hier, notes=hier.notes + (
+            "three-phase plan (algorithm='hierarchical'; the flat packing was not compared)",))
+    if hier.rate_gbps > flat.rate_gbps * (1 + 1e-6):
+        return dataclasses.replace(hier, notes=hier.notes + (
+            f"three-phase plan {hier.rate_gbps:.3f} GB/s beats the tree packing {flat.rate_gbps:.3f} GB/s",))
+    return dataclasses.replace(flat, notes=flat.notes + (
+        f"{struct.n_nodes} nodes: the tree packing over all GPUs ({flat.rate_gbps:.3f} GB/s) is at least as fast as "
+        f"Blink's three-phase plan ({hier.rate_gbps:.3f} GB/s)",))

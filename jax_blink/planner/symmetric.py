@@ -1,0 +1,454 @@
+"""All-reduce over identical nodes by symmetry: plan one node, compose (Blink s. 5; SyCCL, SIGCOMM 2025).
+
+A cluster of N identical nodes joined through one network fabric (the ``"network"`` node of
+:func:`jax_blink.topology.presets.multi_node`; every cross-node route is GPU -> NIC -> network ->
+NIC -> GPU) is symmetric under any permutation of its nodes. The all-reduce tree-packing LP (Blink
+s. 4: maximise the total weight of spanning trees, every directed link within capacity) is convex
+and invariant under these permutations, so averaging an optimal solution over them gives an
+optimal *symmetric* solution, and its dual can be taken symmetric too: one price per link of ONE
+node (its GPUs, switches, NICs and NIC-network links; the "contracted graph": the other nodes are
+copies, the network one vertex X). The LP then has one row per link of one node, the columns are
+trees priced under symmetric prices, and a column's row coefficient is its usage averaged over the
+N nodes.
+
+Pricing (exact). Let p(a) be the cheapest price of a route GPU a -> X and back (both directions:
+an all-reduce tree uses each of its links both ways) and p* = min_a p(a) at GPU a*. Cut a spanning
+tree of all N G GPUs into its intra-node forest (c components per node) and its M - 1 cross edges
+(M = N c components; a cross edge a -X- b costs p(a) + p(b)). The cross edges form a tree on the M
+components, so their cost is at least sum_C deg(C) p(C) >= sum_C p(C) + (M - 2) p*, with equality
+for a star centred at a*. Hence the cheapest tree costs N * MST(H) - 2 p*, where H is ONE node's GPUs
+plus X with GPU-X edges of cost p(a) + p*; its averaged usage is that tree's usage minus 2/N of
+a*'s route. ``leader="one"`` restricts the columns to one component per node (Blink's three
+phases: reduce inside each node onto its leader, exchange among the leaders, broadcast inside):
+cost MST(intra) + (2 - 2/N) p*.
+
+Composition. A column is a star of components centred at a* of one node; its usage equals the
+average only when every node is the centre for 1/N of the column's weight. Columns with the same
+centre route and component count are laid end to end and cut into N equal pieces, piece k
+centred at node k (at most columns + N - 1 trees per such group), so every node carries exactly
+the averaged load: the plan meets the LP bound, and the bound (the LP dual) is the exact optimum of
+the flat packing over all GPUs on the route model of one node (``tests/test_symmetric.py`` checks it
+against the flat LP certificate at 2-4 nodes). Cost: an LP over one node's links, pricing on G + 1
+vertices, whatever N is; building the plan is N trees per group over all GPUs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+import networkx as nx
+import numpy as np
+
+from ..errors import PlanError
+from ..topology.model import Topology, _key
+from .bounds import sharded_cut
+from .colgen import column_generation
+from .model import Plan, Tree, _hops, _round, cached, plan_cache
+from .routes import Column, RouteTable, _spanning_parents, pricer
+from .trees import flat_plan
+
+_STRUCTURES = plan_cache()
+_NODE_PREFIX = re.compile(r"^n(\d+)-(.+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeStructure:
+    """The job's GPUs as N identical nodes around one network node.
+
+    Attributes:
+      groups: GPU ids per node (node order of ``devices``; each sorted), all the same length G.
+      network: id of the network node X (kind "network").
+      maps: per node, {template node id: this node's id} for node 0's GPUs and switches (the
+        template is node 0; ``maps[0]`` is the identity); X maps to itself.
+      template: node 0's job graph plus X as a ``Topology`` in which X is GPU ``x_id`` (so routes
+        GPU -> X come from :class:`~jax_blink.planner.routes.RouteTable`).
+      x_id: the integer id X has in ``template``.
+    """
+
+    groups: tuple
+    network: str
+    maps: tuple
+    template: Topology
+    x_id: int
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.groups)
+
+
+def _label(g, n, pos):
+    kind = g.nodes[n]["kind"]
+    return ("gpu", pos[n]) if kind == "gpu" else (kind,)
+
+
+def _edge_sig(d):
+    return (round(float(d["bandwidth_gbps"]), 9), d.get("kind"), d.get("links"))
+
+
+def _map_node(g, comp0, comp_k, pos0, posk, net):
+    """{node-0 id: node-k id} for an isomorphism of the two nodes that keeps GPU positions, or None.
+    Fast path: multi_node's "n<k>-" switch names; else networkx's VF2 with GPUs pinned by position."""
+    inv0 = {p: n for n, p in pos0.items()}
+    m = {inv0[p]: n for n, p in posk.items()}
+    m[net] = net
+    sw_k = {n for n in comp_k if not isinstance(n, int)}
+    by_rest = {}
+    for s in sw_k:
+        hit = _NODE_PREFIX.match(str(s))
+        if hit:
+            by_rest[hit.group(2)] = s
+    fast = dict(m)
+    for s in comp0:
+        if isinstance(s, int):
+            continue
+        hit = _NODE_PREFIX.match(str(s))
+        if not hit or hit.group(2) not in by_rest:
+            fast = None
+            break
+        fast[s] = by_rest[hit.group(2)]
+    nodes0 = set(comp0) | {net}
+    nodes_k = set(comp_k) | {net}
+
+    def valid(mp):
+        if len(set(mp.values())) != len(mp) or set(mp.values()) != nodes_k:
+            return False
+        for n in nodes0:
+            if n != net and _label(g, n, pos0) != _label(g, mp[n], posk):
+                return False
+        e0 = [(u, v) for u, v in g.edges(nodes0) if v in nodes0] + [(u, v) for u, v in g.in_edges(net) if u in nodes0]
+        ek = sum(1 for u, v in g.edges(nodes_k) if v in nodes_k) + sum(1 for u, _ in g.in_edges(net) if u in nodes_k)
+        if len(e0) != ek:
+            return False
+        return all(g.has_edge(mp[u], mp[v]) and _edge_sig(g.edges[u, v]) == _edge_sig(g.edges[mp[u], mp[v]])
+                   for u, v in e0)
+
+    if fast is not None and valid(fast):
+        return fast
+    lab = {**{n: _label(g, n, pos0) for n in comp0}, **{n: _label(g, n, posk) for n in comp_k}, net: ("x",)}
+    h0, hk = nx.DiGraph(g.subgraph(nodes0)), nx.DiGraph(g.subgraph(nodes_k))
+    nx.set_node_attributes(h0, {n: lab[n] for n in h0}, "_l")
+    nx.set_node_attributes(hk, {n: lab[n] for n in hk}, "_l")
+    gm = nx.algorithms.isomorphism.DiGraphMatcher(
+        h0, hk, node_match=lambda a, b: a["_l"] == b["_l"], edge_match=lambda a, b: _edge_sig(a) == _edge_sig(b))
+    for iso in gm.isomorphisms_iter():
+        return dict(iso)
+    return None
+
+
+def node_structure(topology: Topology, devices) -> NodeStructure | None:
+    """The :class:`NodeStructure` of ``devices`` on ``topology``, or None when the job is not two or
+    more identical nodes (same GPUs by position, switches, links and NIC links) around exactly one
+    network node. Cached by (topology fingerprint, devices)."""
+    devices = tuple(devices)
+    key = (topology.fingerprint(), devices)
+    return cached(_STRUCTURES, key, lambda: _node_structure(topology, devices))
+
+
+def _node_structure(topology, devices):
+    kinds = topology.graph.nodes(data="kind")
+    nets = [n for n, k in kinds if k == "network"]
+    if len(nets) != 1:
+        return None
+    job = topology.subset(devices).graph
+    if nets[0] not in job:
+        return None
+    net = nets[0]
+    h = job.subgraph([n for n in job if n != net]).to_undirected(as_view=True)
+    comps = list(nx.connected_components(h))
+    dev_pos = {d: i for i, d in enumerate(devices)}
+    comps = [c for c in comps if any(isinstance(n, int) for n in c)]
+    if len(comps) < 2 or any(job.nodes[n]["kind"] == "network" for c in comps for n in c):
+        return None
+    comps.sort(key=lambda c: min(dev_pos[n] for n in c if isinstance(n, int)))
+    groups = [tuple(sorted(n for n in c if isinstance(n, int))) for c in comps]
+    if len({len(gs) for gs in groups}) != 1:
+        return None
+    pos = [{d: i for i, d in enumerate(gs)} for gs in groups]
+    maps = []
+    for k, comp in enumerate(comps):
+        m = _map_node(job, comps[0], comp, pos[0], pos[k], net)
+        if m is None:
+            return None
+        maps.append(m)
+    x_id = max(topology.gpus) + 1
+    t = Topology(f"{topology.name}:node")
+    sub = job.subgraph(set(comps[0]) | {net})
+    for n, d in sub.nodes(data=True):
+        if n == net:
+            t.graph.add_node(x_id, **{**d, "kind": "gpu"})
+        else:
+            t.graph.add_node(n, **d)
+    for u, v, d in sub.edges(data=True):
+        t.graph.add_edge(x_id if u == net else u, x_id if v == net else v, **d)
+    return NodeStructure(tuple(groups), net, tuple(maps), t, x_id)
+
+
+# ------------------------------------------------------------------------------ the symmetric LP
+@dataclasses.dataclass(frozen=True)
+class _SymColumn:
+    intra: tuple    # (u, v, route) template edges inside the node
+    attach: tuple   # (b, route b -> X) per component (a* first)
+    center: int     # a*: the GPU whose route carries the star's cross edges
+
+
+def _solve(struct: NodeStructure, leader: str):
+    """Column generation over symmetric columns: (columns, weights, rate, dual bound, table)."""
+    n = struct.n_nodes
+    devs0 = struct.groups[0]
+    x = struct.x_id
+    table = RouteTable.build(struct.template, devs0 + (x,))
+    table.check_connected("symmetric all-reduce plan (one node and the network)")
+    pr = pricer(table, "spanning")
+    xi = len(devs0)
+    g = len(devs0)
+    meta = {}
+
+    def price(y):
+        w, pick = pr.costs(y)
+        p = w[:g, xi].copy()
+        if not np.isfinite(p).any():
+            raise PlanError(f"symmetric plan: no GPU of node {list(devs0)} reaches the network")
+        w2 = w.copy()
+        if leader == "one":
+            star = int(np.argmin(p))
+            pairs = _spanning_parents(w2[:g, :g], star, pr.rank)
+            if pairs is None:
+                raise PlanError(f"three-phase plan: GPUs {list(devs0)} of a node cannot all reach each other "
+                                f"inside the node")
+            xs = [star]
+        else:
+            pmin = float(np.min(p))
+            w2[:g, xi] = p + pmin
+            w2[xi, :g] = p + pmin
+            pairs = _spanning_parents(w2, xi, {**pr.rank, xi: -1})
+            if pairs is None:
+                raise PlanError(f"symmetric plan: GPUs {list(devs0)} cannot all reach each other or the network")
+            xs = sorted((c for a, c in pairs if a == xi), key=lambda b: (p[b], b))
+            pairs = [(a, c) for a, c in pairs if a != xi]
+        usage = np.zeros(len(table.links))
+        intra = []
+        for a, b in pairs:
+            r, u = pr.edge(a, b, pick)
+            usage += u
+            intra.append((devs0[a], devs0[b], r))
+        attach = []
+        for b in xs:
+            r, u = pr.edge(b, xi, pick)
+            usage += u
+            attach.append((devs0[b], r))
+        star = xs[0]
+        _, ustar = pr.edge(star, xi, pick)
+        usage += (len(xs) - 2.0 / n) * ustar
+        col = _SymColumn(tuple(intra), tuple(attach), devs0[star])
+        edges = (col.intra, col.attach)
+        meta[edges] = col
+        return [("sym", Column(edges, usage))]
+
+    res = column_generation(table.cap, price, warm_rounds=4, what="symmetric all-reduce packing",
+                            devices=list(devs0))
+    cols = [meta[c.edges] for c in res.columns]
+    return cols, res.weights, res.rate, res.dual_bound, table
+
+
+def _mapped(route, m) -> tuple:
+    return tuple(m[v] for v in route)
+
+
+def _expand(struct: NodeStructure, cols, weights, x_id):
+    """Trees over all GPUs from the symmetric columns: per (centre route, component count) group,
+    the columns end to end, cut into N equal pieces centred at nodes 0..N-1."""
+    n = struct.n_nodes
+    net = struct.network
+    maps = [{**m, x_id: net} for m in struct.maps]
+    groups = collections.OrderedDict()
+    for j, col in enumerate(cols):
+        if weights[j] <= 1e-12:
+            continue
+        groups.setdefault((col.attach[0], len(col.attach)), []).append(j)
+    pieces = []  # (column, centre node, weight)
+    for js in groups.values():
+        total = float(sum(weights[j] for j in js))
+        edges = np.cumsum([0.0] + [float(weights[j]) for j in js])
+        for k in range(n):
+            lo, hi = total * k / n, total * (k + 1) / n
+            for i, j in enumerate(js):
+                a, b = max(lo, edges[i]), min(hi, edges[i + 1])
+                if b - a > 1e-12:
+                    pieces.append((j, k, b - a))
+    # per column: each component's intra hops (oriented away from its attach GPU), mapped per node once
+    built = {}
+    trees = []
+    for j, k, wt in pieces:
+        col = cols[j]
+        if j not in built:
+            comp_of = {b: b for b, _ in col.attach}
+            per = {b: [] for b, _ in col.attach}
+            for u, v, r in col.intra:  # breadth-first from the attach GPUs: parents come first
+                comp_of[v] = comp_of[u]
+                per[comp_of[u]].extend(_hops(r))
+            built[j] = ([{b: [(m[x], m[y]) for x, y in per[b]] for b, _ in col.attach} for m in maps],
+                        [{b: [(m[x], m[y]) for x, y in _hops(r[::-1])] for b, r in col.attach} for m in maps])
+        intra, down = built[j]
+        star, up_route = col.attach[0]
+        up = [(maps[k][x], maps[k][y]) for x, y in _hops(up_route)]
+        hops = list(intra[k][star])
+        for m_i in range(n):
+            for idx, (b, _) in enumerate(col.attach):
+                if m_i == k and idx == 0:
+                    continue  # the centre's own component: the root of the star
+                hops.extend(up)
+                hops.extend(down[m_i][b])
+                hops.extend(intra[m_i][b])
+        trees.append(Tree(maps[k][star], _round(wt), tuple(hops)))
+    return trees
+
+
+def symmetric_plan(topology: Topology, devices, struct: NodeStructure, *, leader: str = "any",
+                   bound: float | None = None) -> Plan:
+    """All-reduce plan over ``devices`` (N identical nodes, ``struct`` from :func:`node_structure`)
+    planned on one node and the network, composed over the nodes (module docstring; Blink, MLSys 2020,
+    s. 4-5; symmetry decomposition as SyCCL, SIGCOMM 2025).
+
+    Args:
+      leader: "any" (algorithm "trees": every spanning tree of all GPUs, exact: the rate is the
+        optimum of the flat packing, certified by the LP dual) or "one" (algorithm "hierarchical":
+        Blink's three phases, one intra-node tree and leader per node and tree; certificate: the
+        exact flat bound ``bound`` (computed here when None); the shortfall is in ``notes``).
+
+    Returns the Plan (rate and bound in GB/s). Raises PlanError when a node's GPUs cannot reach each
+    other or the network.
+    """
+    cols, w, rate, dual, _ = _solve(struct, leader)
+    trees = _expand(struct, cols, w, struct.x_id)
+    trees.sort(key=lambda t: (-t.weight_gbps, _key(t.root)))
+    total = _round(sum(t.weight_gbps for t in trees))
+    n, g = struct.n_nodes, len(struct.groups[0])
+    what = (f"symmetric decomposition: {n} identical nodes of {g} GPUs around network {struct.network!r}; one LP "
+            f"over one node's {len(struct.template.graph.edges)} links (usage averaged over the nodes), "
+            f"{len(cols)} columns composed into {len(trees)} trees (N = {n} pieces per centre group)")
+    if leader == "one":
+        flat = exact_allreduce_bound(struct) if bound is None else bound
+        gap = 100.0 * (1.0 - total / flat) if flat > 0 else 0.0
+        notes = (f"three phases (Blink s. 5) by symmetry: reduce inside each node onto its leader, cross-node "
+                 f"star among the leaders, broadcast inside; {total:.3f} GB/s, {gap:.2f}% below the exact flat "
+                 f"bound {flat:.3f} GB/s (three-phase LP optimum {rate:.3f}, dual {dual:.3f})", what)
+        return Plan("allreduce", None, tuple(devices), tuple(trees), total, _round(flat), "hierarchical", notes)
+    notes = (f"tree packing by symmetry: {total:.3f} GB/s of the exact bound {dual:.3f} GB/s (the flat LP's "
+             f"optimum: symmetric LP dual)", what)
+    return Plan("allreduce", None, tuple(devices), tuple(trees), total, _round(max(dual, total)), "trees", notes)
+
+
+_BOUNDS = plan_cache()
+
+
+def exact_allreduce_bound(struct: NodeStructure) -> float:
+    """The exact all-reduce tree-packing optimum over all GPUs of the N nodes, GB/s: the symmetric
+    LP's dual (module docstring), cached per template and N."""
+    key = (struct.template.fingerprint(), struct.n_nodes)
+    return cached(_BOUNDS, key, lambda: float(_solve(struct, "any")[3]))
+
+
+# ------------------------------------------------------------------------------ reduce-scatter + all-gather
+def sharded_bounds(struct: NodeStructure) -> tuple[float, float]:
+    """(reduce-scatter, all-gather) cut bounds over all N G GPUs, GB/s of the full buffer, on one node.
+
+    The all-gather cut bound (ForestColl, Zhao et al. 2024) is N G min over node sets T holding some
+    but not all ranks of B_out(T) / |T & ranks|. With the network node X a cut vertex and the nodes
+    identical, a minimising T either avoids X (then one node's part alone is as good: the ratio of
+    a union is a mediant) or holds X and all nodes but one, which holds a part S: B_out(S + X) /
+    ((N - 1) G + |S|). Both are the weighted cut of ONE node plus X as a rank of weight (N - 1) G
+    (:func:`jax_blink.planner.bounds.sharded_cut` with ``weights``); reduce-scatter on reversed links.
+    """
+    n, g = struct.n_nodes, len(struct.groups[0])
+    devs = struct.groups[0] + (struct.x_id,)
+    w = {d: 1.0 for d in struct.groups[0]}
+    w[struct.x_id] = float((n - 1) * g)
+    ag = sharded_cut(struct.template, devs, weights=w)[0] * n * g
+    rs = sharded_cut(struct.template, devs, weights=w, reverse=True)[0] * n * g
+    return rs, ag
+
+
+def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_gpu_edges: int | None = None) -> Plan:
+    """All-reduce as reduce-scatter + all-gather forests over N identical nodes, composed from one node
+    (ForestColl's forests, Zhao et al. 2024, composed by symmetry as SyCCL does).
+
+    Root r at position i of node k: its shard is broadcast inside node k on the node's own
+    all-gather trees of GPU i (weights of the one-node packing), sent over r's route to the network
+    to GPU i of every other node, and broadcast there on the same tree; the reduce-scatter in-tree is
+    the same tree reversed. Every node then carries, per root weight x, n times its one-node forest
+    plus (N - 1) uses of each position's NIC route each way, so x is the least capacity / load over
+    ONE node's links (exact for the whole cluster by symmetry) and the rate N x. Certificate:
+    1 / (1 / B_rs + 1 / B_ag) of :func:`sharded_bounds`; the shortfall is in ``notes``.
+
+    ``max_gpu_edges``: raise PlanError when the plan would list more GPU-level tree edges (N trees
+    of N GPUs per one-node tree of a root: the plan's size grows as N^2). Raises PlanError when a GPU
+    cannot reach the network.
+    """
+    n, g = struct.n_nodes, len(struct.groups[0])
+    devs0 = struct.groups[0]
+    node = Topology(f"{topology.name}:node0")  # node 0 without the network: the same for every cluster size
+    node.graph = nx.DiGraph(struct.template.graph.subgraph([v for v in struct.template.graph if v != struct.x_id]))
+    node = node.subset(devs0)
+    local = flat_plan(node, "allgather", devs0, None, None, "trees")
+    per_root = collections.defaultdict(list)
+    for t in local.trees:
+        per_root[t.root].append(t)
+    table = RouteTable.build(struct.template, devs0 + (struct.x_id,))
+    up = {}
+    for d in devs0:
+        rs = table.routes.get((d, struct.x_id)) or []
+        if not rs:
+            raise PlanError(f"rsag over {n} nodes: GPU {d} of node {list(devs0)} has no route to the network")
+        up[d] = rs[0]
+    def rate_of(forest):
+        load = collections.Counter()
+        for d, ts in forest.items():
+            wsum = sum(t.weight_gbps for t in ts)
+            for t in ts:
+                for h in t.edges:
+                    load[h] += n * t.weight_gbps / wsum
+                    load[h[::-1]] += n * t.weight_gbps / wsum
+            for h in _hops(up[d]):
+                load[h] += 2 * (n - 1)
+                load[h[::-1]] += 2 * (n - 1)
+        return min(struct.template.graph.edges[e]["bandwidth_gbps"] / v for e, v in load.items() if v > 0)
+
+    # one tree per root (its heaviest) when the network binds anyway: fewer, longer-pipelined trees
+    x = rate_of(per_root)
+    heavy = {d: [max(ts, key=lambda t: t.weight_gbps)] for d, ts in per_root.items()}
+    xh = rate_of(heavy)
+    if xh >= x * (1 - 1e-9):
+        per_root, x = heavy, xh
+    total_trees = n * sum(len(v) for v in per_root.values())
+    if max_gpu_edges is not None and total_trees * n * g > max_gpu_edges:
+        raise PlanError(f"rsag over {n} nodes: {total_trees} trees of {n * g} GPUs exceed {max_gpu_edges} tree edges "
+                        f"(the plan grows as N^2)")
+    net = struct.network
+    maps = [{**m, struct.x_id: net} for m in struct.maps]
+    mine = [t for ts in per_root.values() for t in ts]
+    mapped = [{id(t): [(m[a], m[b]) for a, b in t.edges] for t in mine} for m in maps]
+    downs = [{d: [(m[a], m[b]) for a, b in _hops(up[d][::-1])] for d in per_root} for m in maps]
+    trees = []
+    for k in range(n):
+        for d, ts in per_root.items():
+            wsum = sum(t.weight_gbps for t in ts)
+            upk = [(maps[k][a], maps[k][b]) for a, b in _hops(up[d])]
+            for t in ts:
+                hops = list(mapped[k][id(t)])
+                for m_i in range(n):
+                    if m_i != k:
+                        hops.extend(upk)
+                        hops.extend(downs[m_i][d])
+                        hops.extend(mapped[m_i][id(t)])
+                hops = tuple(hops)
+                trees.append(Tree(maps[k][d], _round(x * t.weight_gbps / wsum), hops, hops))
+    rate = _round(sum(t.weight_gbps for t in trees))
+    b_rs, b_ag = sharded_bounds(struct)
+    bound = 1.0 / (1.0 / b_rs + 1.0 / b_ag)
+    gap = 100.0 * (1.0 - rate / bound) if bound > 0 else 0.0
+    note = (f"rsag by symmetry: one-node all-gather forest ({sum(len(v) for v in per_root.values())} of its {len(local.trees)} trees) composed over {n} nodes through "
+            f"each GPU's network route; all-reduce rate {rate:.3f} GB/s, {gap:.2f}% below 1/(1/B_rs + 1/B_ag) = "
+            f"{bound:.3f} GB/s (cut bounds {b_rs:.3f}, {b_ag:.3f} on one node with the other nodes contracted)",)
+    return Plan("allreduce", None, tuple(devices), tuple(trees), rate, _round(max(bound, rate)), "rsag", note)
