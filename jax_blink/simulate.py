@@ -110,7 +110,8 @@ def busbw_factor(collective: str, n: int) -> float:
 
 def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAULT_LATENCY_US,
              chunk_bytes: float | None = None, topology=None, devices=None,
-             max_chunks: int = DEFAULT_MAX_CHUNKS, protocol_latency_us: float | None = None) -> SimResult:
+             max_chunks: int = DEFAULT_MAX_CHUNKS, protocol_latency_us: float | None = None,
+             method: str = "auto") -> SimResult:
     """Simulate one collective of ``nbytes`` bytes per rank on a topology's links.
 
     Args:
@@ -133,6 +134,11 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
       max_chunks: upper bound on chunks per tree for a Plan when ``chunk_bytes`` is None.
       protocol_latency_us: per-chunk protocol latency of every send in microseconds (>= 0); None:
         :data:`PROTOCOL_LATENCY_US` of the slowest link kind on the send's route.
+      method: "link" (the event model of the module docstring), "flow" (a Plan only: the closed
+        form of :func:`flow_time`, cost independent of chunks and links; ``link_bytes`` and
+        ``link_util`` from the plan's link loads, ``messages`` 0), or "auto" (default): "link" unless
+        a Plan would need more than LINK_LEVEL_MAX_MESSAGES messages (about 1,000 GPUs) and no GPU
+        lacks peer access, so a 1,024-GPU simulation takes seconds.
 
     Returns: a :class:`SimResult`.
 
@@ -165,6 +171,19 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
     if not hasattr(topology, "check_devices"):
         raise BlinkError(f"topology must be a jax_blink.Topology (e.g. jax_blink.load_topology('dgx1v')), "
                          f"got {type(topology).__name__}")
+    if method not in ("auto", "link", "flow"):
+        raise BlinkError(f"method must be 'auto', 'link' or 'flow', got {method!r}")
+    if method == "flow" and isinstance(plan_or_schedule, Schedule):
+        raise BlinkError("method='flow' simulates a Plan; a Schedule runs on the link-level model (method='link')")
+    if isinstance(plan_or_schedule, Schedule) or protocol_latency_us is not None or chunk_bytes is not None:
+        flow = False
+    elif method == "auto":
+        flow = (link_level_messages(plan_or_schedule, nbytes, latency_us=latency_us, max_chunks=max_chunks)
+                > LINK_LEVEL_MAX_MESSAGES and not any(d.get("no_p2p") for _, d in topology.graph.nodes(data=True)))
+    else:
+        flow = method == "flow"
+    if flow:
+        return _flow_result(plan_or_schedule, float(nbytes), topology, latency_us, max_chunks)
     latency_s = latency_us * 1e-6
     if isinstance(plan_or_schedule, Schedule):
         sched = plan_or_schedule
@@ -476,3 +495,152 @@ def _run(msgs: list[_Msg], topology, latency_s: float):
     if done != len(msgs):
         raise ScheduleError(f"{len(msgs) - done} transfers never became ready (cyclic dependencies)")
     return end, busy, carried
+
+
+# --------------------------------------------------------------------------- flow-level model
+#: ``simulate(method="auto")`` runs the link-level event model up to about this many messages
+#: (chunks x GPU-level tree edges), the flow-level closed form above.
+LINK_LEVEL_MAX_MESSAGES = 1_000_000
+_KIND_RANK = {k: i for i, k in enumerate(_KIND_ORDER)}
+
+
+def _walk(hops, root, bw, kinds, relays=()):
+    """Per GPU of one tree's hop list (consecutive routes, parents before children; others resolved
+    after): physical hops, sum of 1 / GB/s over the hops and protocol latency (s) from the root.
+    Returns (max hops, [(sum 1/B, protocol s, GPU sends) per GPU], slowest link GB/s)."""
+    at = {root: (0, 0.0, 0.0, 0)}
+    pending, cur = [], None
+    slow = math.inf
+    for a, b in hops:
+        if isinstance(a, int) and a not in relays:
+            cur, n, inv, worst = a, 0, 0.0, -1
+        e = bw.get((a, b))
+        if e is None:
+            raise PlanError(f"tree hop {(a, b)} is not a link of the topology")
+        n += 1
+        inv += 1.0 / e
+        slow = min(slow, e)
+        worst = max(worst, _KIND_RANK.get(kinds[(a, b)], -1))
+        if isinstance(b, int) and b not in relays:
+            step = (n, inv, PROTOCOL_LATENCY_US.get(_KIND_ORDER[worst], 0.0) * 1e-6 if worst >= 0 else 0.0)
+            if cur in at:
+                h0, i0, p0, g0 = at[cur]
+                at[b] = (h0 + step[0], i0 + step[1], p0 + step[2], g0 + 1)
+            else:
+                pending.append((cur, b, step))
+    while pending:  # only for hop lists not in breadth-first order
+        left = [x for x in pending if x[0] not in at]
+        if len(left) == len(pending):
+            raise PlanError(f"tree rooted at {root}: routes not connected to the root")
+        for p, c, step in pending:
+            if p in at:
+                h0, i0, p0, g0 = at[p]
+                at[c] = (h0 + step[0], i0 + step[1], p0 + step[2], g0 + 1)
+        pending = left
+    return max(v[0] for v in at.values()), [v[1:] for v in at.values()], slow
+
+
+_FLOW_TREES: dict = {}
+
+
+def _tree_metrics(tree, bw, kinds, reduces: bool, broadcasts: bool):
+    """(depth in hops, paths [(sum 1/B, protocol s, sends)] of the reduce and broadcast phases, slowest
+    link) of a tree, cached by identity."""
+    key = (id(tree), reduces, broadcasts)
+    hit = _FLOW_TREES.get(key)
+    if hit is not None and hit[0] is tree:
+        return hit[1]
+    parts = []
+    if reduces:
+        parts.append(tree.reduce_edges if tree.reduce_edges is not None else tree.edges)
+    if broadcasts:
+        parts.append(tree.edges)
+    d, paths, slow = 0, [], math.inf
+    for hops in parts:
+        pd, ps, s = _walk(hops, tree.root, bw, kinds, tree.relays)
+        d, slow = d + pd, min(slow, s)
+        paths.append(ps)
+    if len(_FLOW_TREES) > 65536:
+        _FLOW_TREES.clear()
+    _FLOW_TREES[key] = (tree, (d, paths, slow))
+    return d, paths, slow
+
+
+def flow_time(plan, nbytes: float, topology, *, latency_us: float = DEFAULT_LATENCY_US,
+              max_chunks: int = DEFAULT_MAX_CHUNKS) -> float:
+    """Seconds of one ``plan`` collective of ``nbytes`` bytes per rank by the flow-level closed form.
+
+    Every tree t of weight w_t carries its segment s_t (S w_t / W; all-gather / reduce-scatter: its
+    root's shard S / n split by weight) in k_t chunks (:func:`jax_blink.schedule.choose_chunks`, the
+    same chunking as the link-level model) through a pipeline of d_t store-and-forward hops (reduce
+    plus broadcast depth) and g_t GPU-level sends on its deepest path:
+
+        T_t = s_t / w_t + max_paths sum_phases (c_t sum_hops 1 / B_h + sum_sends alpha) - c_t / B_t,
+        time = max_t T_t
+
+    (c_t = s_t / k_t; the deepest path of the reduce and of the broadcast phase; alpha =
+    ``latency_us`` + the protocol latency of the send's slowest link kind, :data:`PROTOCOL_LATENCY_US`;
+    B_t the tree's slowest link, whose chunk time is already in the bandwidth term). The weights keep every link within capacity
+    (the planner's LP), so s_t / w_t is the bandwidth term; the rest is the pipeline fill (Johnsson &
+    Ho 1989; Blink s. 4.2). Cost: one pass over each tree's hops (cached per tree), independent of
+    the chunk count and of the link count. Agreement with :func:`simulate`'s link-level model:
+    ``tests/test_flow_model.py``. Host staging (GPUs without peer access) is not modelled: plans
+    with such sends should use ``method="link"``.
+    """
+    devices = list(plan.devices)
+    trees = [t for t in plan.trees if t.weight_gbps > 0]
+    if len(devices) <= 1 or not trees:
+        return 0.0
+    row = _collectives.get(plan.collective)
+    g = topology.graph
+    bw = {(u, v): d["bandwidth_gbps"] for u, v, d in g.edges(data=True)}
+    kinds = {(u, v): d["kind"] for u, v, d in g.edges(data=True)}
+    wsum = sum(t.weight_gbps for t in trees)
+    per_root: dict = {}
+    for t in trees:
+        per_root[t.root] = per_root.get(t.root, 0.0) + t.weight_gbps
+    latency_s = latency_us * 1e-6
+    mc = max(1, min(max_chunks, CHUNK_BUDGET // len(trees)))
+    worst = 0.0
+    for t in trees:
+        d, paths, slow = _tree_metrics(t, bw, kinds, row.reduces, row.broadcasts)
+        seg = nbytes / len(devices) * t.weight_gbps / per_root[t.root] if row.sharded else nbytes * t.weight_gbps / wsum
+        k = choose_chunks(seg, d, t.weight_gbps, step_latency_s=max(latency_s, 1e-7), max_chunks=mc)
+        c = seg / k / 1e9
+        # deepest path of each phase: chunk store-and-forward over its hops plus its sends' latencies
+        fill = sum(max(c * inv + proto + sends * latency_s for inv, proto, sends in ps) for ps in paths)
+        tt = seg / (t.weight_gbps * 1e9) + max(fill - c / slow, 0.0)
+        worst = max(worst, tt)
+    return worst
+
+
+def link_level_messages(plan, nbytes: float, *, latency_us: float = DEFAULT_LATENCY_US,
+                        max_chunks: int = DEFAULT_MAX_CHUNKS) -> int:
+    """An upper estimate of the messages the link-level model would simulate for ``plan``:
+    chunks per tree (at most ``max_chunks``, about CHUNK_BUDGET over all trees) x GPU-level edges
+    (reduce and broadcast). Cheap: no routes are parsed."""
+    trees = [t for t in plan.trees if t.weight_gbps > 0]
+    if not trees:
+        return 0
+    row = _collectives.get(plan.collective)
+    mc = max(1, min(max_chunks, CHUNK_BUDGET // len(trees)))
+    return len(trees) * mc * (len(plan.devices) - 1) * (int(row.reduces) + int(row.broadcasts))
+
+
+def _flow_result(plan, nbytes, topology, latency_us, max_chunks) -> SimResult:
+    """:class:`SimResult` of :func:`flow_time` (bytes per link: the plan's link loads x S / rate)."""
+    if plan.collective not in COLLECTIVES:
+        raise PlanError(f"unknown collective {plan.collective!r}; expected one of {COLLECTIVES}")
+    topology.check_devices(plan.devices)
+    n = len(plan.devices)
+    t = flow_time(plan, nbytes, topology, latency_us=latency_us, max_chunks=max_chunks)
+    algorithm = getattr(plan, "algorithm", "trees")
+    if n <= 1 or t == 0.0:
+        return SimResult(plan.collective, algorithm, n, nbytes, 0.0, math.inf, math.inf, {}, {}, 0)
+    wsum = sum(tr.weight_gbps for tr in plan.trees if tr.weight_gbps > 0)
+    carried = {e: gbps * nbytes / wsum for e, gbps in plan.link_loads().items() if gbps > 0}
+    g = topology.graph
+    util = {(u, v): carried.get((u, v), 0.0) / (g.edges[u, v]["bandwidth_gbps"] * 1e9 * t) for u, v in g.edges}
+    algbw = nbytes / t / 1e9
+    return SimResult(plan.collective, algorithm, n, nbytes, t, algbw, algbw * busbw_factor(plan.collective, n),
+                     carried, util, 0)
