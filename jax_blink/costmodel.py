@@ -58,6 +58,13 @@ from .simulate import DEFAULT_LATENCY_US, simulate
 
 #: ``plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
 CANDIDATE_MAX_TREES = (None, 4, 2, 1)
+#: Identical nodes: "rsag" is a candidate while N^2 (N trees of N GPUs) stays within this many tree
+#: edges (up to 512 GPUs); above, building it costs more than the rest of plan(nbytes=) together.
+STRUCTURED_RSAG_MAX_EDGES = 512 * 512
+#: The cost model's default predictor, "auto": "flow" (:func:`jax_blink.simulate.flow_time`, the
+#: closed form, cost independent of chunks and links) on topologies with a network (several nodes),
+#: "link" (the link-level event model) inside one node, where it takes milliseconds.
+DEFAULT_COST = "auto"
 
 _CHOICES: collections.OrderedDict = plan_cache()
 _TIMES: collections.OrderedDict = plan_cache()
@@ -158,6 +165,15 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
     if len(devices) == 1 or max_trees is not None:
         return out
     makers = []
+    struct = facade.structure(topology, collective, devices, max_trees)
+    if struct is not None:  # identical nodes: every candidate planned on one node (planner/symmetric.py)
+        if algorithm in ("auto", "trees"):
+            makers.append(lambda: facade.plan(topology, collective, devices=devices, algorithm="trees"))
+        if algorithm == "auto":
+            makers.append(lambda: facade.plan(topology, collective, devices=devices, algorithm="hierarchical"))
+            if len(devices) ** 2 <= STRUCTURED_RSAG_MAX_EDGES:
+                makers.append(lambda: facade.plan(topology, collective, devices=devices, algorithm="rsag"))
+        return _dedupe(first, makers)
     if algorithm in ("auto", "trees"):
         opt = facade.plan(topology, collective, devices=devices, root=root, algorithm="trees")
         if sharded:  # one tree per rank (the max-rate choice of n trees may differ from an n-tree optimum)
@@ -179,7 +195,12 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
         if len(threephase.node_groups(topology, list(devices))) > 1:
             makers.append(lambda: facade.plan(topology, collective, devices=devices, root=root,
                                                algorithm="hierarchical"))
-    seen = {first.trees}
+    return _dedupe(first, makers)
+
+
+def _dedupe(first, makers) -> list:
+    """``first`` and the plans ``makers`` build, without failures (PlanError) and duplicates."""
+    out, seen = [first], {first.trees}
     for make in makers:
         try:
             p = make()
@@ -192,48 +213,64 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
     return out
 
 
-def simulated_time(plan, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US) -> float:
-    """Seconds of one ``plan`` collective of ``nbytes`` bytes per GPU on ``topology``, by the
-    link-level simulator (its own chunking, per-send latency ``latency_us``). Cached."""
-    key = (topology.fingerprint(), plan, float(nbytes), float(latency_us))
-    return cached(_TIMES, key, lambda: simulate(plan, nbytes, topology=topology, latency_us=latency_us).time_s,
-                  _CACHE_SIZE)
+def resolve_cost(cost: str, topology) -> str:
+    """"flow" or "link" for ``cost`` ("auto": "flow" when ``topology`` has a network node). Raises
+    PlanError for anything else."""
+    if cost not in ("auto", "flow", "link"):
+        raise PlanError(f"cost must be 'auto', 'flow' or 'link', got {cost!r}")
+    if cost == "auto":
+        return "flow" if any(k == "network" for _, k in topology.graph.nodes(data="kind")) else "link"
+    return cost
 
 
-def fastest(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US):
+def simulated_time(plan, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US,
+                   cost: str = DEFAULT_COST) -> float:
+    """Seconds of one ``plan`` collective of ``nbytes`` bytes per GPU on ``topology`` (per-send latency
+    ``latency_us``), by ``cost``: "flow" (:func:`jax_blink.simulate.flow_time`, the closed form),
+    "link" (the link-level simulator, its own chunking) or "auto" (:func:`resolve_cost`). Cached."""
+    cost = resolve_cost(cost, topology)
+    key = (topology.fingerprint(), plan, float(nbytes), float(latency_us), cost)
+    return cached(_TIMES, key, lambda: simulate(plan, nbytes, topology=topology, latency_us=latency_us,
+                                                method=cost).time_s, _CACHE_SIZE)
+
+
+def fastest(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US, cost: str = DEFAULT_COST):
     """(plan, seconds) with the least :func:`simulated_time` among ``plans`` (earlier wins ties).
     Raises PlanError for no plans."""
     plans = list(plans)
     if not plans:
         raise PlanError("fastest needs at least one plan (e.g. from candidate_plans)")
-    timed = [(p, simulated_time(p, nbytes, topology, latency_us)) for p in plans]
+    timed = [(p, simulated_time(p, nbytes, topology, latency_us, cost)) for p in plans]
     return min(timed, key=lambda pt: pt[1])
 
 
 def choose_plan(topology, collective: str, nbytes: float, *, devices=None, root=None,
                 algorithm: str = "auto", max_trees: int | None = None,
-                latency_us: float = DEFAULT_LATENCY_US):
-    """The fastest of :func:`candidate_plans` at ``nbytes`` bytes per GPU, by the simulator.
+                latency_us: float = DEFAULT_LATENCY_US, cost: str = DEFAULT_COST):
+    """The fastest of :func:`candidate_plans` at ``nbytes`` bytes per GPU, by :func:`simulated_time`
+    (``cost``: "flow", the closed form; "link", the link-level simulator; "auto" (default): flow
+    across nodes, link inside one, :func:`resolve_cost`).
 
-    Returns the Plan with a note saying that ``auto`` chose it, its simulated time and the runner-up
+    Returns the Plan with a note saying that ``auto`` chose it, its predicted time and the runner-up
     (cached: the same inputs give the same object). Raises PlanError like ``jax_blink.plan``.
     """
     key = (topology.fingerprint(), collective, devices if devices is None else tuple(devices), root,
-           algorithm, max_trees, float(nbytes), float(latency_us))
+           algorithm, max_trees, float(nbytes), float(latency_us), cost)
     return cached(_CHOICES, key, lambda: _choose_plan(
         topology, candidate_plans(topology, collective, devices=devices, root=root, algorithm=algorithm,
-                                  max_trees=max_trees), nbytes, latency_us, algorithm), _CACHE_SIZE)
+                                  max_trees=max_trees), nbytes, latency_us, algorithm, cost), _CACHE_SIZE)
 
 
-def _choose_plan(topology, plans, nbytes, latency_us, algorithm="auto"):
-    best, t = fastest(plans, nbytes, topology, latency_us)
+def _choose_plan(topology, plans, nbytes, latency_us, algorithm="auto", cost=DEFAULT_COST):
+    best, t = fastest(plans, nbytes, topology, latency_us, cost)
     if len(plans) == 1:
         return best
-    others = sorted((simulated_time(p, nbytes, topology, latency_us), i) for i, p in enumerate(plans)
+    others = sorted((simulated_time(p, nbytes, topology, latency_us, cost), i) for i, p in enumerate(plans)
                     if p is not best)
     second = plans[others[0][1]]
     who = "auto" if algorithm == "auto" else f"algorithm={algorithm!r}"
-    note = (f"{who}: chosen for {nbytes:.0f} B per GPU by the cost model (link-level simulator): "
+    model = "flow-level closed form" if resolve_cost(cost, topology) == "flow" else "link-level simulator"
+    note = (f"{who}: chosen for {nbytes:.0f} B per GPU by the cost model ({model}): "
             f"{t * 1e6:.1f} us, the least of {len(plans)} candidates (next: {second.shape()}, "
             f"{others[0][0] * 1e6:.1f} us)")
     return dataclasses.replace(best, notes=best.notes + (note,))

@@ -31,7 +31,8 @@ from .trees import flat_plan, relay_plan
 ALGORITHMS = ("auto", "trees", "ring", "hierarchical", "rsag")
 _CACHE = plan_cache()
 
-__all__ = ["ALGORITHMS", "COLLECTIVES", "Plan", "check_request", "clear_caches", "job_devices", "plan", "planned"]
+__all__ = ["ALGORITHMS", "COLLECTIVES", "Plan", "check_request", "clear_caches", "job_devices", "plan", "planned",
+           "structure"]
 
 
 def check_request(topology: Topology, collective: str, devices, root, max_trees, algorithm: str, relays,
@@ -144,7 +145,7 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm, re
         return packed_ring_plan(topology, collective, devices, max_trees)
     if _collectives.get(collective).sharded:  # no three-phase variant: the flat packing is exact
         return flat_plan(topology, collective, devices, root, max_trees, algorithm, rate_tolerance, fingerprint)
-    struct = _structure(topology, collective, devices, max_trees)
+    struct = structure(topology, collective, devices, max_trees)
     if struct is not None and algorithm in ("auto", "trees", "hierarchical", "rsag"):
         return _structured(topology, devices, algorithm, struct)
     if algorithm == "rsag":
@@ -173,7 +174,7 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm, re
         f"one GPU each, while flat trees spread NIC traffic over every GPU of a node)",))
 
 
-def _structure(topology, collective, devices, max_trees):
+def structure(topology, collective, devices, max_trees):
     """The job's :class:`~jax_blink.planner.symmetric.NodeStructure` when an all-reduce over identical
     nodes can be planned by symmetry (no ``max_trees``: the tree-count ILP is the flat packing's), else None."""
     if collective != "allreduce" or max_trees is not None or len(devices) < 2:
