@@ -51,7 +51,7 @@ import numpy as np
 
 from . import collectives
 from .errors import PlanError, ScheduleError
-from .planner import dbtree, facade, rings, threephase
+from .planner import dbtree, facade, rings, store, threephase
 from .planner.model import cached, plan_cache
 from .schedule import DEFAULT_MAX_TOTAL_CHUNKS, DEFAULT_STEP_LATENCY_S, Schedule, _depth, build_schedule
 from .simulate import DEFAULT_LATENCY_US, simulate
@@ -254,11 +254,16 @@ def choose_plan(topology, collective: str, nbytes: float, *, devices=None, root=
     Returns the Plan with a note saying that ``auto`` chose it, its predicted time and the runner-up
     (cached: the same inputs give the same object). Raises PlanError like ``jax_blink.plan``.
     """
-    key = (topology.fingerprint(), collective, devices if devices is None else tuple(devices), root,
+    fp = topology.fingerprint()
+    key = (fp, collective, devices if devices is None else tuple(devices), root,
            algorithm, max_trees, float(nbytes), float(latency_us), cost)
-    return cached(_CHOICES, key, lambda: _choose_plan(
+    devs = facade.job_devices(topology, devices)
+    disk = {"kind": "choice", "topology": fp, "collective": collective, "devices": devs, "root": root,
+            "algorithm": algorithm, "max_trees": max_trees, "size": float(nbytes), "latency_us": float(latency_us),
+            "cost": resolve_cost(cost, topology)}
+    return cached(_CHOICES, key, lambda: store.disk_cached(disk, topology, collective, devs, lambda: _choose_plan(
         topology, candidate_plans(topology, collective, devices=devices, root=root, algorithm=algorithm,
-                                  max_trees=max_trees), nbytes, latency_us, algorithm, cost), _CACHE_SIZE)
+                                  max_trees=max_trees), nbytes, latency_us, algorithm, cost)), _CACHE_SIZE)
 
 
 def _choose_plan(topology, plans, nbytes, latency_us, algorithm="auto", cost=DEFAULT_COST):

@@ -4,6 +4,8 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# every test plans afresh (tests of the on-disk plan cache turn it on in a temporary directory)
+os.environ.setdefault("JAX_BLINK_PLAN_CACHE", "0")
 
 import pathlib
 

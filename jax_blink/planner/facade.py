@@ -21,6 +21,7 @@ import numbers
 from .. import collectives as _collectives
 from ..errors import PlanError
 from ..topology.model import Topology
+from . import store
 from .model import COLLECTIVES, Plan, cached, clear_caches, job_devices, plan_cache
 from .rings import packed_ring_plan
 from .sharded import rsag_plan
@@ -102,11 +103,16 @@ def plan(topology: Topology, collective: str = "allreduce", *, devices=None, roo
 
 def planned(topology: Topology, collective: str, devices: tuple, root, max_trees, algorithm: str, relays: tuple,
             rate_tolerance: float) -> Plan:
-    """The cached plan of a request :func:`check_request` has validated and normalised."""
+    """The cached plan of a request :func:`check_request` has validated and normalised: from memory,
+    else from disk (:mod:`.store`, validated before use), else planned and stored."""
     fp = topology.fingerprint()
     key = (fp, devices, collective, root, max_trees, algorithm, relays, rate_tolerance)
-    return cached(_CACHE, key, lambda: _plan_uncached(topology, collective, devices, root, max_trees, algorithm,
-                                                      relays, rate_tolerance, fp))
+    disk = {"kind": "plan", "topology": fp, "collective": collective, "devices": devices, "root": root,
+            "max_trees": max_trees, "algorithm": algorithm, "relays": relays, "rate_tolerance": rate_tolerance,
+            "size": None}
+    return cached(_CACHE, key, lambda: store.disk_cached(
+        disk, topology, collective, devices,
+        lambda: _plan_uncached(topology, collective, devices, root, max_trees, algorithm, relays, rate_tolerance, fp)))
 
 
 def _check_relays(topology, devices, relays) -> tuple:

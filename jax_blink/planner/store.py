@@ -1,0 +1,167 @@
+"""Plans on disk: the processes of one job, and the next run of it, load a plan instead of planning.
+
+One JSON file per request in ``<cache dir>/plans/`` (``$JAX_BLINK_CACHE_DIR``, else
+``$XDG_CACHE_HOME/jax_blink``, else ``~/.cache/jax_blink``: :func:`jax_blink.topology.probe.cache_dir`),
+named by the SHA-256 of the request key: planner version (:func:`planner_version`, a digest of
+the planning code), topology
+fingerprint, collective, devices, root, algorithm, the other planning arguments and the size class
+(the operand bytes the cost model chose for, or None for the rate-optimal plan). ``JAX_BLINK_PLAN_CACHE=0``
+turns it off.
+
+An entry is never trusted: it is used only when its envelope's version and key equal the request's,
+the SHA-256 of its plan text matches, the plan parses (:meth:`Plan.from_json`), is over the
+request's collective and devices, every hop is a link of the topology, every tree's routes reach
+all devices from its root, and its link loads are within capacity. Anything else (a torn write, a
+file of another version, an edited plan) is ignored and the plan is planned again and written over
+it (atomically: a temporary file, then a rename, so concurrent processes read a whole file or none).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import json
+import logging
+import os
+import pathlib
+
+from ..errors import PlanError
+from ..topology.probe import cache_dir
+from .model import Plan
+
+ENV_PLAN_CACHE = "JAX_BLINK_PLAN_CACHE"
+_LOG = logging.getLogger(__name__)
+#: The code that decides a plan: any edit to it makes older entries stale.
+_PLANNING_CODE = ("planner", "costmodel.py", "simulate.py", "schedule.py", "collectives.py")
+
+
+@functools.lru_cache(maxsize=1)
+def planner_version() -> str:
+    """Hex digest of the source of the planning code (the planner package, cost model, simulator,
+    schedule, collectives), so a changed planner never reads an older one's plans."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for name in _PLANNING_CODE:
+        p = root / name
+        for f in sorted(p.glob("*.py")) if p.is_dir() else [p]:
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def enabled() -> bool:
+    """Whether plans are cached on disk (``$JAX_BLINK_PLAN_CACHE`` is not "0")."""
+    return os.environ.get(ENV_PLAN_CACHE, "1") != "0"
+
+
+def entry_path(key: dict):
+    """The file of request ``key`` (a JSON-able dict; the planner version is part of it)."""
+    digest = hashlib.sha256(json.dumps(_key(key), sort_keys=True).encode()).hexdigest()[:32]
+    return cache_dir() / "plans" / f"{digest}.json"
+
+
+def _key(key: dict) -> dict:
+    """``key`` with the planner version, as JSON would give it back (lists, not tuples)."""
+    return json.loads(json.dumps({"version": planner_version(), **key}, sort_keys=True, default=str))
+
+
+def check_plan(plan: Plan, topology, collective: str, devices) -> None:
+    """Raise PlanError unless ``plan`` is a valid plan of ``collective`` over ``devices`` on
+    ``topology``: hops are links, each tree's routes reach every device from its root (broadcast
+    and reduce trees alike), link loads within capacity (1e-6 relative), rate = sum of weights."""
+    if plan.collective != collective or tuple(plan.devices) != tuple(devices):
+        raise PlanError(f"cached plan is for {plan.collective} over {list(plan.devices)}, not {collective} over "
+                        f"{list(devices)}")
+    g = topology.graph
+    devs = set(devices)
+    load = collections.Counter()
+    for t in plan.trees:
+        phases = [t.edges] if t.reduce_edges is None or t.reduce_edges == t.edges else [t.edges, t.reduce_edges]
+        for hops in phases:
+            _check_tree(hops, t.root, devs, set(t.relays))
+        for e, k in t.link_usage(plan.collective).items():
+            load[e] += k * t.weight_gbps
+    for e, v in load.items():
+        if not g.has_edge(*e):
+            raise PlanError(f"cached plan uses {e}, which is not a link of the topology")
+        if v > g.edges[e]["bandwidth_gbps"] * (1 + 1e-6) + 1e-9:
+            raise PlanError(f"cached plan loads link {e} with {v:.3f} GB/s > its {g.edges[e]['bandwidth_gbps']} GB/s")
+    total = sum(t.weight_gbps for t in plan.trees)
+    if plan.trees and abs(total - plan.rate_gbps) > 1e-6 * max(1.0, total):
+        raise PlanError(f"cached plan: rate {plan.rate_gbps} GB/s is not the sum of its weights {total}")
+
+
+def _check_tree(hops, root, devs: set, relays: set) -> None:
+    """Raise PlanError unless ``hops`` are consecutive routes forming a tree from ``root`` that
+    reaches every GPU of ``devs`` once (one pass: each route's GPU child gets its parent)."""
+    parent, cur = {}, None
+    for a, b in hops:
+        if isinstance(a, int) and a not in relays:
+            cur = a
+        if isinstance(b, int) and b not in relays:
+            if b in parent or b == root or cur is None:
+                raise PlanError(f"cached plan: tree rooted at {root} reaches GPU {b} twice or from nowhere")
+            parent[b] = cur
+            cur = None
+    if len(devs) > 1 and set(parent) != devs - {root}:
+        raise PlanError(f"cached plan: tree rooted at {root} does not span GPUs {sorted(devs)}")
+    done = {root}
+    for v in parent:  # every GPU reaches the root: no cycle
+        path = []
+        while v not in done:
+            path.append(v)
+            v = parent.get(v)
+            if v is None or len(path) > len(parent):
+                raise PlanError(f"cached plan: tree rooted at {root} has a cycle or a detached part")
+        done.update(path)
+
+
+def load(key: dict, topology, collective: str, devices) -> Plan | None:
+    """The cached plan of ``key``, or None when absent or not valid (module docstring; the reason is
+    logged at DEBUG)."""
+    path = entry_path(key)
+    try:
+        raw = path.read_bytes()
+        head, _, text = raw.partition(b"\n")
+        data = json.loads(head)
+        if not isinstance(data, dict) or data.get("key") != _key(key):
+            raise ValueError("another version or request")
+        if hashlib.sha256(text).hexdigest() != data["sha256"]:
+            raise ValueError("checksum mismatch")
+        plan = Plan.from_json(text.decode())
+        check_plan(plan, topology, collective, devices)
+        return plan
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanError) as err:
+        _LOG.debug("ignoring plan cache entry %s: %s", path, err)
+        return None
+
+
+def store(key: dict, plan: Plan) -> None:
+    """Write ``plan`` as the entry of ``key`` (atomic rename; an unwritable directory is logged and
+    skipped: the cache is an optimisation)."""
+    path = entry_path(key)
+    text = plan.to_json().encode()
+    head = json.dumps({"key": _key(key), "sha256": hashlib.sha256(text).hexdigest()}).encode()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(head + b"\n" + text)
+        tmp.replace(path)
+    except OSError as err:
+        _LOG.debug("plan cache: cannot write %s: %s", path, err)
+
+
+def disk_cached(key: dict, topology, collective: str, devices, make) -> Plan:
+    """The plan of request ``key``: loaded when a valid entry exists, else ``make()`` (then stored).
+    Plans with relays, and trivial plans, are stored like any other."""
+    if not enabled():
+        return make()
+    hit = load(key, topology, collective, devices)
+    if hit is not None:
+        return hit
+    plan = make()
+    store(key, plan)
+    return plan
