@@ -54,7 +54,7 @@ from .errors import PlanError, ScheduleError
 from .planner import dbtree, facade, rings, store, threephase
 from .planner.model import cached, plan_cache
 from .schedule import DEFAULT_MAX_TOTAL_CHUNKS, DEFAULT_STEP_LATENCY_S, Schedule, _depth, build_schedule
-from .simulate import DEFAULT_LATENCY_US, simulate
+from .simulate import DEFAULT_LATENCY_US, flow_time, simulate
 
 #: ``plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
 CANDIDATE_MAX_TREES = (None, 4, 2, 1)
@@ -230,8 +230,10 @@ def simulated_time(plan, nbytes: float, topology, latency_us: float = DEFAULT_LA
     "link" (the link-level simulator, its own chunking) or "auto" (:func:`resolve_cost`). Cached."""
     cost = resolve_cost(cost, topology)
     key = (topology.fingerprint(), plan, float(nbytes), float(latency_us), cost)
+    if cost == "flow":
+        return cached(_TIMES, key, lambda: flow_time(plan, nbytes, topology, latency_us=latency_us), _CACHE_SIZE)
     return cached(_TIMES, key, lambda: simulate(plan, nbytes, topology=topology, latency_us=latency_us,
-                                                method=cost).time_s, _CACHE_SIZE)
+                                                method="link").time_s, _CACHE_SIZE)
 
 
 def fastest(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US, cost: str = DEFAULT_COST):

@@ -50,6 +50,7 @@ from typing import Any
 
 from . import collectives as _collectives
 from .errors import BlinkError, PlanError, ScheduleError
+from .planner.model import tree_shape
 from .planner.routes import route
 from .schedule import COPY, REDUCE, Schedule, choose_chunks
 
@@ -502,32 +503,38 @@ def _run(msgs: list[_Msg], topology, latency_s: float):
 #: (chunks x GPU-level tree edges), the flow-level closed form above.
 LINK_LEVEL_MAX_MESSAGES = 1_000_000
 _KIND_RANK = {k: i for i, k in enumerate(_KIND_ORDER)}
+_PROTO_BY_RANK = {-1: 0.0, **{i: PROTOCOL_LATENCY_US.get(k, 0.0) * 1e-6 for i, k in enumerate(_KIND_ORDER)}}
 
 
-def _walk(hops, root, bw, kinds, relays=()):
+def _walk(hops, root, links, relays=()):
     """Per GPU of one tree's hop list (consecutive routes, parents before children; others resolved
     after): physical hops, sum of 1 / GB/s over the hops and protocol latency (s) from the root.
+    ``links``: {(u, v): (GB/s, 1 / GB/s, rank of its kind in _KIND_ORDER)}.
     Returns (max hops, [(sum 1/B, protocol s, GPU sends) per GPU], slowest link GB/s)."""
     at = {root: (0, 0.0, 0.0, 0)}
     pending, cur = [], None
     slow = math.inf
-    for a, b in hops:
-        if isinstance(a, int) and a not in relays:
+    n, inv, worst = 0, 0.0, -1
+    for h in hops:
+        a, b = h
+        if a.__class__ is int and a not in relays:
             cur, n, inv, worst = a, 0, 0.0, -1
-        e = bw.get((a, b))
+        e = links.get(h)
         if e is None:
-            raise PlanError(f"tree hop {(a, b)} is not a link of the topology")
+            raise PlanError(f"tree hop {h} is not a link of the topology")
         n += 1
-        inv += 1.0 / e
-        slow = min(slow, e)
-        worst = max(worst, _KIND_RANK.get(kinds[(a, b)], -1))
-        if isinstance(b, int) and b not in relays:
-            step = (n, inv, PROTOCOL_LATENCY_US.get(_KIND_ORDER[worst], 0.0) * 1e-6 if worst >= 0 else 0.0)
-            if cur in at:
-                h0, i0, p0, g0 = at[cur]
-                at[b] = (h0 + step[0], i0 + step[1], p0 + step[2], g0 + 1)
+        inv += e[1]
+        if e[0] < slow:
+            slow = e[0]
+        if e[2] > worst:
+            worst = e[2]
+        if b.__class__ is int and b not in relays:
+            proto = _PROTO_BY_RANK[worst]
+            prev = at.get(cur)
+            if prev is not None:
+                at[b] = (prev[0] + n, prev[1] + inv, prev[2] + proto, prev[3] + 1)
             else:
-                pending.append((cur, b, step))
+                pending.append((cur, b, (n, inv, proto)))
     while pending:  # only for hop lists not in breadth-first order
         left = [x for x in pending if x[0] not in at]
         if len(left) == len(pending):
@@ -537,18 +544,31 @@ def _walk(hops, root, bw, kinds, relays=()):
                 h0, i0, p0, g0 = at[p]
                 at[c] = (h0 + step[0], i0 + step[1], p0 + step[2], g0 + 1)
         pending = left
-    return max(v[0] for v in at.values()), [v[1:] for v in at.values()], slow
+    vals = list(at.values())
+    return max(v[0] for v in vals), [v[1:] for v in vals], slow
 
 
 _FLOW_TREES: dict = {}
 
 
-def _tree_metrics(tree, bw, kinds, reduces: bool, broadcasts: bool):
+def _frontier(points) -> list:
+    """The points (sum 1/B, protocol s, sends) not dominated in all three by another: the deepest
+    path for any chunk size and latency is among them (few, where a tree has thousands of GPUs)."""
+    out = []
+    for p in sorted(set(points), reverse=True):
+        if not any(q[0] >= p[0] and q[1] >= p[1] and q[2] >= p[2] for q in out):
+            out.append(p)
+    return out
+
+
+def _tree_metrics(tree, links, reduces: bool, broadcasts: bool, symmetric: bool):
     """(depth in hops, paths [(sum 1/B, protocol s, sends)] of the reduce and broadcast phases, slowest
-    link) of a tree, cached by identity."""
-    key = (id(tree), reduces, broadcasts)
+    link) of a tree, cached by identity. ``symmetric``: every link's reverse has its bandwidth and
+    kind, so a reduce on the broadcast hops reversed has the broadcast's metrics."""
+    shape = tree_shape(tree)
+    key = (id(tree) if shape is None else shape, reduces, broadcasts, symmetric)
     hit = _FLOW_TREES.get(key)
-    if hit is not None and hit[0] is tree:
+    if hit is not None and (shape is not None or hit[0] is tree):
         return hit[1]
     parts = []
     if reduces:
@@ -556,10 +576,16 @@ def _tree_metrics(tree, bw, kinds, reduces: bool, broadcasts: bool):
     if broadcasts:
         parts.append(tree.edges)
     d, paths, slow = 0, [], math.inf
+    done = None
     for hops in parts:
-        pd, ps, s = _walk(hops, tree.root, bw, kinds, tree.relays)
+        if done is not None and symmetric and (hops is done[0] or hops == done[0]):
+            pd, ps, s = done[1]
+        else:
+            pd, ps, s = _walk(hops, tree.root, links, tree.relays)
+            done = (hops, (pd, ps, s))
         d, slow = d + pd, min(slow, s)
         paths.append(ps)
+    paths = [_frontier(ps) for ps in paths]
     if len(_FLOW_TREES) > 65536:
         _FLOW_TREES.clear()
     _FLOW_TREES[key] = (tree, (d, paths, slow))
@@ -593,8 +619,9 @@ def flow_time(plan, nbytes: float, topology, *, latency_us: float = DEFAULT_LATE
         return 0.0
     row = _collectives.get(plan.collective)
     g = topology.graph
-    bw = {(u, v): d["bandwidth_gbps"] for u, v, d in g.edges(data=True)}
-    kinds = {(u, v): d["kind"] for u, v, d in g.edges(data=True)}
+    links = {(u, v): (d["bandwidth_gbps"], 1.0 / d["bandwidth_gbps"], _KIND_RANK.get(d["kind"], -1))
+             for u, v, d in g.edges(data=True)}
+    symmetric = all(links.get((v, u)) == x for (u, v), x in links.items())
     wsum = sum(t.weight_gbps for t in trees)
     per_root: dict = {}
     for t in trees:
@@ -603,7 +630,7 @@ def flow_time(plan, nbytes: float, topology, *, latency_us: float = DEFAULT_LATE
     mc = max(1, min(max_chunks, CHUNK_BUDGET // len(trees)))
     worst = 0.0
     for t in trees:
-        d, paths, slow = _tree_metrics(t, bw, kinds, row.reduces, row.broadcasts)
+        d, paths, slow = _tree_metrics(t, links, row.reduces, row.broadcasts, symmetric)
         seg = nbytes / len(devices) * t.weight_gbps / per_root[t.root] if row.sharded else nbytes * t.weight_gbps / wsum
         k = choose_chunks(seg, d, t.weight_gbps, step_latency_s=max(latency_s, 1e-7), max_chunks=mc)
         c = seg / k / 1e9

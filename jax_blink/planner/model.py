@@ -46,6 +46,24 @@ def cached(cache: collections.OrderedDict, key, make, size: int = CACHE_SIZE):
     return hit
 
 
+_SHAPES: dict = {}  # id(tree) -> (tree, shape key): trees equal up to relabelling identical nodes
+
+
+def set_shape(tree, key) -> None:
+    """Record that ``tree`` has the shape ``key`` (a hashable value): trees of one shape are equal up
+    to a relabelling of identical nodes (:mod:`jax_blink.planner.symmetric`), so per-tree metrics
+    that depend only on link rates and kinds (the flow-level cost model) are computed once per shape."""
+    if len(_SHAPES) > 200_000:
+        _SHAPES.clear()
+    _SHAPES[id(tree)] = (tree, key)
+
+
+def tree_shape(tree):
+    """The shape key :func:`set_shape` recorded for ``tree``, or None."""
+    hit = _SHAPES.get(id(tree))
+    return hit[1] if hit is not None and hit[0] is tree else None
+
+
 def clear_on_reset(fn):
     """Register ``fn`` (a ``functools.lru_cache``-wrapped function) so :func:`clear_caches` empties its
     cache too; returns ``fn``, so it can decorate."""
@@ -57,6 +75,7 @@ def clear_caches() -> None:
     """Forget every cached plan and what was derived from plans: the planner's packings, the cost
     model's choices and simulated times, NCCL's ring level per allocation, loaded topology files and
     the per-call-site lowering requests (for uncached timing, or after editing a topology file)."""
+    _SHAPES.clear()
     for cache in _CACHES:
         cache.clear()
     for clear in _CLEARERS:
@@ -121,7 +140,8 @@ class Tree:
             raise PlanError(f"Tree weight_gbps must be a finite number >= 0 (GB/s), got {w!r}")
         for name in ("edges", "reduce_edges"):
             hops = getattr(self, name)
-            if hops is not None and (isinstance(hops, str) or any(len(h) != 2 for h in hops)):
+            # map(len) in C: trees over 1,024 GPUs have thousands of hops each
+            if hops is not None and (isinstance(hops, str) or not set(map(len, hops)) <= {2}):
                 raise PlanError(f"Tree {name} must be (parent, child) hops like ((0, 'sw'), ('sw', 1)), "
                                 f"got {hops!r}")
 
@@ -148,9 +168,12 @@ class Tree:
 
     def to_dict(self) -> dict:
         """JSON-ready dict; "relays" is present only for trees that use relay GPUs."""
+        same = self.reduce_edges is not None and (self.reduce_edges is self.edges or self.reduce_edges == self.edges)
         d = {"root": self.root, "weight_gbps": self.weight_gbps,
              "edges": [list(e) for e in self.edges],
-             "reduce_edges": None if self.reduce_edges is None else [list(e) for e in self.reduce_edges]}
+             # "edges": the reduce runs on the broadcast hops (rsag trees of symmetric forests): written once
+             "reduce_edges": None if self.reduce_edges is None else "edges" if same
+             else [list(e) for e in self.reduce_edges]}
         if self.relays:
             d["relays"] = list(self.relays)
         return d
@@ -264,11 +287,7 @@ class Plan:
             raise PlanError(f"plan JSON: unknown collective {d['collective']!r}; expected one of {COLLECTIVES}")
         try:
             inf = lambda x: float("inf") if x is None else float(x)  # noqa: E731
-            # map(tuple) runs in C: a 1,024-GPU plan has ~10^5 hops (Tree checks each has two ends)
-            trees = tuple(Tree(t["root"], float(t["weight_gbps"]), tuple(map(tuple, t["edges"])),
-                               None if t.get("reduce_edges") is None
-                               else tuple(map(tuple, t["reduce_edges"])), tuple(t.get("relays", ())))
-                          for t in d["trees"])
+            trees = tuple(_tree_from_dict(t) for t in d["trees"])
             return cls(d["collective"], d["root"], tuple(d["devices"]), trees, inf(d["rate_gbps"]),
                        inf(d["bound_gbps"]), d["algorithm"], tuple(d.get("notes", ())),
                        tuple(d.get("relays", ())))
@@ -305,6 +324,14 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------ helpers
+def _tree_from_dict(t: dict) -> Tree:
+    """Inverse of :meth:`Tree.to_dict` ("reduce_edges": "edges" means the broadcast hops)."""
+    edges = tuple(map(tuple, t["edges"]))  # in C: a 1,024-GPU plan has ~10^5 hops
+    red = t.get("reduce_edges")
+    red = None if red is None else edges if red == "edges" else tuple(map(tuple, red))
+    return Tree(t["root"], float(t["weight_gbps"]), edges, red, tuple(t.get("relays", ())))
+
+
 def _round(x: float) -> float:
     """Weights are rounded down to 1e-9 GB/s so JSON is short and the rounding never overloads a link."""
     return float(math.floor(x * 10 ** WEIGHT_DECIMALS + 1e-6) / 10 ** WEIGHT_DECIMALS)

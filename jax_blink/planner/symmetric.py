@@ -45,7 +45,7 @@ from ..errors import PlanError
 from ..topology.model import Topology, _key
 from .bounds import sharded_cut
 from .colgen import column_generation
-from .model import Plan, Tree, _hops, _round, cached, plan_cache
+from .model import Plan, Tree, _hops, _round, cached, plan_cache, set_shape
 from .routes import Column, RouteTable, _spanning_parents, pricer
 from .trees import flat_plan
 
@@ -261,6 +261,7 @@ def _expand(struct: NodeStructure, cols, weights, x_id):
     the columns end to end, cut into N equal pieces centred at nodes 0..N-1."""
     n = struct.n_nodes
     net = struct.network
+    fp = struct.template.fingerprint()
     maps = [{**m, x_id: net} for m in struct.maps]
     groups = collections.OrderedDict()
     for j, col in enumerate(cols):
@@ -301,7 +302,9 @@ def _expand(struct: NodeStructure, cols, weights, x_id):
                 hops.extend(up)
                 hops.extend(down[m_i][b])
                 hops.extend(intra[m_i][b])
-        trees.append(Tree(maps[k][star], _round(wt), tuple(hops)))
+        tree = Tree(maps[k][star], _round(wt), tuple(hops))
+        set_shape(tree, ("symmetric", fp, n, col.intra, col.attach))  # same for every centre node
+        trees.append(tree)
     return trees
 
 
@@ -427,6 +430,7 @@ def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_
                         f"(the plan grows as N^2)")
     net = struct.network
     maps = [{**m, struct.x_id: net} for m in struct.maps]
+    fp = struct.template.fingerprint()
     mine = [t for ts in per_root.values() for t in ts]
     mapped = [{id(t): [(m[a], m[b]) for a, b in t.edges] for t in mine} for m in maps]
     downs = [{d: [(m[a], m[b]) for a, b in _hops(up[d][::-1])] for d in per_root} for m in maps]
@@ -443,7 +447,9 @@ def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_
                         hops.extend(downs[m_i][d])
                         hops.extend(mapped[m_i][id(t)])
                 hops = tuple(hops)
-                trees.append(Tree(maps[k][d], _round(x * t.weight_gbps / wsum), hops, hops))
+                tree = Tree(maps[k][d], _round(x * t.weight_gbps / wsum), hops, hops)
+                set_shape(tree, ("rsag", fp, n, d, t.edges))  # the same for root position d of every node
+                trees.append(tree)
     rate = _round(sum(t.weight_gbps for t in trees))
     b_rs, b_ag = sharded_bounds(struct)
     bound = 1.0 / (1.0 / b_rs + 1.0 / b_ag)
