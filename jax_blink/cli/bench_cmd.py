@@ -37,6 +37,9 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 MAX_SWEEP = 64
 MEASURE_MAX_BYTES = 1 << 30
+#: NCCL's ring and tree baselines are planned over all GPUs at once (their searches do not use
+#: identical nodes): above this many GPUs a row would take minutes, so they are left out ("-").
+BASELINE_MAX_GPUS = 128
 
 
 def parse_size(text: str) -> int:
@@ -172,7 +175,9 @@ def simulate_sweep(topo, blink_plan, sizes, *, latency_us=None, progress=True, f
     reduce-scatter): :func:`~jax_blink.planner.rings.ring_plan`, the LP ring packing over every link.
     Returns rows {"size", "blink_plan", "blink", "ring", "tree", "lpring"} with SimResult values (None
     where the baseline does not exist: no ring through the GPUs, tree for other collectives than
-    all-reduce, lpring for other collectives than all-gather / reduce-scatter).
+    all-reduce, lpring for other collectives than all-gather / reduce-scatter, every baseline above
+    BASELINE_MAX_GPUS GPUs). The simulator is ``simulate(method="auto")``: link-level, flow-level
+    where that would take more than LINK_LEVEL_MAX_MESSAGES messages (about 1,000 GPUs).
     """
     from ..collectives import get as collective_row
     from ..costmodel import choose_plan
@@ -185,6 +190,8 @@ def simulate_sweep(topo, blink_plan, sizes, *, latency_us=None, progress=True, f
     coll = blink_plan.collective
 
     def baseline(make):
+        if len(devs) > BASELINE_MAX_GPUS:
+            return None
         try:
             return make()
         except PlanError:
@@ -328,7 +335,9 @@ def run(args: argparse.Namespace) -> int:
         console.print("one device: nothing to communicate")
         return 0
     rows = simulate_sweep(topo, bp, sizes, latency_us=args.latency_us, fixed=args.plan is not None)
-    table = Table(title="simulated (link-level event model; busbw as nccl-tests)", title_justify="left")
+    model = "link-level event model" if all(v.messages for r in rows for v in r.values()
+                                            if hasattr(v, "messages")) else "flow-level model at this scale"
+    table = Table(title=f"simulated ({model}; busbw as nccl-tests)", title_justify="left")
     table.add_column("size", justify="right")
     table.add_column("blink plan", justify="left")
     names = _columns(bp.collective)
@@ -350,6 +359,8 @@ def run(args: argparse.Namespace) -> int:
             cells.append("-" if r[name] is None else f"{r[name].time_s / r['blink'].time_s:.2f}x")
         table.add_row(*cells)
     console.print(table)
+    if len(devices) > BASELINE_MAX_GPUS:
+        console.print(f"NCCL baselines left out above {BASELINE_MAX_GPUS} GPUs (their planners search all GPUs at once)")
     if "tree" in names:
         console.print("GB/s = 1e9 B/s; ring/blink, tree/blink: time ratios (> 1: blink faster); ring = NCCL's "
                       "rings, tree = NCCL's double binary tree (all-reduce), on NVLink, else PCIe links")

@@ -358,11 +358,14 @@ PRESETS: dict[str, Callable[[], Topology]] = {
 :func:`preset`."""
 
 _HOST_RE = re.compile(r"host(\d+)")
+#: "<N>x<preset>" or "<N>x<preset>-<k>nic": N nodes of a preset, k EDR NICs each (:func:`multi_node`)
+_CLUSTER_RE = re.compile(r"(\d+)x(.+?)(?:-(\d+)nics?)?")
 
 
 def preset(name: str) -> Topology:
     """Build the preset ``name`` (``PRESETS`` key; ``_`` may replace ``-``; ``host<N>`` gives
-    ``Topology.host(N)``). Raises TopologyError naming the known presets when unknown."""
+    ``Topology.host(N)``; ``<N>x<preset>[-<k>nic]`` gives ``multi_node(preset, N, EDR_IB_GBPS, k)``,
+    e.g. ``128xdgx1v``: 1,024 GPUs). Raises TopologyError naming the known presets when unknown."""
     if not isinstance(name, str):
         raise TopologyError(f"preset names are strings, got {name!r}")
     key = name.strip().lower().replace("_", "-")
@@ -371,7 +374,13 @@ def preset(name: str) -> Topology:
     m = _HOST_RE.fullmatch(key)
     if m and int(m.group(1)) >= 1:
         return Topology.host(int(m.group(1)))
-    raise TopologyError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}, host<N>")
+    c = _CLUSTER_RE.fullmatch(key)
+    if c and c.group(2) in PRESETS and int(c.group(1)) >= 1:
+        t = multi_node(c.group(2), int(c.group(1)), EDR_IB_GBPS, int(c.group(3) or 1))
+        t.name = key
+        return t
+    raise TopologyError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}, host<N>, and clusters "
+                        f"<N>x<preset>[-<k>nic] (e.g. 16xdgx1v, 128xdgx-h100-8nic: N nodes, k EDR NICs each)")
 
 
 def is_preset(name: str) -> bool:
@@ -380,7 +389,9 @@ def is_preset(name: str) -> bool:
         return False
     key = name.strip().lower().replace("_", "-")
     m = _HOST_RE.fullmatch(key)
-    return key in PRESETS or bool(m and int(m.group(1)) >= 1)
+    c = _CLUSTER_RE.fullmatch(key)
+    return key in PRESETS or bool(m and int(m.group(1)) >= 1) or bool(
+        c and c.group(2) in PRESETS and int(c.group(1)) >= 1 and int(c.group(3) or 1) >= 1)
 
 
 model.register_source("preset", preset)

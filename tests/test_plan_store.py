@@ -1,0 +1,115 @@
+"""Plans cached on disk (jax_blink/planner/store.py): reused across processes' caches, and corrupt,
+stale or edited entries ignored and rewritten, never trusted."""
+
+import json
+
+import pytest
+
+import jax_blink
+from jax_blink.planner import facade, store
+from jax_blink.topology.presets import multi_node
+
+
+@pytest.fixture
+def disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAX_BLINK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("JAX_BLINK_PLAN_CACHE", "1")
+    jax_blink.clear_caches()
+    calls = []
+    real = facade._plan_uncached
+
+    def counting(*a, **k):
+        calls.append(a[2])
+        return real(*a, **k)
+
+    monkeypatch.setattr(facade, "_plan_uncached", counting)
+    yield tmp_path / "plans", calls
+    jax_blink.clear_caches()
+
+
+TOPO = multi_node("dgx1v", 2, 12.5, 1)
+
+
+def _entry(plans_dir):
+    files = sorted(plans_dir.glob("*.json"))
+    assert files
+    return files
+
+
+def test_plan_is_loaded_not_planned_again(disk):
+    plans, calls = disk
+    p = jax_blink.plan(TOPO, "allreduce", algorithm="rsag")
+    assert len(calls) == 1 and len(_entry(plans)) == 1
+    jax_blink.clear_caches()  # a new process: memory empty, disk full
+    q = jax_blink.plan(TOPO, "allreduce", algorithm="rsag")
+    assert len(calls) == 1
+    assert q == p and q.to_json() == p.to_json()
+    # the cost model's choice is cached too (its candidates were planned once)
+    c = jax_blink.plan(TOPO, "allreduce", nbytes=1 << 20)
+    n = len(calls)
+    jax_blink.clear_caches()
+    assert jax_blink.plan(TOPO, "allreduce", nbytes=1 << 20) == c and len(calls) == n
+
+
+def _rewrite(path, edit_header=None, edit_plan=None):
+    head, _, text = path.read_bytes().partition(b"\n")
+    h = json.loads(head)
+    if edit_plan is not None:
+        d = edit_plan(json.loads(text))
+        text = json.dumps(d).encode()
+        h["sha256"] = store.hashlib.sha256(text).hexdigest()  # a consistent checksum: only the check catches it
+    if edit_header is not None:
+        edit_header(h)
+    path.write_bytes(json.dumps(h).encode() + b"\n" + text)
+
+
+def _overload(d):
+    d["trees"][0]["weight_gbps"] *= 10
+    d["rate_gbps"] = sum(t["weight_gbps"] for t in d["trees"])
+    return d
+
+
+def _detach(d):
+    d["trees"][0]["edges"] = d["trees"][0]["edges"][:-3]
+    return d
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "stale", "checksum", "overloaded", "not a tree",
+                                    "other devices"])
+def test_bad_entries_are_ignored_and_rewritten(disk, damage):
+    plans, calls = disk
+    p = jax_blink.plan(TOPO, "allreduce", algorithm="trees")
+    (path,) = _entry(plans)
+    good = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00\xff not json")
+    elif damage == "stale":
+        _rewrite(path, edit_header=lambda h: h["key"].update(version="0" * 16))
+    elif damage == "checksum":
+        path.write_bytes(good.replace(b'"weight_gbps": ', b'"weight_gbps": 1', 1))
+    elif damage == "overloaded":
+        _rewrite(path, edit_plan=_overload)
+    elif damage == "not a tree":
+        _rewrite(path, edit_plan=_detach)
+    else:
+        _rewrite(path, edit_plan=lambda d: {**d, "devices": d["devices"][::-1]})
+    jax_blink.clear_caches()
+    q = jax_blink.plan(TOPO, "allreduce", algorithm="trees")
+    assert len(calls) == 2  # planned again
+    assert q == p
+    assert path.read_bytes() == good  # and rewritten
+
+
+def test_cache_off_and_unwritable_dir(disk, monkeypatch, tmp_path):
+    plans, calls = disk
+    monkeypatch.setenv("JAX_BLINK_PLAN_CACHE", "0")
+    jax_blink.plan(TOPO, "allreduce", algorithm="trees")
+    assert not plans.exists()
+    monkeypatch.setenv("JAX_BLINK_PLAN_CACHE", "1")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("JAX_BLINK_CACHE_DIR", str(blocker))  # not a directory: the write fails quietly
+    jax_blink.clear_caches()
+    assert jax_blink.plan(TOPO, "allreduce", algorithm="trees").rate_gbps > 0

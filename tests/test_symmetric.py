@@ -1,0 +1,90 @@
+"""All-reduce over identical nodes planned by symmetry (jax_blink/planner/symmetric.py): the structure,
+the exact bound against the flat LP certificate, valid executable plans, the rsag cut bounds."""
+
+import numpy as np
+import pytest
+
+import jax_blink
+from jax_blink.planner import bounds, symmetric
+from jax_blink.planner.trees import flat_plan
+from jax_blink.schedule import build_schedule, execute
+from jax_blink.topology.presets import multi_node
+
+
+def _loads_within_capacity(plan, topo):
+    for e, load in plan.link_loads().items():
+        assert load <= topo.graph.edges[e]["bandwidth_gbps"] * (1 + 1e-6), (e, load)
+
+
+def test_structure_of_identical_nodes_and_none_otherwise():
+    topo = multi_node("dgx1v", 3, 12.5, 2)
+    st = symmetric.node_structure(topo, tuple(topo.gpus))
+    assert st is not None and st.n_nodes == 3
+    assert st.groups == (tuple(range(8)), tuple(range(8, 16)), tuple(range(16, 24)))
+    assert st.maps[2][0] == 16 and st.maps[2]["n0-nic1"] == "n2-nic1"
+    assert symmetric.node_structure(topo, tuple(range(8))) is None  # one node
+    # the same two GPU positions of every node: still identical nodes
+    part = (0, 1, 8, 9, 16, 17)
+    assert symmetric.node_structure(topo, part).groups == ((0, 1), (8, 9), (16, 17))
+    assert symmetric.node_structure(topo, (0, 1, 8, 9, 10)) is None  # 2 GPUs vs 3
+    slower = multi_node("dgx1v", 3, 12.5, 2)
+    slower.graph.edges[8, 9]["bandwidth_gbps"] /= 2  # node 1 differs from node 0
+    assert symmetric.node_structure(slower, tuple(slower.gpus)) is None
+    assert symmetric.node_structure(jax_blink.Topology.preset("dgx1v"), tuple(range(8))) is None
+
+
+@pytest.mark.parametrize("node, n, nics", [("dgx1v", 3, 1), ("dgx1v", 2, 4), ("pcie-2socket", 2, 2)])
+def test_symmetric_bound_is_the_flat_lp_certificate(node, n, nics):
+    """The symmetric LP's dual (one node's links) equals the flat LP's optimum over all GPUs, and the
+    composed plan reaches it."""
+    topo = multi_node(node, n, 12.5, nics)
+    devs = tuple(topo.gpus)
+    flat = flat_plan(topo, "allreduce", devs, None, None, "trees")
+    st = symmetric.node_structure(topo, devs)
+    p = symmetric.symmetric_plan(topo, devs, st)
+    assert p.bound_gbps == pytest.approx(flat.bound_gbps, rel=1e-6)
+    assert p.rate_gbps == pytest.approx(flat.rate_gbps, rel=1e-6)
+    assert p.rate_gbps == pytest.approx(p.bound_gbps, rel=1e-6)
+    assert symmetric.exact_allreduce_bound(st) == pytest.approx(flat.bound_gbps, rel=1e-6)
+    _loads_within_capacity(p, topo)
+
+
+def test_nic_bound_formula_at_many_nodes():
+    """N nodes with one NIC of C GB/s: any tree crosses the node cuts 2(N-1) times, so the optimum is
+    N C / (2 (N-1)) (the NIC binds on dgx1v); the symmetric plan at 32 nodes meets it."""
+    topo = multi_node("dgx1v", 32, 12.5, 1)
+    p = jax_blink.plan(topo, "allreduce", algorithm="trees")
+    assert p.bound_gbps == pytest.approx(32 * 12.5 / 62, rel=1e-6)
+    assert p.rate_gbps == pytest.approx(p.bound_gbps, rel=1e-6)
+    _loads_within_capacity(p, topo)
+
+
+@pytest.mark.parametrize("node, n, nics", [("dgx1v", 3, 2), ("dgx-h100", 2, 8), ("pcie-2socket", 3, 2)])
+def test_composed_plans_execute_and_meet_their_bounds(node, n, nics):
+    topo = multi_node(node, n, 12.5, nics)
+    x = np.random.default_rng(0).standard_normal((len(topo.gpus), 257))
+    for alg in ("trees", "hierarchical", "rsag"):
+        p = jax_blink.plan(topo, "allreduce", algorithm=alg)
+        assert p.algorithm == alg
+        _loads_within_capacity(p, topo)
+        assert p.rate_gbps <= p.bound_gbps * (1 + 1e-9)
+        assert p.rate_gbps == pytest.approx(p.bound_gbps, rel=1e-6), p.notes
+        out = execute(build_schedule(p, 257), x)
+        np.testing.assert_allclose(out, np.broadcast_to(x.sum(0), out.shape), rtol=1e-12, atol=1e-12)
+    hier = jax_blink.plan(topo, "allreduce", algorithm="hierarchical")
+    assert "below the exact flat bound" in hier.notes[0]
+
+
+def test_sharded_bounds_match_the_flat_cut_bounds():
+    topo = multi_node("dgx1v", 2, 12.5, 2)
+    st = symmetric.node_structure(topo, tuple(topo.gpus))
+    rs, ag = symmetric.sharded_bounds(st)
+    assert ag == pytest.approx(bounds.allgather_bound(topo, topo.gpus), rel=1e-9)
+    assert rs == pytest.approx(bounds.reducescatter_bound(topo, topo.gpus), rel=1e-9)
+
+
+def test_rsag_plan_size_limit():
+    topo = multi_node("dgx1v", 2, 12.5, 1)
+    st = symmetric.node_structure(topo, tuple(topo.gpus))
+    with pytest.raises(jax_blink.PlanError, match="tree edges"):
+        symmetric.symmetric_rsag_plan(topo, tuple(topo.gpus), st, max_gpu_edges=10)
