@@ -100,8 +100,8 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()
     t_start = time.perf_counter()
     console = Console(width=240, highlight=False)
-    table = Table(title="all-reduce planning at scale (uncached; median of {} runs; seconds; rate/bound; "
-                        "(k) = trees)".format(a.reps))
+    table = Table(title=f"all-reduce planning at scale (uncached; median of {a.reps} runs; seconds; rate/bound; "
+                        f"(k) = trees)")
     cols = ["node type", "nodes x GPUs", "trees", "rate/bound", "hierarchical", "rate/bound", "rsag", "rate/bound",
             "plan(64K)", "choice 64K", "plan(256M)", "choice 256M", "256M rate/bound"]
     if a.cache:

@@ -606,10 +606,11 @@ def flow_time(plan, nbytes: float, topology, *, latency_us: float = DEFAULT_LATE
 
     (c_t = s_t / k_t; the deepest path of the reduce and of the broadcast phase; alpha =
     ``latency_us`` + the protocol latency of the send's slowest link kind, :data:`PROTOCOL_LATENCY_US`;
-    B_t the tree's slowest link, whose chunk time is already in the bandwidth term). The weights keep every link within capacity
-    (the planner's LP), so s_t / w_t is the bandwidth term; the rest is the pipeline fill (Johnsson &
-    Ho 1989; Blink s. 4.2). Cost: one pass over each tree's hops (cached per tree), independent of
-    the chunk count and of the link count. Agreement with :func:`simulate`'s link-level model:
+    B_t the tree's slowest link, whose chunk time is already in the bandwidth term). The weights keep
+    every link within capacity (the planner's LP), so s_t / w_t is the bandwidth term; the rest is
+    the pipeline fill (Johnsson & Ho 1989; Blink s. 4.2). Cost: one pass over each tree's hops
+    (cached per tree, or per shape: :func:`jax_blink.planner.model.tree_shape`), independent of the
+    chunk count and of the link count. Agreement with :func:`simulate`'s link-level model:
     ``tests/test_flow_model.py``. Host staging (GPUs without peer access) is not modelled: plans
     with such sends should use ``method="link"``.
     """

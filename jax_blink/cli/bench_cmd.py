@@ -360,7 +360,8 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(*cells)
     console.print(table)
     if len(devices) > BASELINE_MAX_GPUS:
-        console.print(f"NCCL baselines left out above {BASELINE_MAX_GPUS} GPUs (their planners search all GPUs at once)")
+        console.print(f"NCCL baselines left out above {BASELINE_MAX_GPUS} GPUs (their planners search all GPUs "
+                      f"at once)")
     if "tree" in names:
         console.print("GB/s = 1e9 B/s; ring/blink, tree/blink: time ratios (> 1: blink faster); ring = NCCL's "
                       "rings, tree = NCCL's double binary tree (all-reduce), on NVLink, else PCIe links")

@@ -4,6 +4,7 @@ relay through switch nodes, the rate they reach, and a certificate. One algorith
 import order (each imports only those before it):
 
 - :mod:`.model`: :class:`Tree`, :class:`Plan` and their JSON, hop helpers, job devices, plan caches;
+- :mod:`.store`: plans on disk (``$JAX_BLINK_CACHE_DIR/plans``), checked before use;
 - :mod:`.routes`: GPU-level routes (:class:`~.routes.RouteTable`), tree pricing, :func:`~.routes.route`;
 - :mod:`.colgen`: the one column-generation loop and the rate LP; the tree and rooted packings;
 - :mod:`.bounds`: certificates (max-flow, cut, Nash-Williams);
@@ -12,6 +13,8 @@ import order (each imports only those before it):
 - :mod:`.dbtree`: NCCL's double binary tree;
 - :mod:`.trees`: flat tree packings (and the all-reduce ring alternative), relayed packings;
 - :mod:`.sharded`: all-reduce as reduce-scatter + all-gather forests ("rsag");
+- :mod:`.symmetric`: all-reduce over identical nodes planned on one node by symmetry (trees, three
+  phases, rsag; the exact bound);
 - :mod:`.threephase`: Blink's three phases over several nodes ("hierarchical");
 - :mod:`.facade`: validation, dispatch by algorithm, the plan cache (``clear_caches``).
 

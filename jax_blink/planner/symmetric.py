@@ -454,7 +454,9 @@ def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_
     b_rs, b_ag = sharded_bounds(struct)
     bound = 1.0 / (1.0 / b_rs + 1.0 / b_ag)
     gap = 100.0 * (1.0 - rate / bound) if bound > 0 else 0.0
-    note = (f"rsag by symmetry: one-node all-gather forest ({sum(len(v) for v in per_root.values())} of its {len(local.trees)} trees) composed over {n} nodes through "
+    used = sum(len(v) for v in per_root.values())
+    note = (f"rsag by symmetry: one-node all-gather forest ({used} of its {len(local.trees)} trees) composed over "
+            f"{n} nodes through "
             f"each GPU's network route; all-reduce rate {rate:.3f} GB/s, {gap:.2f}% below 1/(1/B_rs + 1/B_ag) = "
             f"{bound:.3f} GB/s (cut bounds {b_rs:.3f}, {b_ag:.3f} on one node with the other nodes contracted)",)
     return Plan("allreduce", None, tuple(devices), tuple(trees), rate, _round(max(bound, rate)), "rsag", note)
