@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                 cells += [f"{r['64K_pred'] * 1e6:.1f}/{r['64K_link'] * 1e6:.1f}" if "64K_link" in r else "-",
                           f"{r['256M_pred'] * 1e3:.2f}/{r['256M_link'] * 1e3:.2f}" if "256M_link" in r else "-"]
             table.add_row(*cells)
-            print(f"done: {node} x{nics} NIC, {n} nodes", file=sys.stderr, flush=True)
+            print(" | ".join(cells), file=sys.stderr, flush=True)  # each row as it is measured
     console.print(table)
     load1 = os.getloadavg()
     console.print(f"load average (1, 5, 15 min) at start {tuple(round(x, 2) for x in load0)}, at end "
