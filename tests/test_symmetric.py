@@ -88,3 +88,13 @@ def test_rsag_plan_size_limit():
     st = symmetric.node_structure(topo, tuple(topo.gpus))
     with pytest.raises(jax_blink.PlanError, match="tree edges"):
         symmetric.symmetric_rsag_plan(topo, tuple(topo.gpus), st, max_gpu_edges=10)
+
+
+def test_one_gpu_per_node():
+    """A cross-node mesh axis (one GPU of each node, as distributed meshes have): no intra-node phase."""
+    topo = multi_node(jax_blink.Topology.host(4), 3, 12.5, 1)
+    x = np.arange(3 * 50.0).reshape(3, 50)
+    for alg in ("trees", "hierarchical", "rsag"):
+        p = jax_blink.plan(topo, "allreduce", devices=[1, 5, 9], algorithm=alg)
+        assert p.rate_gbps == pytest.approx(3 * 12.5 / 4, rel=1e-6) == pytest.approx(p.bound_gbps, rel=1e-6)
+        np.testing.assert_allclose(execute(build_schedule(p, 50), x), np.broadcast_to(x.sum(0), x.shape))

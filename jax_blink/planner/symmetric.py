@@ -394,8 +394,11 @@ def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_
     node = Topology(f"{topology.name}:node0")  # node 0 without the network: the same for every cluster size
     node.graph = nx.DiGraph(struct.template.graph.subgraph([v for v in struct.template.graph if v != struct.x_id]))
     node = node.subset(devs0)
-    local = flat_plan(node, "allgather", devs0, None, None, "trees")
     per_root = collections.defaultdict(list)
+    if g == 1:  # one GPU per node: no intra-node phase
+        local = Plan("allgather", None, devs0, (Tree(devs0[0], 1.0, ()),), 1.0, 1.0, "trivial")
+    else:
+        local = flat_plan(node, "allgather", devs0, None, None, "trees")
     for t in local.trees:
         per_root[t.root].append(t)
     table = RouteTable.build(struct.template, devs0 + (struct.x_id,))
