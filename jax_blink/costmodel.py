@@ -151,7 +151,11 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
     "auto": tree packings with at most k trees (k in CANDIDATE_MAX_TREES, below the optimal count;
     all-gather / reduce-scatter: k in (n, 2n)), the LP ring packing, NCCL's rings, for all-reduce
     NCCL's double binary tree and the reduce-scatter + all-gather forests ("rsag"), and Blink's
-    three phases when ``devices`` span several nodes. A forced ``algorithm`` keeps its family: "trees" (packings),
+    three phases when ``devices`` span several nodes. All-reduce over identical nodes
+    (:func:`jax_blink.planner.facade.structure`): the plans of :mod:`jax_blink.planner.symmetric` only
+    (the exact tree packing, three phases, and "rsag" up to STRUCTURED_RSAG_MAX_EDGES), each planned on
+    one node; the flat-packing, ring and NCCL candidates, planned over all GPUs at once, are left out
+    there. A forced ``algorithm`` keeps its family: "trees" (packings),
     "ring" (the LP ring packing), "hierarchical". ``max_trees`` given: ``plan(max_trees=...)`` only
     (an explicit choice, like a forced algorithm). Candidates that cannot be built on these
     devices (PlanError) are left out; duplicates are dropped. Raises PlanError when the
