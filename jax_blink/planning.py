@@ -38,8 +38,9 @@ def plan(topology: Topology | str | os.PathLike, collective: str = "allreduce", 
       algorithm: "auto" (the fastest: with ``nbytes``, the least predicted time at that size over
         trees, fewer trees, rings, NCCL's rings and double binary tree, three phases, by
         :func:`jax_blink.costmodel.choose_plan`: the link-level simulator inside one node, the
-        flow-level closed form across nodes, where identical nodes are planned on one node; without, the highest rate, i.e. the large-operand
-        limit, trees or the ring packing; the reason in ``notes``), or force one:
+        flow-level closed form across nodes, where identical nodes are planned on one node; without,
+        the highest rate, i.e. the large-operand limit, trees or the ring packing; the reason in
+        ``notes``), or force one:
         "trees" (exact packing over all devices), "ring" (all-reduce, all-gather, reduce-scatter),
         "hierarchical" (Blink's three phases, section 5; needs devices on two or more nodes; not for
         all-gather / reduce-scatter), "rsag" (all-reduce only: the reduce-scatter forest then the
