@@ -123,6 +123,7 @@ def parse_sizes(text: str) -> list:
 
 
 def main(argv=None):
+    os.environ.setdefault("JAX_BLINK_PLAN_CACHE", "0")  # time planning, not loads from the disk cache
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--forestcoll", required=True, metavar="DIR", help="directory holding ForestColl's "
                     "pipeline_allgather.py (a checkout of https://github.com/liangyuRain/ForestColl)")

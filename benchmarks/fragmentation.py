@@ -19,6 +19,7 @@ Run: python benchmarks/fragmentation.py [--png docs/fragmentation.png] [--size 2
 from __future__ import annotations
 
 import argparse
+import os
 import collections
 import itertools
 import pathlib
@@ -95,6 +96,7 @@ def pair_case(out):
 
 
 def main(argv=None) -> int:
+    os.environ.setdefault("JAX_BLINK_PLAN_CACHE", "0")  # time planning, not loads from the disk cache
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--png", default=str(pathlib.Path(__file__).resolve().parents[1] / "docs" / "fragmentation.png"))
     ap.add_argument("--size", default="256M")

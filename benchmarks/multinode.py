@@ -24,6 +24,7 @@ Run: python benchmarks/multinode.py [--nodes 2 4 8] [--nics 1 2 3 4] [--size 256
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -58,6 +59,7 @@ def row(nodes: int, nics: int, size: float, node: str = "dgx1v") -> dict:
 
 
 def main(argv=None) -> int:
+    os.environ.setdefault("JAX_BLINK_PLAN_CACHE", "0")  # time planning, not loads from the disk cache
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--nics", type=int, nargs="+", default=[1, 2, 3, 4])

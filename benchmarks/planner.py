@@ -167,6 +167,7 @@ def relay_rows(console):
 
 
 def main() -> None:
+    os.environ.setdefault("JAX_BLINK_PLAN_CACHE", "0")  # time planning, not loads from the disk cache
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one root per allocation (faster)")
     ap.add_argument("--targets-only", action="store_true", help="only the planning-time target table")
