@@ -19,9 +19,9 @@ Run: python benchmarks/fragmentation.py [--png docs/fragmentation.png] [--size 2
 from __future__ import annotations
 
 import argparse
-import os
 import collections
 import itertools
+import os
 import pathlib
 import statistics
 import sys
