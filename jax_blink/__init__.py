@@ -28,7 +28,7 @@ __version__ = _installed_version()
 _LAZY = {"psum": "api", "pmean": "api", "broadcast": "api", "reduce": "api", "all_gather": "api",
          "psum_scatter": "api", "set_device_map": "mapping",
          "plan": "planning", "Plan": "planner.model", "Tree": "planner.model", "ring_rate": "planner.rings",
-         "selftest": "gpu_selftest", "clear_caches": "planner.model"}
+         "selftest": "gpu_selftest", "clear_caches": "planner.model", "explain": "explaining"}
 
 
 def __getattr__(name):
@@ -46,4 +46,4 @@ def __dir__():
 __all__ = ["BlinkError", "PlanError", "ScheduleError", "Topology", "TopologyError", "__version__",
            "PRESETS", "multi_node", "detect", "load_topology", "probe",
            "psum", "pmean", "broadcast", "reduce", "all_gather", "psum_scatter", "set_device_map", "plan", "Plan",
-           "Tree", "ring_rate", "selftest", "clear_caches", "cpu_isa"]
+           "Tree", "ring_rate", "selftest", "clear_caches", "cpu_isa", "explain"]

@@ -63,7 +63,7 @@ check_versions()
 
 # Internals below this line: the only jax._src imports of the package (tests/test_jax_compat.py).
 from jax._src import config as _config  # noqa: E402
-from jax._src import core, dispatch, dtypes  # noqa: E402,F401
+from jax._src import core, dispatch, dtypes, source_info_util  # noqa: E402,F401
 from jax._src.interpreters import ad, batching, mlir  # noqa: E402,F401
 from jax._src.lax import lax as _lax  # noqa: E402
 from jax._src.lax import parallel as _parallel  # noqa: E402

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import collectives, costmodel, mapping
+from . import callsites, collectives, costmodel, mapping
 from . import lowering as _lowering
 from ._jax_compat import (
     AbstractMesh,
@@ -353,6 +353,7 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
         if gpus not in cache:
             algorithm = mapping.effective_algorithm(key, topo, collective, gpus)
             plans = mapping.candidate_plans(topo, collective, list(gpus), root, algorithm, key.max_trees)
+            bound = plans[0].bound_gbps  # the rate-optimal plan's certificate (jax_blink.plan's)
             if rec.host_memory:
                 # The CPU executor walks each tile through the whole schedule while it is in cache, so
                 # its cost is memory passes, which the link simulator does not model: the packing
@@ -361,12 +362,16 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
                 plans = plans[:1]
                 if collectives.get(collective).sharded:
                     plans = [_shared_memory_stars(plans[0])]
-            _, cache[gpus], _ = costmodel.lowering_schedule(
+            chosen, sched, t = costmodel.lowering_schedule(
                 plans, nelems, itemsize=itemsize, step_latency_s=rec.step_latency_s,
                 round_synchronous=rec.round_synchronous, topology=topo, chunk_elems=key.chunk_elems)
+            cache[gpus] = (sched, chosen, t, bound)
         schedules.append(cache[gpus])
-    return _lowering.LoweringRequest(collective=collective, schedules=tuple(schedules), device_table=table,
-                                     groups=tuple(tuple(g) for g in groups), axis_names=tuple(axes))
+    return _lowering.LoweringRequest(collective=collective, schedules=tuple(s[0] for s in schedules),
+                                     device_table=table, groups=tuple(tuple(g) for g in groups),
+                                     axis_names=tuple(axes), plans=tuple(s[1] for s in schedules),
+                                     predicted_s=tuple(s[2] for s in schedules),
+                                     bounds_gbps=tuple(s[3] for s in schedules), topology=topo)
 
 
 def _concrete_mesh(collective, ctx):
@@ -406,7 +411,9 @@ def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=N
                              auto_axes(ctx, mesh))
 
     sub = ctx.replace(avals_in=avals, avals_out=[ctx.avals_out[i] for i in live])
-    for i, o in zip(live, rec.rule(sub, [xs[i] for i in live], request_for)):
+    total = sum(math.prod(a.shape) for a in avals)
+    for i, o in zip(live, callsites.run_rule(rec, sub, [xs[i] for i in live], request_for, collective=collective,
+                                             axes=axes, impl=impl, mesh=mesh, nelems=total)):
         outs[i] = o
     return outs
 
@@ -476,13 +483,16 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
             me = jnp.asarray(ranks)[_ppermute._position_p.bind()]
             return lax.dynamic_slice(v, (me * m,), (m,)).reshape(aval_out.shape)
     shard = core.ShapedArray((m,), aval_in.dtype)
+    site = dict(collective=collective, axes=axes, impl=impl, mesh=mesh, nelems=n * m)
     if gather and rec.shard_input:  # the executor places the shard itself
-        out, = rec.rule(ctx.replace(avals_in=[shard], avals_out=[full]), [mlir.reshape(ctx, x, shard)], request_for)
+        out, = callsites.run_rule(rec, ctx.replace(avals_in=[shard], avals_out=[full]), [mlir.reshape(ctx, x, shard)],
+                                  request_for, **site)
     else:
         own_shard = not gather and rec.shard_output  # the executor writes only the own shard
         placed, = lower_fun_plain(pre, multiple_results=False)(
             ctx.replace(primitive=None, avals_in=[plain_in], avals_out=[full]), x)
-        out, = rec.rule(ctx.replace(avals_in=[full], avals_out=[shard if own_shard else full]), [placed], request_for)
+        out, = callsites.run_rule(rec, ctx.replace(avals_in=[full], avals_out=[shard if own_shard else full]), [placed],
+                                  request_for, **site)
         if own_shard:
             return mlir.reshape(ctx, out, plain_out)
     return lower_fun_plain(post, multiple_results=False)(

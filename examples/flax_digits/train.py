@@ -408,6 +408,27 @@ def time_steps(colls: Sequence[Collectives], config: Config, data=None, devices=
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
+def explain_train_step(mode: str = "shard_map", batch_size: int = 64, ndevices: int = 8, topology=None):
+    """One train step (``mode``) with jax_blink on the first ``ndevices`` JAX devices, for
+    ``jax-blink explain examples/flax_digits/train.py:explain_train_step`` (a function taking no
+    arguments: the parameters and a zero batch are built inside, so nothing is a constant).
+
+    ``topology``: what jax_blink plans on (None: its default). Returns ``(params, opt_state, metrics)``
+    of the step; under ``jax_blink.explain`` nothing runs."""
+    devices = job_devices(None, ndevices, batch_size)
+    model, tx = CNN(), optax.adam(Config.lr)
+    sample = jnp.zeros((1, 8, 8, 1), jnp.float32)
+    steps = make_steps(mode, blink_collectives(topology), model, tx, devices, sample)
+    params = model.init(jax.random.PRNGKey(0), sample)["params"]
+    if mode == "pmap":
+        params = jax.tree.map(lambda v: jnp.broadcast_to(v, (len(devices),) + v.shape), params)
+        opt_state = jax.vmap(tx.init)(params)
+    else:
+        opt_state = tx.init(params)
+    x, y = steps.shard(jnp.zeros((batch_size, 8, 8, 1), jnp.float32), jnp.zeros((batch_size,), jnp.int32))
+    return steps.step(params, opt_state, x, y)
+
+
 def compare(config: Config, blink: Collectives, data=None, devices=None) -> Comparison:
     """Train with ``blink`` (lax in lockstep) and, independently, with ``lax_collectives()``."""
     data = data if data is not None else load_data(config.seed)

@@ -157,6 +157,23 @@ def make_step(coll: Collectives, model, tx, layout: Layout, mesh: Mesh, opt_stat
                                  out_specs=(P(AXIS), opt_specs, P())))
 
 
+def explain_train_step(batch_size: int = 64, ndevices: int = 8, topology=None):
+    """One FSDP train step with jax_blink on the first ``ndevices`` JAX devices, for
+    ``jax-blink explain examples/flax_fsdp/train.py:explain_train_step`` (no arguments: parameter
+    blocks, Adam's state and a zero batch are built inside); ``topology``: what jax_blink plans on (None:
+    its default). Returns the step's outputs."""
+    devices = digits.job_devices(None, ndevices, batch_size)
+    n = len(devices)
+    mesh = Mesh(np.asarray(devices), (AXIS,))
+    model, tx = MLP(), optax.adam(Config.lr)
+    params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1), jnp.float32)))
+    layout = Layout.of(params["params"], n)
+    blocks = [jnp.zeros((n * b,), jnp.float32) for b in layout.block]
+    opt_state = tx.init(blocks)
+    step = make_step(blink_collectives(topology), model, tx, layout, mesh, opt_state)
+    return step(blocks, opt_state, jnp.zeros((batch_size, 8, 8, 1), jnp.float32), jnp.zeros((batch_size,), jnp.int32))
+
+
 # ----------------------------------------------------------------------------- training
 @dataclasses.dataclass
 class Config:

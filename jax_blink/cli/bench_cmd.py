@@ -4,9 +4,11 @@ full gathered buffer); ``--json`` prints the same as a JSON list, one object per
 
 blink is ``algorithm="auto"`` at each size (:func:`jax_blink.costmodel.choose_plan`: the fastest
 candidate by the simulator), or the ``--plan`` file's plan at every size. With ``--measure`` it also
-times the real all-reduce on the local JAX devices: ``jax_blink.psum`` against ``jax.lax.psum``
-inside ``jax.pmap`` (ratio measured in the same run). Without GPUs it asks XLA for one host CPU
-device per topology GPU id first (unless ``XLA_FLAGS`` sets a count), as ``jax-blink demo`` does.
+runs the real collective on the local JAX devices, jax_blink and ``lax`` interleaved in one process
+(:mod:`jax_blink.cli._measure`: nccl-tests' columns size, count, type, time, algbw, busbw, plus the
+simulated time and the bound of the plan jax_blink lowered; ``--json`` then prints those rows).
+Without GPUs it asks XLA for one host CPU device per topology GPU id first (unless ``XLA_FLAGS``
+sets a count), as ``jax-blink demo`` does.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import re
 import sys
 
 from ..errors import BlinkError, PlanError
+from ._measure import DTYPES
 from ._args import (
     HOST_FLAG,
     add_job_arguments,
@@ -155,9 +158,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-us", type=number_type(float, low=0), default=None,
                    help="per-send latency of the simulator in microseconds (default: simulate.DEFAULT_LATENCY_US)")
     p.add_argument("--measure", action="store_true",
-                   help="also time jax_blink.psum vs lax.psum (float32, pmap) on the local JAX devices; "
-                        "without GPUs, host CPU devices standing in for the GPU ids (allreduce only)")
+                   help="also run the collective on the local JAX devices: jax_blink and lax interleaved in one "
+                        "process, nccl-tests' columns plus the simulated time and bound of the lowered plan; "
+                        "without GPUs, host CPU devices standing in for the GPU ids; with --json, the measured "
+                        "rows as JSON")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed calls per size with --measure (default 5)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="element type with --measure (default float32)")
     p.add_argument("--json", action="store_true",
                    help="print a JSON list, one object per size: size (bytes per GPU), blink_plan, and "
                         "<name>_time_s, <name>_algbw_gbps, <name>_busbw_gbps for blink, ring, tree "
@@ -260,42 +266,41 @@ def measure_devices(devices=None) -> list:
     return [local[i] for i in ids]
 
 
-def measure_sweep(sizes, repeats: int, progress=True, topology=None, devices=None) -> list[dict]:
-    """Time ``jax_blink.psum`` and ``jax.lax.psum`` (float32, one pmap over local JAX devices).
+def measure_sweep(sizes, repeats: int, progress=True, topology=None, devices=None, collective: str = "allreduce",
+                  dtype: str = "float32", root=None) -> list[dict]:
+    """Time jax_blink's and lax's ``collective`` on local JAX devices, interleaved in one process
+    (:func:`jax_blink.cli._measure.measure`: nccl-tests' columns plus the simulated time and bound of
+    the plan jax_blink lowered).
 
     ``devices``: topology GPU ids to run on, taken as local JAX device ids (the default device map);
-    default all local devices. ``topology``: what jax_blink plans on (default: its own choice).
-    Returns rows {"size", "n", "blink_s", "lax_s", "equal"}: median wall time per call, seconds,
-    after one warm-up call; both in the same run. Raises BlinkError when fewer than 2 devices are
-    used or a device id is not a local JAX device.
+    default all local devices. ``topology``: what jax_blink plans on (default: its own choice);
+    ``root``: broadcast / reduce root GPU id (default the first device). Raises BlinkError when
+    fewer than 2 devices are used or a device id is not a local JAX device.
     """
-    import time
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from .. import api
+    from ._measure import measure
 
     devs = measure_devices(devices)
-    n = len(devs)
-    f_blink = jax.pmap(lambda x: api.psum(x, "i", topology=topology), axis_name="i", devices=devs)
-    f_lax = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i", devices=devs)
-    rows = []
-    for s in _progress(sizes, "measuring", progress):
-        x = jnp.ones((n, max(1, s // 4)), jnp.float32)
-        times = {}
-        for name, f in (("blink", f_blink), ("lax", f_lax)):
-            f(x).block_until_ready()
-            ts = []
-            for _ in range(max(1, repeats)):
-                t0 = time.perf_counter()
-                f(x).block_until_ready()
-                ts.append(time.perf_counter() - t0)
-            times[name] = float(np.median(ts))
-        ok = np.array_equal(np.asarray(f_blink(x)), np.asarray(f_lax(x)))
-        rows.append({"size": s, "n": n, "blink_s": times["blink"], "lax_s": times["lax"], "equal": ok})
-    return rows
+    ids = [d.id for d in devs]
+    root_rank = ids.index(root) if root is not None and root in ids else 0
+    return measure(collective, sizes, devs, repeats=repeats, topology=topology, dtype=dtype, root_rank=root_rank,
+                   progress=(lambda it: _progress(it, "measuring", True)) if progress else None)
+
+
+def measured_table(rows, title: str):
+    """The rich table of :func:`measure_sweep` rows (nccl-tests' columns for jax_blink and lax)."""
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for col in ("size", "count", "type", "blink time", "algbw", "busbw", "lax time", "algbw", "busbw",
+                "blink/lax", "plan (lowering)", "simulated", "bound", "equal"):
+        t.add_column(col, justify="left" if col.startswith("plan") else "right")
+    for r in rows:
+        t.add_row(human_bytes(r["size"]), str(r["count"]), r["dtype"], human_time(r["blink_time_s"]),
+                  f"{r['blink_algbw_gbps']:.3f}", f"{r['blink_busbw_gbps']:.3f}", human_time(r["lax_time_s"]),
+                  f"{r['lax_algbw_gbps']:.3f}", f"{r['lax_busbw_gbps']:.3f}", f"{r['blink_over_lax']:.2f}x",
+                  f"{r['plan']} ({r['lowering']})", "-" if r["sim_s"] is None else human_time(r["sim_s"]),
+                  "-" if r["bound_s"] is None else human_time(r["bound_s"]), "yes" if r["equal"] else "NO")
+    return t
 
 
 def run(args: argparse.Namespace) -> int:
@@ -312,21 +317,25 @@ def run(args: argparse.Namespace) -> int:
         raise BlinkError(f"--measure allocates the operand on every device: sizes up to "
                          f"{human_bytes(MEASURE_MAX_BYTES)} per GPU, got {human_bytes(max(sizes))} (--sizes "
                          f"{args.sizes}); the simulated sweep alone (no --measure) takes any size")
-    if args.measure and args.collective != "allreduce":
-        raise BlinkError("--measure times the all-reduce (jax_blink.psum vs lax.psum); use --collective allreduce")
+    if args.measure and args.plan is not None:
+        raise BlinkError("--measure runs what jax_blink lowers (the plan its cost model chooses per size); "
+                         "drop --plan")
     topo, devices, bp = load_inputs(args)
-    if args.json:
-        if args.measure:
-            raise BlinkError("--json prints the simulated sweep only; drop --measure")
-        rows = simulate_sweep(topo, bp, sizes, latency_us=args.latency_us, progress=False,
-                              fixed=args.plan is not None) if len(devices) > 1 else []
-        print(json.dumps(json_rows(rows), indent=1))
-        return 0
     if args.measure and len(devices) >= 2:
         # as `demo` does: on a machine without GPUs, one host CPU device per topology GPU id; then
         # check the devices before the simulated table, so a run that cannot measure fails first
         force_host_devices(max(devices) + 1)
         measure_devices(devices)
+    if args.json:
+        if args.measure:
+            rows = measure_sweep(sizes, args.repeats, progress=False, topology=topo, devices=devices,
+                                 collective=args.collective, dtype=args.dtype, root=bp.root) if len(devices) > 1 else []
+            print(json.dumps(rows, indent=1))
+            return 0
+        rows = simulate_sweep(topo, bp, sizes, latency_us=args.latency_us, progress=False,
+                              fixed=args.plan is not None) if len(devices) > 1 else []
+        print(json.dumps(json_rows(rows), indent=1))
+        return 0
     console = Console(file=sys.stdout, width=180)
     root = "" if bp.root is None else f" root {bp.root}"
     which = f"--plan {bp.shape()}" if args.plan else "auto (the fastest simulated candidate per size)"
@@ -371,13 +380,12 @@ def run(args: argparse.Namespace) -> int:
                       "ring packing over every link; busbw = algbw (n-1)/n")
     if args.measure:
         # The same topology and GPUs, run on the local JAX devices with those ids.
-        mrows = measure_sweep(sizes, args.repeats, topology=topo, devices=devices)
-        mt = Table(title=f"measured on local JAX devices {list(devices)} planned on {topo.name} (float32, "
-                         f"pmap, median of {args.repeats})", title_justify="left")
-        for col in ("size", "jax_blink.psum", "lax.psum", "blink/lax time", "equal"):
-            mt.add_column(col, justify="right")
-        for r in mrows:
-            mt.add_row(human_bytes(r["size"]), human_time(r["blink_s"]), human_time(r["lax_s"]),
-                       f"{r['blink_s'] / r['lax_s']:.2f}x", "yes" if r["equal"] else "NO")
-        console.print(mt)
+        mrows = measure_sweep(sizes, args.repeats, topology=topo, devices=devices, collective=args.collective,
+                              dtype=args.dtype, root=bp.root)
+        console.print(measured_table(mrows, f"measured on local JAX devices {list(devices)} planned on {topo.name} "
+                                            f"({bp.collective}, {args.dtype}, jit(shard_map), median of "
+                                            f"{args.repeats} interleaved calls each)"))
+        console.print("nccl-tests columns: size (bytes per device; allgather / reducescatter: the full buffer), "
+                      "count (elements), time, algbw = size / time, busbw = algbw x bus factor (GB/s); simulated "
+                      "and bound: the link-level model of the plan jax_blink lowered (as `jax_blink.explain`)")
     return 0

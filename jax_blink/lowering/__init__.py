@@ -91,6 +91,13 @@ class LoweringRequest:
         collective_permute over all mesh axes of the call needs).
       axis_names: the mesh axes the collective runs over (as given by the user, a tuple).
       timeout_ms: how long a native executor waits for peers before failing.
+      plans: the ``Plan`` each group's schedule was built from (group order), for reports
+        (``jax_blink.explain``, ``JAX_BLINK_LOG``); () when not recorded.
+      predicted_s: the cost model's predicted seconds of each group's schedule on this lowering
+        (``costmodel.lowering_schedule``); () when not recorded.
+      bounds_gbps: each group's certified rate (the rate-optimal plan's ``bound_gbps``, as
+        ``jax_blink.plan`` without ``nbytes`` gives it); () when not recorded.
+      topology: the ``Topology`` the plans were made on (None when not recorded).
     """
 
     collective: str
@@ -99,6 +106,10 @@ class LoweringRequest:
     groups: tuple
     axis_names: tuple
     timeout_ms: int = 60_000
+    plans: tuple = ()
+    predicted_s: tuple = ()
+    bounds_gbps: tuple = ()
+    topology: object = None
 
 
 def register(lowering: Lowering) -> None:
