@@ -31,7 +31,6 @@ import threading
 
 import numpy as np
 
-from . import collectives
 from . import lowering as _lowering
 from ._jax_compat import ir, source_info_util
 

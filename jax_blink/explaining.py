@@ -1,4 +1,5 @@
-"""``jax_blink.explain(fn, *args, **kwargs)`` (this module: ``jax_blink.explaining``): what a program's collectives run, before anything runs.
+"""``jax_blink.explain(fn, *args, **kwargs)`` (module ``jax_blink.explaining``): what a program's
+collectives run, before anything runs.
 
 Traces and lowers ``fn`` (and, by default, compiles it: XLA inserts collectives of its own there;
 nothing executes) and reports

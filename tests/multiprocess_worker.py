@@ -7,6 +7,8 @@ Modes:
          and no all-reduce).
   kill:  runs jax_blink.psum in a loop; the last process SIGKILLs itself after a few steps; the
          others must be aborted by jax.distributed's heartbeat (the test checks how and when).
+  stall: with JAX_BLINK_WATCH=1, two steps of jax_blink.psum; the last process stalls (sleeps
+         instead of calling) at step 1; the others print ``RESULT`` with the error they get.
 """
 
 import argparse
@@ -21,7 +23,7 @@ import numpy as np
 from jax_blink import distributed
 
 ap = argparse.ArgumentParser()
-ap.add_argument("mode", choices=["check", "kill"])
+ap.add_argument("mode", choices=["check", "kill", "stall"])
 ap.add_argument("--impl", default="auto")
 ap.add_argument("--heartbeat", type=int, default=10)
 a = ap.parse_args()
@@ -133,6 +135,26 @@ if a.mode == "check":
     except jax_blink.BlinkError as e:
         emit(case="ffi_refused", refused=True, message=str(e))
     emit(case="done", seconds=time.time() - t0)
+elif a.mode == "stall":
+    mesh = Mesh(devs, ("i",))
+    f = jax.jit(jax.shard_map(lambda x: jax_blink.psum(x, "i", topology=cluster.topology,
+                                                         device_map=cluster.device_map),
+                              mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    x = jax.make_array_from_callback((N, 8), NamedSharding(mesh, P("i")),
+                                     lambda idx: np.ones((N, 8), np.float32)[idx])
+    t0 = time.time()
+    for step in range(2):
+        if step == 1 and me == nproc - 1:
+            time.sleep(float(os.environ["STALL_S"]))  # stalls: never calls step 1
+            emit(case="stalled", seconds=time.time() - t0)
+            break
+        try:
+            y = f(x)
+            y.block_until_ready()
+            emit(case=f"step{step}", value=float(np.asarray(y.addressable_shards[0].data)[0, 0]))
+        except Exception as e:  # noqa: BLE001 - the watch's error, reported to the test
+            emit(case="error", step=step, seconds=time.time() - t0, message=str(e))
+            break
 else:
     mesh = Mesh(devs, ("i",))
     f = jax.jit(jax.shard_map(lambda x: jax_blink.psum(x, "i", impl=a.impl, topology=cluster.topology,

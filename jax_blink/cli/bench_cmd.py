@@ -20,7 +20,6 @@ import re
 import sys
 
 from ..errors import BlinkError, PlanError
-from ._measure import DTYPES
 from ._args import (
     HOST_FLAG,
     add_job_arguments,
@@ -32,6 +31,7 @@ from ._args import (
     positive_int,
     read_text,
 )
+from ._measure import DTYPES
 
 __all__ = ["add_common", "human_bytes", "human_time", "load_inputs", "parse_devices", "parse_size",
            "parse_sizes", "run"]
