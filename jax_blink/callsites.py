@@ -149,15 +149,28 @@ def _log_level() -> int | None:
     return _LEVELS[text]
 
 
+_ENV_HANDLER = logging.StreamHandler()  # stderr; attached only while JAX_BLINK_LOG is set
+_ENV_HANDLER.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+_env_state = {"level": None}  # the level JAX_BLINK_LOG set on the logger (None: it set none)
+
+
 def _logging_enabled() -> bool:
+    """Apply ``JAX_BLINK_LOG`` to the ``jax_blink`` logger (its level and a stderr handler; undone
+    when the variable is unset again, leaving levels the program set itself alone); True when the
+    logger takes INFO records."""
     level = _log_level()
     if level is not None:
-        if LOG.level == logging.NOTSET or LOG.level > level:
+        if LOG.level in (logging.NOTSET, _env_state["level"]):
             LOG.setLevel(level)
-        if not LOG.handlers:  # the variable alone must show something: a stderr handler of our own
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
-            LOG.addHandler(handler)
+            _env_state["level"] = level
+        if _ENV_HANDLER not in LOG.handlers and not LOG.handlers:
+            LOG.addHandler(_ENV_HANDLER)
+    elif _env_state["level"] is not None:
+        if LOG.level == _env_state["level"]:
+            LOG.setLevel(logging.NOTSET)
+        if _ENV_HANDLER in LOG.handlers:
+            LOG.removeHandler(_ENV_HANDLER)
+        _env_state["level"] = None
     return LOG.isEnabledFor(logging.INFO)
 
 
@@ -312,7 +325,8 @@ def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mes
         else:
             outs = rec.rule(sub, xs, recording)
     listeners = getattr(_local, "sites", None)
-    if listeners is not None or _logging_enabled():
+    logging_on = _logging_enabled()
+    if listeners is not None or logging_on:
         info = dict(collective=collective, axes=axes, dtype=np.dtype(dtype).name, leaves=len(xs), nelems=nelems,
                     itemsize=itemsize, record=rec, impl=impl, platforms=tuple(ctx.module_context.platforms),
                     processes=processes, source=source, label=name)
