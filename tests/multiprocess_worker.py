@@ -128,6 +128,20 @@ if a.mode == "check":
     facade._CACHE.clear()  # then the lowering's own plan() call is the only one recorded
     check("three_phase_f32", flat, "i", np.float32, shape_per_dev=(2, 41), algorithm="hierarchical")
     emit(case="three_phase_lowered", algorithms=sorted({k[5] for k in facade._CACHE if len(k[1]) == N}))
+    # jax_blink.explain on the job's mesh: the row's numbers against plan() / bench's sweep, here
+    from jax_blink.cli.bench_cmd import simulate_sweep
+    fx = jax.jit(jax.shard_map(lambda v: jax_blink.psum(v, "i", topology=cluster.topology,
+                                                          device_map=cluster.device_map),
+                               mesh=flat, in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    xx = jax.make_array_from_callback((N * 64,), NamedSharding(flat, P("i")), lambda idx: np.ones(N * 64, np.float32)[idx])
+    site, = jax_blink.explain(fx, xx, compile=False).sites
+    ref = jax_blink.plan(cluster.topology, "allreduce", devices=list(site.plan.devices))
+    swept, = simulate_sweep(cluster.topology, ref, [site.nbytes], progress=False)
+    fixed, = simulate_sweep(cluster.topology, site.plan, [site.nbytes], progress=False, fixed=True)
+    emit(case="explain", lowering=site.lowering, why=site.why, group_size=site.group_size, nbytes=site.nbytes,
+         processes=site.processes, bound=[site.bound_gbps, ref.bound_gbps], sim=[site.sim_s, fixed["blink"].time_s],
+         ring=[site.ring_s, None if swept["ring"] is None else swept["ring"].time_s],
+         auto=[site.auto_s, swept["blink"].time_s])
     # impl="ffi" is an in-process custom call: across processes it must be refused clearly.
     try:
         run(flat, "i", np.float32, (1, 4), True, impl="ffi")

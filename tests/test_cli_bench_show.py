@@ -46,12 +46,35 @@ def test_bench_errors(capsys, tmp_path):
 def test_bench_measure_runs_real_collective(capsys):
     assert main(["bench", "--topology", "dgx1v", "--sizes", "4K", "--measure", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    assert "jax_blink.psum" in out and "lax.psum" in out and "yes" in out
+    assert "blink time" in out and "lax time" in out and "busbw" in out and "yes" in out
     # --devices and --topology apply to the measured run too (found by a user test)
     assert main(["bench", "--topology", "dgx1v", "--devices", "0,2,5", "--sizes", "4K", "--measure",
                  "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "measured on local JAX devices [0, 2, 5] planned on dgx1v" in out and "yes" in out
+
+
+@pytest.mark.parametrize("collective,size", [("allreduce", 4096), ("allgather", 8192), ("broadcast", 2048)])
+def test_bench_measure_json_has_nccl_tests_columns_and_the_plans_bound(capsys, collective, size):
+    import json
+
+    import jax_blink
+    from jax_blink import Topology, collectives
+
+    assert main(["bench", "--topology", "dgx1v", "--collective", collective, "--sizes", str(size), "--measure",
+                 "--repeats", "2", "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)
+    assert (r["size"], r["count"], r["dtype"], r["n"], r["lowering"], r["equal"]) == \
+           (size, size // 4, "float32", 8, "ffi", True)
+    factor = collectives.get(collective).busbw_factor(8)
+    for name in ("blink", "lax"):
+        assert r[f"{name}_time_s"] > 0
+        assert r[f"{name}_algbw_gbps"] == pytest.approx(size / r[f"{name}_time_s"] / 1e9)
+        assert r[f"{name}_busbw_gbps"] == pytest.approx(r[f"{name}_algbw_gbps"] * factor)
+    assert r["blink_over_lax"] == pytest.approx(r["blink_time_s"] / r["lax_time_s"])
+    # the bound of the plan jax_blink lowered: size / the certificate `jax-blink plan` prints
+    cert = jax_blink.plan(Topology.preset("dgx1v"), collective, devices=list(range(8))).bound_gbps
+    assert r["bound_s"] == pytest.approx(size / (cert * 1e9), rel=1e-12) and 0 < r["bound_s"] <= r["sim_s"]
 
 
 @pytest.mark.slow

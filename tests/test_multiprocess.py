@@ -5,6 +5,7 @@ cost (process start + jax import + compile) low."""
 
 import json
 import os
+import re
 import pathlib
 import textwrap
 import time
@@ -171,6 +172,12 @@ def test_psum_across_processes_matches_lax(nproc, local):
              "three_phase_f32"]
     for p, recs in enumerate(per):
         assert "done" in recs, f"process {p} did not finish: {res.processes[p].stderr[-2000:]}"
+        ex = recs["explain"]  # jax_blink.explain's row equals plan() / bench's sweep on the cluster topology
+        assert (ex["lowering"], ex["group_size"], ex["nbytes"], ex["processes"]) == ("ppermute", nproc * local,
+                                                                                     64 * 4, nproc), ex
+        assert f"skipped ffi: mesh spans {nproc} processes" in ex["why"], ex
+        for k in ("bound", "sim", "ring", "auto"):
+            assert ex[k][0] == ex[k][1], (k, ex)
         assert recs["ffi_refused"]["refused"], recs["ffi_refused"]
         assert f"spans {nproc} processes" in recs["ffi_refused"]["message"]
         for c in cases:
@@ -201,6 +208,31 @@ def test_killed_process_makes_the_others_fail_fast():
     assert "another task died" in survivor.stderr or "unhealthy" in survivor.stderr, survivor.stderr[-3000:]
     assert survivor.wall_s - victim.wall_s < 25, (survivor.wall_s, victim.wall_s)
     assert elapsed < 90
+
+
+@pytest.mark.slow
+def test_stalled_process_is_named_with_its_host_devices_and_last_call_site():
+    """JAX_BLINK_WATCH=1: process 1 stalls at step 1 (sleeps, never calls); process 0's call fails after
+    the 4 s timeout, long before the stall ends, naming process 1, its host, devices and last call site."""
+    import socket
+
+    env = {**_env(), "JAX_BLINK_WATCH": "1", "JAX_BLINK_TIMEOUT_S": "4", "STALL_S": "15"}
+    try:
+        res = launch.launch([WORKER, "stall"], 2, 1, timeout_s=120, env=env)
+    except launch.LaunchError as e:
+        raise AssertionError("\n".join(f"process {p.process_id}: {p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+                                        for p in e.result.processes)) from e
+    first, second = _results(res)
+    assert first["step0"]["value"] == second["step0"]["value"] == 2.0
+    err = first["error"]
+    assert err["step"] == 1 and err["seconds"] < 15, err  # failed while process 1 still stalled
+    msg = err["message"]
+    assert "jax_blink: collective timed out after 4 s at jax_blink.psum[allreduce float32 32B" in msg, msg
+    assert "multiprocess_worker.py" in msg and "(generation 1): 1 process(es) never arrived: " in msg, msg
+    assert re.search(rf"process 1 \(host {re.escape(socket.gethostname())}, devices \[\d+\]\): last completed "
+                     r"jax_blink call site: jax_blink\.psum\[allreduce float32 32B .*\(generation 0\)", msg), msg
+    assert re.search(r"Arrived: process 0 \(host .*, devices \[\d+\]\)", msg), msg
+    assert "stalled" in second and "error" not in second
 
 
 @pytest.mark.slow
