@@ -133,7 +133,8 @@ if a.mode == "check":
     fx = jax.jit(jax.shard_map(lambda v: jax_blink.psum(v, "i", topology=cluster.topology,
                                                           device_map=cluster.device_map),
                                mesh=flat, in_specs=P("i"), out_specs=P("i"), check_vma=False))
-    xx = jax.make_array_from_callback((N * 64,), NamedSharding(flat, P("i")), lambda idx: np.ones(N * 64, np.float32)[idx])
+    xx = jax.make_array_from_callback((N * 64,), NamedSharding(flat, P("i")),
+                                      lambda idx: np.ones(N * 64, np.float32)[idx])
     site, = jax_blink.explain(fx, xx, compile=False).sites
     ref = jax_blink.plan(cluster.topology, "allreduce", devices=list(site.plan.devices))
     swept, = simulate_sweep(cluster.topology, ref, [site.nbytes], progress=False)

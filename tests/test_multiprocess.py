@@ -5,8 +5,8 @@ cost (process start + jax import + compile) low."""
 
 import json
 import os
-import re
 import pathlib
+import re
 import textwrap
 import time
 
