@@ -45,7 +45,8 @@ class XlaCollective:
     Attributes: op (HLO opcode, "all-reduce", ...); name (HLO instruction); dtype; nbytes (bytes per
     device of its result; all-gather: the gathered buffer); group_size (devices per replica group,
     None when the HLO lists none); op_name (the JAX name stack, e.g. ``jit(step)/shard_map/psum``);
-    source ("file:line" from the HLO metadata, or "").
+    source ("file:line" from the HLO metadata, or ""); spmd_generated (XLA's SPMD partitioner
+    inserted it: the frontend attribute ``is_spmd_generated``, newer XLA only).
     """
 
     op: str
@@ -55,6 +56,7 @@ class XlaCollective:
     group_size: int | None
     op_name: str
     source: str
+    spmd_generated: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -73,6 +75,10 @@ def _group_size(rest: str) -> int | None:
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)
     if m:
         return int(m.group(2))
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)  # mesh['i'=8] {'i'} (newer XLA)
+    if m:
+        sizes = dict(re.findall(r"'([^']*)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'([^']*)'", m.group(2)))
     return None
 
 
@@ -99,7 +105,8 @@ def xla_collectives(hlo_text: str, *, exclude: str = "jax_blink.") -> list[XlaCo
         file = re.search(r'source_file="([^"]*)"', rest)
         line_no = re.search(r"source_line=(\d+)", rest)
         source = f"{file.group(1)}:{line_no.group(1)}" if file and line_no else ""
-        out.append(XlaCollective(m.group("op"), m.group("name"), dtype, nbytes, _group_size(rest), op_name, source))
+        out.append(XlaCollective(m.group("op"), m.group("name"), dtype, nbytes, _group_size(rest), op_name, source,
+                                 'is_spmd_generated="true"' in rest))
     return out
 
 
@@ -160,7 +167,7 @@ class Report:
             for col in ("op", "dtype", "bytes/dev", "group", "op_name", "source"):
                 x.add_column(col, overflow="fold")
             for c in self.xla:
-                x.add_row(c.op, c.dtype, callsites.human_bytes(c.nbytes), "-" if c.group_size is None else
+                x.add_row(c.op + (" (SPMD partitioner)" if c.spmd_generated else ""), c.dtype, callsites.human_bytes(c.nbytes), "-" if c.group_size is None else
                           str(c.group_size), c.op_name, _short(c.source))
             out.append(x if self.xla else Text("no other XLA collectives"))
         return out

@@ -116,6 +116,10 @@ def test_xla_collectives_are_listed_and_jax_blinks_own_are_not(tmp_path):
     (c,) = xla_collectives(line)
     assert (c.op, c.dtype, c.nbytes, c.group_size, c.op_name, c.source) == \
            ("all-reduce", "bf16", 2048, 4, "jit(f)/psum", "/x/y.py:7")
+    line = ("  ROOT %all-reduce = f32[] all-reduce(%w), channel_id=2, replica_groups=mesh['a'=2,'b'=4] {'b'}, "
+            'use_global_device_ids=true, frontend_attributes={is_spmd_generated="true"}, metadata={op_name="x"}')
+    (c,) = xla_collectives(line)  # jax 0.12's mesh notation
+    assert (c.nbytes, c.group_size, c.spmd_generated) == (4, 4, True)
 
 
 def test_cli_explain_prints_a_row_per_call_site(tmp_path, capsys):
