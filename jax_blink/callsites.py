@@ -60,7 +60,8 @@ class CallSite:
         the mesh spans; why: why that lowering (``impl`` given, or ``auto``'s choice and what it skipped).
       algorithm: the plan's algorithm; shape: ``Plan.shape()`` ("trees, 8 trees", "ring, 1 ring");
       trees: trees with positive weight; chunks: chunks of the schedule; rounds: schedule rounds;
-      schedules: schedules the rule ran (the ppermute rule runs one per leaf).
+      schedules: schedules the rule ran (the ppermute rule runs one per leaf: plan, chunks and rounds
+        are then the largest leaf's, ``predicted_s`` their sum, the simulated columns at ``nbytes``).
       predicted_s: the cost model's time of what the lowering runs (``costmodel.lowering_schedule``;
         the largest over groups, summed over the rule's schedules).
       sim_s: the link simulator's time of the plan at ``nbytes`` (``jax-blink bench --plan``'s blink

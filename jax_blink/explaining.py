@@ -167,8 +167,9 @@ class Report:
             for col in ("op", "dtype", "bytes/dev", "group", "op_name", "source"):
                 x.add_column(col, overflow="fold")
             for c in self.xla:
-                x.add_row(c.op + (" (SPMD partitioner)" if c.spmd_generated else ""), c.dtype, callsites.human_bytes(c.nbytes), "-" if c.group_size is None else
-                          str(c.group_size), c.op_name, _short(c.source))
+                op = c.op + (" (SPMD partitioner)" if c.spmd_generated else "")
+                group = "-" if c.group_size is None else str(c.group_size)
+                x.add_row(op, c.dtype, callsites.human_bytes(c.nbytes), group, c.op_name, _short(c.source))
             out.append(x if self.xla else Text("no other XLA collectives"))
         return out
 

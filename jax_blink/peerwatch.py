@@ -169,6 +169,20 @@ class _Site:
                 "collectives in the same order; raise JAX_BLINK_TIMEOUT_S if a process is only slow.")
 
 
+_ordinals: dict = {}
+
+
+def _ordinal(ctx) -> int:
+    """The n-th watched call site of the module being lowered (the same on every process of an SPMD
+    program), so two call sites with the same label in one program get different keys."""
+    module = ctx.module_context.keepalives  # one list per module being lowered
+    n = _ordinals.get(id(module), (module, 0))[1]
+    _ordinals[id(module)] = (module, n + 1)
+    while len(_ordinals) > 32:
+        _ordinals.pop(next(iter(_ordinals)))
+    return n
+
+
 def watched(rule, ctx, xs, request_for, *, mesh, groups, site: str):
     """``rule(ctx, xs, request_for)`` bracketed by the arrival check and the completion record
     (module docstring); the rule's results unchanged. Without processes to wait for (every group
@@ -180,7 +194,8 @@ def watched(rule, ctx, xs, request_for, *, mesh, groups, site: str):
     from ._jax_compat import core, mlir
     from .lowering import ppermute
 
-    s = _Site(site, mesh, groups, jax.process_index())
+    s = _Site(f"{site} (watched call {_ordinal(ctx)} of its program)", mesh, groups,
+              jax.process_index())
     if not s.needed:
         return rule(ctx, xs, request_for)
     token = jax.ShapeDtypeStruct((), np.int32)
