@@ -1,7 +1,8 @@
 """jax_blink across processes: launcher semantics, topology combination, and real
 jax.distributed runs on 127.0.0.1 with gloo (2 processes x 4 host devices and 4 x 2, each also
-training examples/flax_digits with --mode pmap, and a process killed mid-run). Each launch does several checks (tests/multiprocess_worker.py) to keep start-up
-cost (process start + jax import + compile) low."""
+training examples/flax_digits with --mode pmap, and a process killed mid-run). Each launch does
+several checks (tests/multiprocess_worker.py) to keep start-up cost (process start + jax import +
+compile) low."""
 
 import json
 import os
