@@ -110,7 +110,7 @@ class _Rewriter:
         return False
 
     def note(self, eqn_name, axes, vals, where, reason="") -> None:
-        ops = ", ".join(f"{core.typeof(v).str_short()}" for v in vals)
+        ops = ", ".join((v if isinstance(v, core.AbstractValue) else core.typeof(v)).str_short() for v in vals)
         self.rewrites.append(Rewrite(eqn_name, tuple(axes), where, ops, "lax" if reason else "jax_blink", reason))
 
     # ---------------------------------------------------------------- evaluation
