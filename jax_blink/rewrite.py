@@ -131,7 +131,7 @@ class _Rewriter:
             if not eqn.primitive.multiple_results:
                 outs = [outs]
             for v, x in zip(eqn.outvars, outs):
-                env[v] = _match_weak_type(x, v.aval)
+                env[v] = x
         return [read(v) for v in jaxpr.outvars]
 
     def eqn(self, eqn, invals, where):
@@ -171,14 +171,15 @@ class _Rewriter:
         self.note(prim.name, axes, invals, where)
         kw, groups = self.kwargs, params.get("axis_index_groups")
         if prim in (psum_p, psum_invariant_p):
-            out = api.psum(list(invals), axes, axis_index_groups=groups, **kw)
-            return out if prim.multiple_results else out[0]  # psum_invariant binds one operand
-        (x,) = invals
-        if prim is all_gather_p:
-            return api.all_gather(x, axes, axis=params["all_gather_dimension"], tiled=params["tiled"],
-                                  axis_index_groups=groups, **kw)
-        return api.psum_scatter(x, axes, scatter_dimension=params["scatter_dimension"], tiled=params["tiled"],
-                                axis_index_groups=groups, **kw)
+            outs = api.psum(list(invals), axes, axis_index_groups=groups, **kw)
+        elif prim is all_gather_p:
+            outs = [api.all_gather(invals[0], axes, axis=params["all_gather_dimension"], tiled=params["tiled"],
+                                   axis_index_groups=groups, **kw)]
+        else:
+            outs = [api.psum_scatter(invals[0], axes, scatter_dimension=params["scatter_dimension"],
+                                     tiled=params["tiled"], axis_index_groups=groups, **kw)]
+        outs = [_match_weak_type(o, v.aval) for o, v in zip(outs, eqn.outvars)]
+        return outs if prim.multiple_results else outs[0]  # psum_invariant binds one operand
 
     # ---------------------------------------------------------------- sub-jaxprs
     def closed(self, cj, where) -> ClosedJaxpr:
@@ -347,10 +348,9 @@ def _unsupported(axes, vals) -> str:
 def _match_weak_type(x, aval):
     """jax_blink's results are never weakly typed; restore lax's weak type so a scan carry or a
     cond branch keeps the type its other side has."""
-    want = getattr(aval, "weak_type", False)
-    if isinstance(x, core.Tracer) or isinstance(x, jax.Array):
-        if core.typeof(x).weak_type != want and core.typeof(x).dtype == aval.dtype:
-            return convert_weak_type(x, want)
+    have = core.typeof(x)
+    if have.weak_type != aval.weak_type and have.dtype == aval.dtype:
+        return convert_weak_type(x, aval.weak_type)
     return x
 
 
