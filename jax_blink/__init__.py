@@ -26,7 +26,9 @@ __version__ = _installed_version()
 
 # JAX-facing API, imported lazily so the CLI and planners load without importing jax.
 _LAZY = {"psum": "api", "pmean": "api", "broadcast": "api", "reduce": "api", "all_gather": "api",
-         "psum_scatter": "api", "set_device_map": "mapping",
+         "psum_scatter": "api", "export_checks": "api", "deserialize": "api",
+         "transform": "rewrite", "transform_report": "rewrite",
+         "set_device_map": "mapping",
          "plan": "planning", "Plan": "planner.model", "Tree": "planner.model", "ring_rate": "planner.rings",
          "selftest": "gpu_selftest", "clear_caches": "planner.model", "explain": "explaining"}
 
@@ -45,5 +47,6 @@ def __dir__():
 
 __all__ = ["BlinkError", "PlanError", "ScheduleError", "Topology", "TopologyError", "__version__",
            "PRESETS", "multi_node", "detect", "load_topology", "probe",
-           "psum", "pmean", "broadcast", "reduce", "all_gather", "psum_scatter", "set_device_map", "plan", "Plan",
-           "Tree", "ring_rate", "selftest", "clear_caches", "cpu_isa", "explain"]
+           "psum", "pmean", "broadcast", "reduce", "all_gather", "psum_scatter", "export_checks", "deserialize",
+           "transform", "explain", "transform_report", "set_device_map", "plan", "Plan",
+           "Tree", "ring_rate", "selftest", "clear_caches", "cpu_isa"]

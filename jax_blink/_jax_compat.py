@@ -62,9 +62,17 @@ def check_versions(jax_version: str | None = None, jaxlib_version: str | None = 
 check_versions()
 
 # Internals below this line: the only jax._src imports of the package (tests/test_jax_compat.py).
+from jax._src import api_util as _api_util  # noqa: E402
 from jax._src import config as _config  # noqa: E402
-from jax._src import core, dispatch, dtypes, source_info_util  # noqa: E402,F401
+from jax._src import (  # noqa: E402,F401
+    core,
+    dispatch,
+    dtypes,
+    source_info_util,  # noqa: E402,F401
+)
+from jax._src import linear_util as lu  # noqa: E402,F401
 from jax._src.interpreters import ad, batching, mlir  # noqa: E402,F401
+from jax._src.interpreters import partial_eval as pe  # noqa: E402,F401
 from jax._src.lax import lax as _lax  # noqa: E402
 from jax._src.lax import parallel as _parallel  # noqa: E402
 from jax._src.lib.mlir import ir  # noqa: E402,F401
@@ -203,3 +211,38 @@ def register_roofline(prim, rule) -> None:
     mod = _roofline_module()
     if mod is not None:
         mod.register_roofline(prim)(rule)
+
+# -------------------------------------------------------------------------------- jaxpr rewriting
+# (jax_blink.transform): lax's collective primitives, and tracing a Python function to a jaxpr
+# with given avals (varying-axes types kept) in the current trace context.
+#: lax's collective primitives as they appear in jaxprs: psum (pmap / check_vma off), its
+#: check_vma=True form, all_gather, psum_scatter; and pvary (check_vma's "make varying").
+psum_p = _parallel.psum_p
+psum_invariant_p = _parallel.psum_invariant_p
+all_gather_p = _parallel.all_gather_p
+reduce_scatter_p = _parallel.reduce_scatter_p
+
+
+def convert_weak_type(x, weak_type: bool):
+    """``x`` with its dtype and the given weak type (lax's internal convert_element_type)."""
+    return _lax._convert_element_type(x, core.typeof(x).dtype, weak_type=weak_type)
+
+
+def wrap_fun(fun, name: str, args) -> lu.WrappedFun:
+    """``fun`` as a ``lu.WrappedFun`` with debug info naming it ``name`` (``args``: example arguments)."""
+    return lu.wrap_init(fun, debug_info=_api_util.debug_info(name, fun, tuple(args), {}))
+
+
+#: A jaxpr with its constants: ``core.ClosedJaxpr`` up to jax 0.11; jax 0.12 has one ``core.Jaxpr``
+#: type that carries its constants (``Jaxpr(jaxpr, consts)`` still builds one, ``.jaxpr`` is itself).
+ClosedJaxpr = getattr(core, "ClosedJaxpr", core.Jaxpr)
+#: The types a primitive's jaxpr parameters have.
+JAXPR_TYPES = tuple({core.Jaxpr, ClosedJaxpr})
+
+
+def trace_to_closed_jaxpr(fun, in_avals, name: str = "jax_blink.transform"):
+    """The closed jaxpr (:data:`ClosedJaxpr`) of ``fun(*args)`` for arguments of ``in_avals`` (their
+    varying axes kept), traced in the current context (axis environment, mesh, check_vma) like a
+    control-flow body."""
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrap_fun(fun, name, in_avals), list(in_avals))
+    return ClosedJaxpr(jaxpr, consts)

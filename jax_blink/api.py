@@ -38,6 +38,7 @@ from ._jax_compat import (
     validate_axis_index_groups,
 )
 from .errors import TopologyError
+from .lowering import ffi as _ffi_lowering
 from .topology import Topology
 
 _SUPPORTED = {np.dtype(t) for t in (
@@ -56,6 +57,31 @@ def impls() -> list[str]:
     """The ``impl`` values the collectives take: "auto" and every lowering name of the registry
     (``jax_blink.lowering``; a name whose native target is missing here fails at lowering, saying why)."""
     return sorted({"auto", *lowering.names()})
+
+
+def export_checks() -> list:
+    """The ``disabled_checks`` that ``jax.export.export`` needs for a function using jax_blink:
+    ``jax.export.export(jax.jit(f), disabled_checks=jax_blink.export_checks())(*args)``.
+
+    jax.export refuses custom calls whose targets carry no compatibility guarantee, as jax_blink's
+    native targets (``jax_blink_cpu``, ``jax_blink_cuda``, lowering ``impl="ffi"``) do not: the
+    exported module holds the schedules planned at export time (for the mesh's devices and the
+    topology then) in the native executor's format. So call a deserialized export with the same
+    jax_blink version, after ``import jax_blink`` in that process (importing registers the targets;
+    without it XLA fails to compile the custom call), on as many devices as the mesh had.
+    ``impl="ppermute"`` exports without disabled checks (plain ``collective_permute``s, portable
+    across versions). Returns a list of ``jax.export.DisabledSafetyCheck`` (one per native target).
+    """
+    targets = (_ffi_lowering.CPU_TARGET, _ffi_lowering.CUDA_TARGET)
+    return [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
+
+
+def deserialize(blob):
+    """``jax.export.deserialize(blob)`` with jax_blink's native targets registered first (they register
+    when jax_blink's collectives are imported, which ``import jax_blink`` alone does not do), so the
+    result's ``.call(...)`` finds them. ``blob``: bytes / bytearray from ``Exported.serialize()`` of
+    a function exported with :func:`export_checks`. Returns the ``jax.export.Exported``."""
+    return jax.export.deserialize(bytearray(blob))
 
 
 def _impl(impl) -> str:

@@ -116,11 +116,16 @@ def _child_env(base: dict, coordinator: str, n: int, pid: int, local_devices: in
     return env
 
 
-def _pump(stream, sink: list, prefix: str | None, lock: threading.Lock) -> None:
+#: The line gloo (XLA:CPU's cross-process collectives) prints per rank as it connects; kept in the
+#: captured output, echoed only with ``verbose`` (one line per rank tells the user nothing).
+GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks?\b")
+
+
+def _pump(stream, sink: list, prefix: str | None, lock: threading.Lock, verbose: bool = False) -> None:
     # One thread per pipe: a child never blocks on a full pipe, and output can be echoed live.
     for line in iter(stream.readline, ""):
         sink.append(line)
-        if prefix is not None:
+        if prefix is not None and (verbose or not GLOO_CONNECTED.match(line)):
             with lock:
                 sys.stdout.write(prefix + line)
                 sys.stdout.flush()
@@ -137,7 +142,7 @@ def _kill(proc: subprocess.Popen, sig: int) -> None:
 def launch(argv: Sequence[str], num_processes: int, local_devices: int | None = None, *,
            timeout_s: float = 300.0, grace_s: float = 20.0, env: dict | None = None,
            cwd: str | None = None, echo: bool = False, check: bool = True,
-           python: str | None = None) -> LaunchResult:
+           python: str | None = None, verbose: bool = False) -> LaunchResult:
     """Run ``python argv...`` as ``num_processes`` cooperating JAX processes on 127.0.0.1.
 
     Args:
@@ -148,7 +153,9 @@ def launch(argv: Sequence[str], num_processes: int, local_devices: int | None = 
       timeout_s: wall-clock limit for the whole run; processes still running are killed.
       grace_s: after the first failure, how long the others may take to fail by themselves.
       env: base environment (default ``os.environ``).
-      echo: print every child line live, prefixed ``[pN] ``.
+      echo: print the children's lines live, prefixed ``[pN] ``; gloo's per-rank "[Gloo] Rank ...
+        is connected to ..." lines only with ``verbose`` (they stay in the captured output).
+      verbose: echo gloo's connection lines too.
       check: raise :class:`LaunchError` unless every process exits 0.
       python: interpreter (default ``sys.executable``).
 
@@ -178,8 +185,8 @@ def launch(argv: Sequence[str], num_processes: int, local_devices: int | None = 
             outs.append([])
             errs.append([])
             for stream, sink in ((p.stdout, outs[i]), (p.stderr, errs[i])):
-                th = threading.Thread(target=_pump, args=(stream, sink, f"[p{i}] " if echo else None, lock),
-                                      daemon=True)
+                th = threading.Thread(target=_pump, args=(stream, sink, f"[p{i}] " if echo else None, lock,
+                                                          verbose), daemon=True)
                 th.start()
                 threads.append(th)
         deadline = t0 + timeout_s
@@ -271,12 +278,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="kill everything after this many seconds")
     ap.add_argument("--grace", type=float, default=20.0,
                     help="seconds the other processes get to fail after the first failure")
+    ap.add_argument("--verbose", action="store_true",
+                    help="also echo gloo's per-rank '[Gloo] Rank ... is connected' lines")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="script.py ARGS (after --)")
     a = ap.parse_args(argv)
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not cmd:
         ap.error("give the script to run after --, e.g. -- examples/multiprocess/worker.py")
-    return launch_cli(cmd, a.processes, a.local_devices, timeout_s=a.timeout, grace_s=a.grace)
+    return launch_cli(cmd, a.processes, a.local_devices, timeout_s=a.timeout, grace_s=a.grace, verbose=a.verbose)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Modes:
   check: jax_blink.psum on meshes spanning all processes vs lax.psum over the same mesh; prints one
          ``RESULT {json}`` line per case (max error vs lax.psum and vs a float64 NumPy sum, whether
          all devices' results are bitwise equal, whether the compiled HLO uses collective-permute
-         and no all-reduce).
+         and no all-reduce); with ``--pmap-digits`` one epoch of examples/flax_digits ``--mode pmap``
+         against lax.pmean in lockstep.
   kill:  runs jax_blink.psum in a loop; the last process SIGKILLs itself after a few steps; the
          others must be aborted by jax.distributed's heartbeat (the test checks how and when).
   stall: with JAX_BLINK_WATCH=1, two steps of jax_blink.psum; the last process stalls (sleeps
@@ -26,6 +27,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("mode", choices=["check", "kill", "stall"])
 ap.add_argument("--impl", default="auto")
 ap.add_argument("--heartbeat", type=int, default=10)
+ap.add_argument("--pmap-digits", action="store_true", help="check: also train examples/flax_digits with --mode pmap")
 a = ap.parse_args()
 
 distributed.initialize(heartbeat_timeout_s=a.heartbeat)
@@ -149,6 +151,20 @@ if a.mode == "check":
         emit(case="ffi_refused", refused=False, message="")
     except jax_blink.BlinkError as e:
         emit(case="ffi_refused", refused=True, message=str(e))
+    if a.pmap_digits:
+        # examples/flax_digits --mode pmap over every process (issue 28: each process feeds pmap the
+        # rows of its own devices): one epoch, lax.pmean in lockstep from the same state each step.
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
+                                        "flax_digits"))
+        import train as digits
+
+        jax_blink.set_device_map(cluster.device_map)
+        cfg = digits.Config(mode="pmap", epochs=1, progress=False, ndevices=N)
+        r = digits.train(cfg, digits.blink_collectives(cluster.topology), devices=list(devs),
+                         shadow=digits.lax_collectives())
+        emit(case="pmap_digits", broadcast_ok=r.broadcast_ok, steps=len(r.step_losses),
+             max_rel_vs_lax=max(abs(a - b) / abs(b) for a, b in zip(r.step_losses, r.lockstep_losses)),
+             first_loss=r.step_losses[0], last_loss=r.step_losses[-1], test_accuracy=r.test_accuracy)
     emit(case="done", seconds=time.time() - t0)
 elif a.mode == "stall":
     mesh = Mesh(devs, ("i",))

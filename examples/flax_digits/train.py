@@ -174,12 +174,19 @@ def make_steps(mode: str, coll: Collectives, model, tx, devices, sample) -> Step
         body = lambda p, o, x, y: _step_body(p, o, x, y, model=model, tx=tx, coll=coll,  # noqa: E731
                                              vary=False)
         step = jax.pmap(body, axis_name=AXIS, devices=devices)
+        init = jax.pmap(init_body, axis_name=AXIS, devices=devices)
+        # With several processes (examples/multiprocess) each passes pmap the rows of its own devices
+        # only, and gets back arrays spanning every process: read the first local device's row.
+        me = jax.process_index()
+        local = np.asarray([i for i, d in enumerate(devices) if d.process_index == me])
+        mine = (lambda v: v) if len(local) == n else (lambda v: v[local])  # noqa: E731
+        first = lambda v: np.asarray(v.addressable_data(0)).reshape(v.shape[1:])  # noqa: E731
         return Steps(
-            init=jax.pmap(init_body, axis_name=AXIS, devices=devices),
+            init=lambda keys: init(mine(keys)),
             start=jax.pmap(lambda p: (p, tx.init(p)), axis_name=AXIS, devices=devices),
-            shard=lambda x, y: (x.reshape(n, -1, *x.shape[1:]), y.reshape(n, -1)),
-            step=lambda p, o, x, y: (lambda r: (r[0], r[1], r[2][0]))(step(p, o, x, y)),
-            host_params=lambda p: jax.tree.map(lambda v: np.asarray(v[0]), p))
+            shard=lambda x, y: (mine(x.reshape(n, -1, *x.shape[1:])), mine(y.reshape(n, -1))),
+            step=lambda p, o, x, y: (lambda r: (r[0], r[1], first(r[2])))(step(p, o, x, y)),
+            host_params=lambda p: jax.tree.map(first, p))
     if mode == "shard_map":
         mesh = Mesh(np.asarray(devices), (AXIS,))
         rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
@@ -283,7 +290,8 @@ def train(config: Config, coll: Collectives, data=None, devices=None,
     keys = jnp.stack([jax.random.fold_in(root, i) for i in range(n)])
     stacked = steps.init(keys)
     # process_allgather: with several processes (examples/multiprocess) the stack spans all of them
-    leaves = [np.asarray(multihost_utils.process_allgather(v, tiled=True)) if not v.is_fully_addressable
+    # (shard_map: one global array; pmap: each process holds its own devices' rows)
+    leaves = [np.asarray(multihost_utils.process_allgather(v, tiled=True)) if jax.process_count() > 1
               else np.asarray(v) for v in jax.tree.leaves(stacked)]
     expect = jax.tree.leaves(model.init(keys[0], jnp.zeros((1, 8, 8, 1), jnp.float32))["params"])
     broadcast_ok = all(np.array_equal(v[i], v[0]) for v in leaves for i in range(n)) and all(

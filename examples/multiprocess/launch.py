@@ -5,8 +5,9 @@
 Starts ``worker.py`` once per process with ``jax_blink.launch`` (free coordinator port on 127.0.0.1,
 live output prefixed ``[pN]``, a failed process stops the rest, everything is cleaned up); each
 process owns ``--local-devices`` host CPU devices, and the processes stand in for nodes joined by
-NICs of ``--nic-gbps``. Options other than ``--processes``, ``--local-devices`` and ``--timeout`` go
-to every worker (see ``worker.py --help`` and ``examples/flax_digits/train.py --help``).
+NICs of ``--nic-gbps``. Options other than ``--processes``, ``--local-devices``, ``--timeout`` and
+``--verbose`` (also print gloo's per-rank connection lines) go to every worker (see
+``worker.py --help`` and ``examples/flax_digits/train.py --help``).
 On GPU machines leave out ``--local-devices`` (each process then uses the GPUs it is given).
 """
 
@@ -50,9 +51,11 @@ def main(argv=None) -> int:
     p.add_argument("--processes", type=int, default=2, help="processes (stand-ins for nodes) to start")
     p.add_argument("--local-devices", type=int, default=4, help="host CPU devices per process (0: platform default)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before every process is killed")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print gloo's per-rank '[Gloo] Rank ... is connected' lines")
     args, rest = p.parse_known_args(argv)
     return launch_cli([str(WORKER), *rest], args.processes, args.local_devices or None,
-                      timeout_s=args.timeout)
+                      timeout_s=args.timeout, verbose=args.verbose)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def run_probe(args: argparse.Namespace, kw: dict) -> int:
     force_host_devices(PROBE_HOST_DEVICES)
     import jax
 
-    from ..topology.probe import DEFAULT_SIZES, cached_probe
+    from ..topology.probe import DEFAULT_SIZES, GPU_PLATFORMS, cached_probe
     if len(jax.devices()) < 2:
         raise BlinkError(f"JAX has {len(jax.devices())} device; probing needs 2 or more (on CPU set "
                          f"XLA_FLAGS={HOST_FLAG}={PROBE_HOST_DEVICES})")
@@ -88,7 +88,8 @@ def run_probe(args: argparse.Namespace, kw: dict) -> int:
     if args.json:
         print(t.to_json(indent=2))
     else:
-        print_table(t)
+        platform = jax.devices()[0].platform
+        print_table(t, device_word=None if platform in GPU_PLATFORMS else f"{platform} device")
     return 0
 
 
@@ -103,19 +104,27 @@ def undirected_links(t: Topology) -> list[tuple]:
     return out
 
 
-def print_table(t: Topology, file=None) -> None:
-    """Readable summary: GPUs with their peers and total NVLink/PCIe bandwidth, then every link."""
+def print_table(t: Topology, file=None, device_word: str | None = None) -> None:
+    """Readable summary: GPUs with their peers and total NVLink/PCIe bandwidth, then every link.
+
+    ``device_word``: what the topology's nodes are when they are not GPUs (a probe of host CPU
+    devices passes "cpu device"): the header and the first table name them so, and a line says
+    that the figures are copy bandwidths between devices, not links."""
     from rich.console import Console
     from rich.table import Table
 
     console = Console(file=file or sys.stdout, width=120)
-    console.print(f"[bold]{t.name}[/bold]: {len(t.gpus)} GPUs, {len(t.switches)} shared nodes "
+    word = device_word or "GPU"
+    console.print(f"[bold]{t.name}[/bold]: {len(t.gpus)} {word}s, {len(t.switches)} shared nodes "
                   f"({', '.join(sorted({t.kind(s) for s in t.switches})) or 'none'}), "
                   f"fingerprint {t.fingerprint()}")
+    if device_word:
+        console.print(f"These {word}s are not GPUs: the GB/s below are measured copy bandwidths between "
+                      f"{word}s (jax.device_put, host memory), not interconnect links.", highlight=False)
     for note in t.notes:
         console.print(f"note: {note}", highlight=False, markup=False)
-    gt = Table(title="GPUs", title_justify="left")
-    for col in ("GPU", "neighbours (links)", "out GB/s"):
+    gt = Table(title=f"{word}s", title_justify="left")
+    for col in (word, "neighbours (links)", "out GB/s"):
         gt.add_column(col, justify="right" if col != "neighbours (links)" else "left")
     for g in t.gpus:
         nbrs = [f"{v}({d['kind']} x{d['links']})" for _, v, d in t.graph.out_edges(g, data=True)]

@@ -72,10 +72,14 @@ class Measurement:
     by_size: dict = dataclasses.field(default_factory=dict)
 
 
+#: JAX platform names of GPUs (a probe of any other platform measures host memory copies).
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
 def default_gpu_id(device) -> int:
     """Topology GPU id of a JAX device under the default mapping: ``local_hardware_id`` on GPUs
     (the CUDA / ROCm index), ``device.id`` elsewhere."""
-    if device.platform in ("gpu", "cuda", "rocm"):
+    if device.platform in GPU_PLATFORMS:
         hw = getattr(device, "local_hardware_id", None)
         if hw is not None:
             return int(hw)
@@ -110,7 +114,12 @@ def probe(devices=None, sizes=DEFAULT_SIZES, *, repeats: int = 3, label=None,
                    f"{', '.join(_fmt_bytes(s) for s in sizes)} (capacities at {_fmt_bytes(sizes[-1])}, "
                    f"fastest of {repeats}); median one-way GB/s by size: "
                    + ", ".join(f"{_fmt_bytes(k)} {v:.3g}" for k, v in sorted(m.by_size.items())))
-    if label is None and platform in ("gpu", "cuda", "rocm"):
+    if platform not in GPU_PLATFORMS:
+        t.notes.append(f"{platform} devices are not GPUs: every figure is the copy bandwidth of jax.device_put "
+                       "between two devices of this process (memory copies by the host), not a link; a link's "
+                       "GB/s is what each device moved while the other transfers in the measurement ran, the "
+                       "median one-way GB/s is one pair copying alone")
+    if label is None and platform in GPU_PLATFORMS:
         try:
             label = detect()
         except TopologyError as err:
@@ -197,7 +206,7 @@ def measure(devices, sizes, *, repeats: int = 3, max_pair_tests: int = MAX_PAIR_
 
 def build_topology(m: Measurement, platform: str = "cpu") -> Topology:
     """The Topology a :class:`Measurement` describes (see the module docstring)."""
-    on_gpu = platform in ("gpu", "cuda", "rocm")
+    on_gpu = platform in GPU_PLATFORMS
     link_kind, hub_kind = ("pcie", "pcie-switch") if on_gpu else ("host", "host")
     t = Topology(f"probe-{platform}{len(m.gpus)}")
     for g in m.gpus:
