@@ -134,7 +134,8 @@ if a.mode == "check":
     emit(case="three_phase_lowered", algorithms=sorted({k[5] for k in facade._CACHE if len(k[1]) == N}))
     # jax_blink.explain on the job's mesh: the row's numbers against plan() / bench's sweep, here
     from jax_blink.cli.bench_cmd import simulate_sweep
-    fx = jax.jit(jax.shard_map(lambda v: jax_blink.psum(v, "i", topology=cluster.topology,
+    # impl="ppermute": the tree schedule the row describes (impl="auto" here runs "hierarchical")
+    fx = jax.jit(jax.shard_map(lambda v: jax_blink.psum(v, "i", topology=cluster.topology, impl="ppermute",
                                                           device_map=cluster.device_map),
                                mesh=flat, in_specs=P("i"), out_specs=P("i"), check_vma=False))
     xx = jax.make_array_from_callback((N * 64,), NamedSharding(flat, P("i")),

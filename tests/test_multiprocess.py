@@ -179,7 +179,7 @@ def test_psum_across_processes_matches_lax(nproc, local):
         ex = recs["explain"]  # jax_blink.explain's row equals plan() / bench's sweep on the cluster topology
         assert (ex["lowering"], ex["group_size"], ex["nbytes"], ex["processes"]) == ("ppermute", nproc * local,
                                                                                      64 * 4, nproc), ex
-        assert f"skipped ffi: mesh spans {nproc} processes" in ex["why"], ex
+        assert f"impl='ppermute' given (cpu, mesh in {nproc} processes)" in ex["why"], ex  # the worker asks for it
         for k in ("bound", "sim", "ring", "auto"):
             assert ex[k][0] == ex[k][1], (k, ex)
         assert recs["ffi_refused"]["refused"], recs["ffi_refused"]
