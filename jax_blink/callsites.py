@@ -308,9 +308,10 @@ def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mes
     name = label(collective, dtype, nelems * itemsize, first, rec.name)
     seen = []
 
-    def recording(n):
-        r = request_for(n)
-        seen.append(r)
+    def recording(n, *args, **kwargs):  # a rule may ask for its phases' requests (lowering.hierarchical)
+        r = request_for(n, *args, **kwargs)
+        if not args and not kwargs:
+            seen.append(r)
         return r
 
     processes = len({d.process_index for d in mesh.devices.flat})

@@ -284,7 +284,12 @@ def _choose_plan(topology, plans, nbytes, latency_us, algorithm="auto", cost=DEF
     note = (f"{who}: chosen for {nbytes:.0f} B per GPU by the cost model ({model}): "
             f"{t * 1e6:.1f} us, the least of {len(plans)} candidates (next: {second.shape()}, "
             f"{others[0][0] * 1e6:.1f} us)")
-    return dataclasses.replace(best, notes=best.notes + (note,))
+    notes = (note,)
+    if best.collective in ("allreduce", "broadcast", "reduce", "allgather", "reducescatter"):
+        phases = process_phases(topology, best.collective, nbytes, devices=best.devices, latency_us=latency_us)
+        if phases is not None:  # what a multi-process job runs instead of this plan's schedule
+            notes += (phases.describe(),)
+    return dataclasses.replace(best, notes=best.notes + notes)
 
 
 def lowering_schedule(plans, nelems: int, *, itemsize: int, step_latency_s: float, round_synchronous: bool,
@@ -310,3 +315,78 @@ def lowering_schedule(plans, nelems: int, *, itemsize: int, step_latency_s: floa
         plans = [fastest(plans, nelems * itemsize, topology, step_latency_s * 1e6)[0]]
     return choose_schedule(plans, nelems, itemsize=itemsize, step_latency_s=step_latency_s,
                            chunk_elems=chunk_elems)
+
+
+# ------------------------------------------------------------------------------ across processes
+#: Seconds of one step of XLA's own collective between processes (one message of a ring over the
+#: network; an estimate for gloo / NCCL over a NIC).
+NETWORK_STEP_S = 20e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessPhases:
+    """Predicted time of the ``"hierarchical"`` lowering (one process per node; Blink, MLSys 2020,
+    section 5) for one collective, in seconds.
+
+    Attributes:
+      local_s: the intra-node phases (the native executor on the node's packing: the link simulator
+        over the node's reduce-scatter / all-gather / broadcast plans).
+      network_s: XLA's collective between the nodes, one ring per partition, all partitions sharing
+        the node's NIC rate: ``bytes through a node's NICs / nic_gbps + steps * NETWORK_STEP_S``.
+      nodes, per_node: P processes (nodes) of ``per_node`` GPUs each.
+      nic_gbps: GB/s per direction out of one node into the network (all its NICs).
+    """
+
+    local_s: float
+    network_s: float
+    nodes: int
+    per_node: int
+    nic_gbps: float
+
+    @property
+    def total_s(self) -> float:
+        return self.local_s + self.network_s
+
+    def describe(self) -> str:
+        return (f"a job with one process per node runs impl='hierarchical' (native trees inside each of the "
+                f"{self.nodes} nodes x {self.per_node} GPUs, XLA's collective between them): predicted "
+                f"{self.total_s * 1e6:.1f} us = intra-node {self.local_s * 1e6:.1f} us + network "
+                f"{self.network_s * 1e6:.1f} us at {self.nic_gbps:g} GB/s per node")
+
+
+def process_phases(topology, collective: str, nbytes: float, *, devices=None,
+                   latency_us: float = DEFAULT_LATENCY_US) -> ProcessPhases | None:
+    """:class:`ProcessPhases` of ``collective`` on ``nbytes`` bytes per GPU (all-reduce, broadcast
+    and reduce: the operand; all-gather: the gathered output; reduce-scatter: the input) over
+    ``devices`` (default every GPU) of a multi-node ``topology`` (``presets.multi_node``,
+    ``distributed.cluster_topology``), or None when the devices lie on one node or the nodes hold
+    different numbers of them (the lowering then does not apply).
+
+    Network phase (units: bytes, GB/s): with P nodes of L GPUs and the node's NIC rate B, an all-reduce
+    moves 2 (P-1)/P x nbytes through each node's NICs (L rings of nbytes / L, the ring all-reduce
+    volume), an all-gather or reduce-scatter (P-1)/P x nbytes; time = volume / B + 2 (P-1) (or P-1)
+    steps of NETWORK_STEP_S. Raises PlanError as ``jax_blink.plan`` for bad devices.
+    """
+    devices = facade.job_devices(topology, devices)
+    nodes = threephase.node_groups(topology, list(devices))
+    if len(nodes) < 2 or len({len(g) for g in nodes}) != 1:
+        return None
+    P, L = len(nodes), len(nodes[0])
+    node = nodes[0]
+    net = {n for n, k in topology.graph.nodes(data="kind") if k == "network"}
+    nic = sum(d.get("bandwidth_gbps", 0.0) for u, v, d in topology.graph.edges(data=True)
+              if v in net and u not in net) / P
+    sharded = collective in ("allgather", "reducescatter")
+    ring_volume = (P - 1) / P * nbytes * (1 if sharded else 2)
+    network = ring_volume / (nic * 1e9) + (P - 1) * (1 if sharded else 2) * NETWORK_STEP_S if nic > 0 else math.inf
+    phases = {"allreduce": ("reducescatter", "allgather"), "reduce": ("reducescatter", "allgather"),
+              "broadcast": ("broadcast", "allgather"), "allgather": ("allgather",),
+              "reducescatter": ("reducescatter",)}[collective]
+    local = 0.0
+    if L > 1:
+        for phase in phases:
+            # the node's share: an all-reduce's local phases run on the full operand; an all-gather's on
+            # the gathered output; a reduce-scatter's on the input
+            p = facade.plan(topology, phase, devices=node, root=node[0] if phase == "broadcast" else None)
+            local += simulated_time(p, nbytes, topology, latency_us)
+    return ProcessPhases(local, network, P, L, nic)

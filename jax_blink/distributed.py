@@ -7,8 +7,11 @@ key-value store, check they agree, and combine them with the network between nod
 process then holds the same Topology and the same device map, so the deterministic planner gives
 every process the same plan: on a multi-node topology the planner's "hierarchical" plan, Blink's
 three phases (MLSys 2020, section 5: reduce inside each node on intra-node trees, exchange between
-the node GPUs that own each partition across the network, broadcast inside each node), which the
-``ppermute`` lowering runs as rounds of ``collective_permute`` (gloo on CPU, NCCL on GPU).
+the node GPUs that own each partition across the network, broadcast inside each node). The
+collectives run it as ``impl="hierarchical"`` (``jax_blink.lowering.hierarchical``: the native executor
+inside each process, XLA's own all-reduce between processes, gloo on CPU and NCCL on GPU) where every
+process holds two or more of a group's devices, else as the ``ppermute`` lowering's rounds of
+``collective_permute``.
 
 Device numbering: node k is process k (``jax.process_index()``); its i-th local device (local
 devices sorted by ``local_hardware_id`` on GPU, by ``id`` elsewhere) is topology GPU ``k*G + i``,
@@ -35,6 +38,9 @@ ENV_NODE_TOPOLOGY = "JAX_BLINK_NODE_TOPOLOGY"
 ENV_NIC_GBPS = "JAX_BLINK_NIC_GBPS"
 ENV_NICS_PER_NODE = "JAX_BLINK_NICS_PER_NODE"
 
+ENV_COLLECTIVE_TIMEOUT = "JAX_BLINK_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300
+
 DEFAULT_NIC_GBPS = 12.5  # 100 Gb/s InfiniBand / Ethernet, per direction
 
 _KV_PREFIX = "jax_blink/node_topology"
@@ -47,7 +53,8 @@ class DistributedError(BlinkError, RuntimeError):
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, heartbeat_timeout_s: int = 10,
-               initialization_timeout_s: int = 120, shutdown_timeout_s: int = 60) -> tuple[int, int]:
+               initialization_timeout_s: int = 120, shutdown_timeout_s: int = 60,
+               collective_timeout_s: int | None = None) -> tuple[int, int]:
     """Join (or start) the jax.distributed job; returns ``(process_id, num_processes)``.
 
     Arguments left None come from the environment set by :mod:`jax_blink.launch`
@@ -57,6 +64,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
     ``heartbeat_timeout_s`` bounds how long the survivors wait when a process dies: the
     coordination service then aborts every process with "another task died" instead of a hang.
+    ``collective_timeout_s`` (default ``JAX_BLINK_COLLECTIVE_TIMEOUT_S``, else 300) bounds how long
+    an XLA collective between processes on CPU (gloo: the network phase of ``impl="hierarchical"``,
+    the ``collective_permute`` of ``"ppermute"``) waits for a process that is alive but never calls
+    it: the waiting processes' call then raises (gloo: "Timed out waiting ... for recv operation")
+    instead of hanging (XLA flag ``--xla_cpu_collective_timeout_seconds``, set in ``XLA_FLAGS``
+    before the CPU client starts; an ``XLA_FLAGS`` that already sets it wins).
 
     Raises ValueError when neither arguments nor environment say where the coordinator is, and
     DistributedError when the job cannot be joined within ``initialization_timeout_s``.
@@ -80,6 +93,17 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                          f"{ENV_COORDINATOR} (the launcher does)")
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id {process_id} is not in [0, {num_processes})")
+    if collective_timeout_s is None:
+        text = env.get(ENV_COLLECTIVE_TIMEOUT, "").strip()
+        try:
+            collective_timeout_s = int(text) if text else DEFAULT_COLLECTIVE_TIMEOUT_S
+        except ValueError:
+            raise ValueError(f"{ENV_COLLECTIVE_TIMEOUT} must be a whole number of seconds, got {text!r}") from None
+    if isinstance(collective_timeout_s, bool) or not isinstance(collective_timeout_s, int) or collective_timeout_s < 1:
+        raise ValueError(f"collective_timeout_s must be a positive int (seconds), got {collective_timeout_s!r}")
+    flags = env.get("XLA_FLAGS", "")
+    if "--xla_cpu_collective_timeout_seconds" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_timeout_seconds={collective_timeout_s}".strip()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(coordinator_address, num_processes=num_processes,

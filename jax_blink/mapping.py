@@ -199,6 +199,19 @@ def device_table(devices_flat, groups) -> np.ndarray:
     return np.asarray(rows, np.int64).reshape(-1, 3)
 
 
+def split_by_process(devices_flat, groups) -> list[dict[int, list[int]]]:
+    """For each group: ``{process index: its members in that process}`` (mesh positions, rank
+    order kept), processes in increasing order. The intra-node groups of Blink's three phases
+    (MLSys 2020, section 5) when each process is a node."""
+    out = []
+    for members in groups:
+        split: dict[int, list[int]] = {}
+        for p in members:
+            split.setdefault(int(devices_flat[p].process_index), []).append(int(p))
+        out.append(dict(sorted(split.items())))
+    return out
+
+
 #: Collectives each forced algorithm plans (``jax_blink.plan`` raises PlanError for the others).
 _APPLIES = {"ring": ("allreduce", "allgather", "reducescatter"), "rsag": ("allreduce",),
             "hierarchical": ("allreduce", "broadcast", "reduce")}

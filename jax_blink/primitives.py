@@ -34,6 +34,7 @@ sharded ones), ``vma`` (broadcast/reduce/sharded: check_vma on).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import jax.numpy as jnp
@@ -62,8 +63,11 @@ from ._jax_compat import lax_roofline_rule as _compat_roofline_rule
 from ._jax_compat import register_roofline as _compat_register_roofline
 from .errors import BlinkError
 from .lowering import ffi as _ffi  # noqa: F401  (registers the "ffi" records)
+from .lowering import hierarchical as _hierarchical  # noqa: F401  (registers the "hierarchical" record)
 from .lowering import ppermute as _ppermute  # registers the "ppermute" record
 from .planner.model import clear_on_reset
+
+_log = logging.getLogger("jax_blink.lowering")
 
 # ================================================================================ shared helpers
 # -------------------------------------------------------------------------------- axes
@@ -242,15 +246,19 @@ def _usable_everywhere(platforms) -> list:
     return out
 
 
-def choose_lowering(impl: str, platforms, processes: int = 1) -> _lowering.Lowering:
+def choose_lowering(impl: str, platforms, processes: int = 1, site: _lowering.Site | None = None
+                    ) -> _lowering.Lowering:
     """The lowering record for ``impl`` on the module's platforms. Raises BlinkError if unavailable.
 
     "auto" = the usable record with the lowest ``auto_priority`` that is registered for every platform
     of the module, runs on ``processes`` processes (``multi_process`` when more than one) and whose
     ``auto_allowed`` predicate agrees: "ffi" (on GPUs only once the native executor passed
     ``jax_blink.selftest()`` here, ``lowering.ffi.native_auto_allowed``) when the mesh lies in one
-    process, else "ppermute". An explicit ``impl`` must be usable on every platform, and
-    multi-process capable when ``processes > 1``.
+    process; across processes "hierarchical" where every process holds two or more of each group's
+    devices (its ``auto_fits`` asks the ``site``: how the groups lie over the processes), else
+    "ppermute". A record's ``auto_fits`` refusal is logged (logger ``jax_blink.lowering``, INFO) with
+    its reason. An explicit ``impl`` must be usable on every platform, and multi-process capable when
+    ``processes > 1``.
     """
     platforms = list(platforms)
     if impl == "auto":
@@ -258,7 +266,10 @@ def choose_lowering(impl: str, platforms, processes: int = 1) -> _lowering.Lower
         for rec in sorted(candidates, key=lambda r: r.auto_priority):
             if ((processes == 1 or rec.multi_process)
                     and all(rec.auto_allowed is None or rec.auto_allowed(p) for p in platforms)):
-                return rec
+                why = rec.auto_fits(site if processes > 1 else None) if rec.auto_fits is not None else None
+                if why is None:
+                    return rec
+                _log.info("jax_blink impl='auto': not %r: %s", rec.name, why)
         raise BlinkError(f"jax_blink impl='auto': no registered lowering runs on platform(s) {platforms} over "
                          f"{processes} process(es) (registered impls: {_lowering.usable_names()})")
     known = _lowering.LOWERINGS.get(impl, {}).values()
@@ -325,8 +336,17 @@ def auto_axes(ctx, mesh) -> tuple:
 @functools.lru_cache(maxsize=256)
 def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, key,
                   nelems: int, itemsize: int, platform: str, impl: str = "ppermute",
-                  auto_axes: tuple = ()) -> _lowering.LoweringRequest:
+                  auto_axes: tuple = (), by_process: bool = False,
+                  schedules: bool = True) -> _lowering.LoweringRequest:
     """The LoweringRequest for one call site: groups, device table, one schedule per group.
+
+    ``by_process``: the groups are each group's members inside THIS process (a group spanning P
+    processes gives this process one local group, members in rank order; ``root`` is then a rank
+    of that local group), and the device table lists this process's devices only: the request of a
+    native executor's intra-node phase (``lowering.hierarchical``, Blink section 5). Without a
+    given topology, a local group on host CPU devices plans on ``Topology.host(len(group))``.
+    ``schedules=False``: groups and device table only (no plan, ``schedules=()``), for a rule that
+    builds its phases from other requests.
 
     Each group's schedule is the least predicted time over ``mapping.candidate_plans`` and chunk
     counts (:func:`jax_blink.costmodel.lowering_schedule` with the step latency and round-synchronous
@@ -344,14 +364,32 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
                                  axis_index_groups)
     rep = _representatives(groups, tuple(mesh.devices.shape), tuple(mesh.axis_names), auto_axes)
     flat = list(mesh.devices.flat)
+    if by_process:
+        me = _process_index()
+        groups = [split[me] for split in mapping.split_by_process(flat, groups) if me in split]
+        rep = list(range(len(groups)))  # each local group plans for itself
     table = mapping.device_table(flat, groups)
+    if not schedules:
+        return _lowering.LoweringRequest(collective=collective, schedules=(), device_table=table,
+                                         groups=tuple(tuple(g) for g in groups), axis_names=tuple(axes), root=root)
     all_ids = mapping.map_devices(flat, key)
-    topo = mapping.resolve_topology(key.topology, platform, all_ids)
+    if (key.topology is None and key.device_map is None and platform not in ("cuda", "rocm", "gpu")
+            and len({d.process_index for d in flat}) > 1):
+        # host CPU devices of several processes have sparse global ids (process p from p * 2048):
+        # Topology.host is symmetric, so number them densely by id
+        dense = {i: k for k, i in enumerate(sorted(all_ids))}
+        all_ids = [dense[i] for i in all_ids]
+    host_local = by_process and key.topology is None and platform not in ("cuda", "rocm", "gpu")
+    topo = (mapping.resolve_topology(None, platform, [max(len(g) for g in groups) - 1]) if host_local
+            else mapping.resolve_topology(key.topology, platform, all_ids))
     schedules, cache = [], {}
     for g in range(len(groups)):
-        gpus = tuple(all_ids[p] for p in groups[rep[g]])
+        members = groups[rep[g]]
+        gpus = tuple(range(len(members))) if host_local else tuple(all_ids[p] for p in members)
         if gpus not in cache:
             algorithm = mapping.effective_algorithm(key, topo, collective, gpus)
+            if by_process and algorithm == "hierarchical":
+                algorithm = "auto"  # the local phase of the three phases: the node's own plan
             plans = mapping.candidate_plans(topo, collective, list(gpus), root, algorithm, key.max_trees)
             bound = plans[0].bound_gbps  # the rate-optimal plan's certificate (jax_blink.plan's)
             if rec.host_memory:
@@ -371,7 +409,8 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
                                      device_table=table, groups=tuple(tuple(g) for g in groups),
                                      axis_names=tuple(axes), plans=tuple(s[1] for s in schedules),
                                      predicted_s=tuple(s[2] for s in schedules),
-                                     bounds_gbps=tuple(s[3] for s in schedules), topology=topo)
+                                     bounds_gbps=tuple(s[3] for s in schedules), topology=topo,
+                                     root=root)
 
 
 def _concrete_mesh(collective, ctx):
@@ -383,17 +422,83 @@ def _concrete_mesh(collective, ctx):
     return axis_ctx.mesh
 
 
-def _site_lowering(ctx, mesh, impl) -> _lowering.Lowering:
-    """The lowering record for ``impl`` at a call site (its platforms, its mesh's process count)."""
+def _process_index() -> int:
+    import jax
+    return int(jax.process_index())
+
+
+def _site_lowering(ctx, mesh, impl, axes=None, axis_index_groups=None, collective=None, key=None, root=None,
+                   nbytes=0) -> _lowering.Lowering:
+    """The lowering record for ``impl`` at a call site (its platforms, its mesh's process count and,
+    across processes, how the collective's groups lie over the processes: ``site``, with the cost
+    model's estimate of each lowering there: :func:`_estimate`)."""
     nproc = len({d.process_index for d in mesh.devices.flat})
-    return choose_lowering(impl, ctx.module_context.platforms, nproc)
+    site = None
+    if nproc > 1 and axes is not None:
+        groups = mapping.mesh_groups(tuple(mesh.devices.shape), tuple(mesh.axis_names), tuple(axes),
+                                     axis_index_groups)
+        estimate = None
+        if collective is not None and key is not None:
+            estimate = functools.partial(_estimate, collective, mesh, tuple(axes), axis_index_groups, root, key,
+                                         int(nbytes), ctx.module_context.platforms[0])
+        site = _lowering.Site(processes=nproc, groups=tuple(map(tuple, groups)),
+                              process_of=tuple(int(d.process_index) for d in mesh.devices.flat),
+                              estimate=estimate, root=root)
+    return choose_lowering(impl, ctx.module_context.platforms, nproc, site=site)
+
+
+@functools.lru_cache(maxsize=256)
+def _estimate(collective, mesh, axes, axis_index_groups, root, key, nbytes, platform, impl) -> float:
+    """Predicted seconds of lowering ``impl`` at a call site of ``nbytes`` per device (the slowest
+    group): a tree-schedule lowering by ``costmodel.lowering_schedule`` with its record's step latency
+    over the group's candidate plans; a multi-process one (``multi_process`` and not round-synchronous:
+    "hierarchical") by ``costmodel.process_phases`` on the topology's NIC rates (inf on a topology
+    without a network, e.g. the default host CPU one)."""
+    rec = _lowering.record(impl, platform)
+    groups = mapping.mesh_groups(tuple(mesh.devices.shape), tuple(mesh.axis_names), axes, axis_index_groups)
+    flat = list(mesh.devices.flat)
+    ids = mapping.map_devices(flat, key)
+    topo = mapping.resolve_topology(key.topology, platform, ids) if key.topology is not None else None
+    if topo is None:
+        return math.inf if not rec.round_synchronous else 0.0
+    worst = 0.0
+    for members in groups:
+        gpus = [ids[p] for p in members]
+        if rec.round_synchronous:
+            plans = mapping.candidate_plans(topo, collective, gpus, root, key.algorithm if key.algorithm_strict
+                                            else "auto", key.max_trees)
+            itemsize = 4
+            _, _, t = costmodel.lowering_schedule(plans, max(1, nbytes // itemsize), itemsize=itemsize,
+                                                  step_latency_s=rec.step_latency_s, round_synchronous=True,
+                                                  topology=topo, chunk_elems=key.chunk_elems)
+        else:
+            phases = costmodel.process_phases(topo, collective, nbytes, devices=gpus)
+            t = math.inf if phases is None else phases.total_s
+        worst = max(worst, t)
+    return worst
+
+
+def _request_for(collective, mesh, axes, axis_index_groups, root, key, itemsize, platform, impl, auto_axes_=()):
+    """``request_for(nelems, collective_=None, *, by_process=False, impl_=None, root_=...,
+    schedules=True)`` of a call site: the (cached) :func:`build_request`. A rule may ask for
+    another collective over the same groups (the phases of a hierarchical lowering), for this
+    process's part of each group, and for the groups alone (no schedules)."""
+    def request_for(nelems: int, collective_: str | None = None, *, by_process: bool = False,
+                    impl_: str | None = None, root_=..., schedules: bool = True) -> _lowering.LoweringRequest:
+        if root_ is ...:  # the call site's root for its own collective, none for another one
+            root_ = root if collective_ in (None, collective) else None
+        return build_request(collective_ or collective, mesh, tuple(axes), axis_index_groups, root_, key,
+                             nelems, itemsize, platform, impl_ or impl, auto_axes_, by_process=by_process,
+                             schedules=schedules)
+    return request_for
 
 
 # -------------------------------------------------------------------------------- lowering rules
 def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=None, vma=None):
     """Lowering of the bucket primitives: the chosen record's rule over the non-empty leaves."""
     mesh = _concrete_mesh(collective, ctx)
-    rec = _site_lowering(ctx, mesh, impl)
+    nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ctx.avals_in)
+    rec = _site_lowering(ctx, mesh, impl, axes, axis_index_groups, collective, key, root, nbytes)
     # Zero-size leaves take no part (their results are themselves); the rest go to the rule as they are.
     live = [i for i, a in enumerate(ctx.avals_in) if math.prod(a.shape) > 0]
     outs = list(xs)
@@ -405,10 +510,8 @@ def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=N
         raise BlinkError(f"jax_blink.{collective}: one call takes leaves of one dtype, got "
                          f"{sorted({str(a.dtype) for a in avals})} (the public API buckets by dtype)")
 
-    def request_for(n: int) -> _lowering.LoweringRequest:
-        return build_request(collective, mesh, tuple(axes), axis_index_groups, root, key,
-                             n, np.dtype(dtype).itemsize, ctx.module_context.platforms[0], rec.name,
-                             auto_axes(ctx, mesh))
+    request_for = _request_for(collective, mesh, axes, axis_index_groups, root, key, np.dtype(dtype).itemsize,
+                               ctx.module_context.platforms[0], rec.name, auto_axes(ctx, mesh))
 
     sub = ctx.replace(avals_in=avals, avals_out=[ctx.avals_out[i] for i in live])
     total = sum(math.prod(a.shape) for a in avals)
@@ -457,14 +560,12 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
         return lower_fun_plain(f, multiple_results=False)(
             ctx.replace(primitive=None, avals_in=[core.ShapedArray(aval_in.shape, aval_in.dtype)],
                         avals_out=[core.ShapedArray(aval_out.shape, aval_out.dtype)]), x)
-    rec = _site_lowering(ctx, mesh, impl)
+    rec = _site_lowering(ctx, mesh, impl, axes, axis_index_groups, collective, key, None,
+                         n * m * np.dtype(aval_in.dtype).itemsize)
+    request_for = _request_for(collective, mesh, axes, axis_index_groups, None, key, np.dtype(aval_in.dtype).itemsize,
+                               ctx.module_context.platforms[0], rec.name, auto_axes(ctx, mesh))
 
-    def request_for(nelems: int) -> _lowering.LoweringRequest:
-        return build_request(collective, mesh, tuple(axes), axis_index_groups, None, key,
-                             nelems, np.dtype(aval_in.dtype).itemsize, ctx.module_context.platforms[0], rec.name,
-                             auto_axes(ctx, mesh))
-
-    ranks = _rank_table(request_for(n * m), mesh.size)
+    ranks = _rank_table(request_for(n * m, schedules=False), mesh.size)
     plain_in = core.ShapedArray(aval_in.shape, aval_in.dtype)
     plain_out = core.ShapedArray(aval_out.shape, aval_out.dtype)
     if gather:

@@ -3,9 +3,9 @@
 Modes:
   check: jax_blink.psum on meshes spanning all processes vs lax.psum over the same mesh; prints one
          ``RESULT {json}`` line per case (max error vs lax.psum and vs a float64 NumPy sum, whether
-         all devices' results are bitwise equal, whether the compiled HLO uses collective-permute
-         and no all-reduce); with ``--pmap-digits`` one epoch of examples/flax_digits ``--mode pmap``
-         against lax.pmean in lockstep.
+         all devices' results are bitwise equal, how many collective-permutes, all-reduces and
+         custom calls the compiled HLO holds); with ``--pmap-digits`` one epoch of examples/flax_digits
+         ``--mode pmap`` against lax.pmean in lockstep.
   kill:  runs jax_blink.psum in a loop; the last process SIGKILLs itself after a few steps; the
          others must be aborted by jax.distributed's heartbeat (the test checks how and when).
   stall: with JAX_BLINK_WATCH=1, two steps of jax_blink.psum; the last process stalls (sleeps
@@ -81,8 +81,8 @@ def run(mesh, axes, dtype, shape_per_dev, blink, impl=None, algorithm=None):
     return host, np.asarray(y), hlo
 
 
-def check(name, mesh, axes, dtype, shape_per_dev=(3, 37), algorithm=None):
-    host, yb, hlo = run(mesh, axes, dtype, shape_per_dev, True, algorithm=algorithm)
+def check(name, mesh, axes, dtype, shape_per_dev=(3, 37), algorithm=None, impl=None):
+    host, yb, hlo = run(mesh, axes, dtype, shape_per_dev, True, impl=impl, algorithm=algorithm)
     _, yl, _ = run(mesh, axes, dtype, shape_per_dev, False)
     # Per-device blocks in mesh order; group members (devices sharing a psum) must be bitwise equal.
     mshape = mesh.devices.shape
@@ -100,7 +100,7 @@ def check(name, mesh, axes, dtype, shape_per_dev=(3, 37), algorithm=None):
          max_abs_vs_numpy64=float(np.max(np.abs(blocks.astype(np.float64) - ref64))),
          exact_vs_lax=bool(np.array_equal(yb, yl)),
          collective_permute=hlo.count("collective-permute-start") + hlo.count("collective-permute("),
-         all_reduce=hlo.count("all-reduce"))
+         all_reduce=hlo.count("all-reduce"), custom_call=hlo.count("custom-call("))
 
 
 if a.mode == "check":
@@ -128,11 +128,16 @@ if a.mode == "check":
          max_leaders_per_node=max(leaders_per_node(t) for t in hp.trees))
     # distinct shape: build_request caches per (mesh, shape, ...) and must not reuse flat_f32's plan
     facade._CACHE.clear()  # then the lowering's own plan() call is the only one recorded
-    check("three_phase_f32", flat, "i", np.float32, shape_per_dev=(2, 41), algorithm="hierarchical")
+    # the planner's three phases as a tree schedule (ppermute; impl="auto" would run the hierarchical
+    # lowering, whose intra-process phases plan each node alone)
+    check("three_phase_f32", flat, "i", np.float32, shape_per_dev=(2, 41), algorithm="hierarchical",
+          impl="ppermute")
+    check("three_phase_auto_f32", flat, "i", np.float32, shape_per_dev=(2, 43), algorithm="hierarchical")
     emit(case="three_phase_lowered", algorithms=sorted({k[5] for k in facade._CACHE if len(k[1]) == N}))
     # jax_blink.explain on the job's mesh: the row's numbers against plan() / bench's sweep, here
     from jax_blink.cli.bench_cmd import simulate_sweep
-    fx = jax.jit(jax.shard_map(lambda v: jax_blink.psum(v, "i", topology=cluster.topology,
+    # impl="ppermute": the tree schedule the row describes (impl="auto" here runs "hierarchical")
+    fx = jax.jit(jax.shard_map(lambda v: jax_blink.psum(v, "i", topology=cluster.topology, impl="ppermute",
                                                           device_map=cluster.device_map),
                                mesh=flat, in_specs=P("i"), out_specs=P("i"), check_vma=False))
     xx = jax.make_array_from_callback((N * 64,), NamedSharding(flat, P("i")),

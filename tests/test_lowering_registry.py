@@ -30,7 +30,12 @@ def test_builtin_records():
                                                                                                  False)
         assert ffi.auto_priority < pp.auto_priority and ffi.auto_allowed is not None
     assert lowering.record("ffi", "cpu").host_memory and not lowering.record("ffi", "cuda").host_memory
-    assert lowering.names() == ["ffi", "ppermute"] and api.impls() == ["auto", "ffi", "ppermute"]
+    assert lowering.names() == ["ffi", "hierarchical", "ppermute"]
+    assert api.impls() == ["auto", "ffi", "hierarchical", "ppermute"]
+    for platform in ("cpu", "cuda"):  # across processes: native inside, XLA's collective between
+        h = lowering.record("hierarchical", platform)
+        assert (h.platform, h.multi_process, h.auto_priority, h.auto_fits is not None) == (platform, True, 0, True)
+        assert (h.unavailable is None) == (lowering.record("ffi", platform).unavailable is None)
     with pytest.raises(ValueError, match="step_latency_s must be > 0"):
         dataclasses.replace(pp, step_latency_s=0.0)
 
@@ -38,6 +43,8 @@ def test_builtin_records():
 def test_unavailable_record_is_skipped_and_says_why(monkeypatch):
     broken = dataclasses.replace(lowering.record("ffi", "cpu"), unavailable="native module not built (test)")
     monkeypatch.setitem(lowering.LOWERINGS["ffi"], "cpu", broken)
+    monkeypatch.setitem(lowering.LOWERINGS["hierarchical"], "cpu", dataclasses.replace(
+        lowering.record("hierarchical", "cpu"), unavailable="its intra-process phases need the native executor"))
     assert lowering.find_lowering("ffi", "cpu") is None and lowering.record("ffi", "cpu") is broken
     assert choose_lowering("auto", ["cpu"]).name == "ppermute"
     with pytest.raises(BlinkError, match=r"no lowering registered for platform\(s\) \['cpu'\] \(registered impls: "
@@ -52,7 +59,8 @@ def test_auto_takes_the_lowest_priority_that_can_run():
     assert choose_lowering("auto", ["cpu"], processes=2).name == "ppermute"  # ffi: one process only
     assert choose_lowering("auto", ["cpu", "tpu"]).name == "ppermute"       # ffi not on every platform
     with pytest.raises(BlinkError, match="impl='ffi' runs inside one process, but this mesh spans 2 processes .*"
-                                         r"use impl='auto' or impl='ppermute' \(rounds of collective_permute\)"):
+                                         r"use impl='auto' or impl='hierarchical' \(native trees inside each "
+                                         r"process, .*\) or impl='ppermute' \(rounds of collective_permute\)"):
         choose_lowering("ffi", ["cpu"], processes=2)
 
 
@@ -93,7 +101,10 @@ def test_build_request_passes_the_record_costs_to_the_cost_model(monkeypatch, st
 def test_costmodel_knows_no_lowering_by_name():
     tree = ast.parse(pathlib.Path(costmodel.__file__).read_text())
     names = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
-    assert not names & set(lowering.names()), names & set(lowering.names())
+    # "hierarchical" is also a planner algorithm (the three-phase plan), which the cost model does name
+    from jax_blink.planner.facade import ALGORITHMS
+    lowerings = set(lowering.names()) - set(ALGORITHMS)
+    assert lowerings >= {"ffi", "ppermute"} and not names & lowerings, names & lowerings
     for gone in ("STEP_LATENCY_S", "ROUND_SYNCHRONOUS", "step_latency"):
         assert not hasattr(costmodel, gone)
 

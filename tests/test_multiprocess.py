@@ -190,14 +190,18 @@ def test_psum_across_processes_matches_lax(nproc, local):
     assert tp["max_leaders_per_node"] == 1, tp  # cross-node phase only between the nodes' leaders
     # psum(algorithm="hierarchical") reached the planner: the lowering planned the three phases only
     assert all(r["three_phase_lowered"]["algorithms"] == ["hierarchical"] for r in per), per
-    cases = ["flat_f32", "flat_i32", "permuted_f32", "grid_both_axes_f32", "grid_cross_node_axis_f32",
-             "three_phase_f32"]
+    # impl="auto": the hierarchical lowering (native calls + XLA all-reduce) where every process holds
+    # two or more of the group's devices; with one per process (the "node" axis) XLA's all-reduce alone,
+    # which the cost model predicts faster than the tree schedule at the cluster's 12.5 GB/s NICs
+    hierarchical = ["flat_f32", "flat_i32", "permuted_f32", "grid_both_axes_f32", "three_phase_auto_f32"]
+    ppermute = ["three_phase_f32"]  # impl="ppermute"
+    xla_only = ["grid_cross_node_axis_f32"]
     for p, recs in enumerate(per):
         assert "done" in recs, f"process {p} did not finish: {res.processes[p].stderr[-2000:]}"
         ex = recs["explain"]  # jax_blink.explain's row equals plan() / bench's sweep on the cluster topology
         assert (ex["lowering"], ex["group_size"], ex["nbytes"], ex["processes"]) == ("ppermute", nproc * local,
                                                                                      64 * 4, nproc), ex
-        assert f"skipped ffi: mesh spans {nproc} processes" in ex["why"], ex
+        assert f"impl='ppermute' given (cpu, mesh in {nproc} processes)" in ex["why"], ex  # the worker asks for it
         for k in ("bound", "sim", "ring", "auto"):
             assert ex[k][0] == ex[k][1], (k, ex)
         assert recs["ffi_refused"]["refused"], recs["ffi_refused"]
@@ -210,10 +214,15 @@ def test_psum_across_processes_matches_lax(nproc, local):
         # with verbose=True; tests/test_multiprocess.py::test_launch_hides_gloo_connection_lines)
         assert any(launch.GLOO_CONNECTED.match(ln) for ln in res.processes[p].stdout.splitlines()
                    + res.processes[p].stderr.splitlines()), res.processes[p].stderr[-2000:]
-        for c in cases:
+        for c in hierarchical + ppermute + xla_only:
             r = recs[c]
             assert r["bitwise_equal_in_group"], (p, r)
-            assert r["collective_permute"] > 0 and r["all_reduce"] == 0, (p, r)
+            if c in ppermute:
+                assert r["collective_permute"] > 0 and r["all_reduce"] == 0 and r["custom_call"] == 0, (p, r)
+            elif c in xla_only:
+                assert r["collective_permute"] == 0 and r["all_reduce"] > 0 and r["custom_call"] == 0, (p, r)
+            else:
+                assert r["collective_permute"] == 0 and r["all_reduce"] > 0 and r["custom_call"] > 0, (p, r)
             if r["dtype"] == "int32":
                 assert r["exact_vs_lax"] and r["max_abs_vs_lax"] == 0.0, (p, r)
             else:
@@ -271,7 +280,7 @@ def test_digits_example_across_two_processes():
     jax_blink vs lax.psum from the same state (first-epoch losses within 1e-5 relative)."""
     res = launch.launch([str(ROOT / "examples" / "multiprocess" / "worker.py"), "--epochs", "1",
                          "--compare-lax", "--no-progress", "--min-accuracy", "0.5"], 2, 2,
-                        timeout_s=120, env=_env())
+                        timeout_s=240, env=_env())
     out = res.processes[0].stdout
     assert " plan, " in out and "topology 2xhost2" in out, out
     m = [ln for ln in out.splitlines() if "first epoch" in ln]

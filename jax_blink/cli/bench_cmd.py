@@ -371,6 +371,11 @@ def run(args: argparse.Namespace) -> int:
     if len(devices) > BASELINE_MAX_GPUS:
         console.print(f"NCCL baselines left out above {BASELINE_MAX_GPUS} GPUs (their planners search all GPUs "
                       f"at once)")
+    from ..costmodel import process_phases
+    for s in (sizes[0], sizes[-1]) if len(sizes) > 1 else sizes:
+        phases = process_phases(topo, bp.collective, s, devices=devices)
+        if phases is not None:  # several nodes: what a job with one process per node runs instead
+            console.print(f"{human_bytes(s)}: {phases.describe()}")
     if "tree" in names:
         console.print("GB/s = 1e9 B/s; ring/blink, tree/blink: time ratios (> 1: blink faster); ring = NCCL's "
                       "rings, tree = NCCL's double binary tree (all-reduce), on NVLink, else PCIe links")

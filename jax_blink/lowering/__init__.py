@@ -49,6 +49,9 @@ class Lowering:
         executor places it), instead of a zero full buffer with the shard in place.
       shard_output: True when a reduce-scatter rule returns only the rank's shard (the executor
         sums it straight into that result), instead of a full buffer sliced after the call.
+      auto_fits: ``auto_fits(site) -> str | None``: asked (with the call site's :class:`Site`, None
+        inside one process) before ``auto`` takes it; a string says why it does not fit (e.g. the
+        hierarchical lowering needs two or more of a group's devices in every process). None: fits.
       description: a few words for users ("rounds of collective_permute").
       unavailable: None when usable here; else why not (native module missing, driver too old):
         :func:`find_lowering` skips such records, error messages quote the reason.
@@ -65,12 +68,33 @@ class Lowering:
     host_memory: bool = False
     shard_input: bool = False
     shard_output: bool = False
+    auto_fits: Callable | None = None
     description: str = ""
     unavailable: str | None = None
 
     def __post_init__(self):
         if not self.step_latency_s > 0:
             raise ValueError(f"lowering {self.name!r}: step_latency_s must be > 0 s, got {self.step_latency_s!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where a collective runs, as ``impl="auto"`` sees it across processes.
+
+    Attributes:
+      processes: how many processes the mesh spans (> 1).
+      groups: for each group, the mesh-linear positions of its members in rank order.
+      process_of: the process index of every mesh position (``mesh.devices.flat`` order).
+      estimate: ``estimate(name) -> seconds``: the cost model's prediction for lowering ``name`` at
+        this site (its operand size and topology), or None when unknown.
+      root: the root rank (broadcast / reduce), else None.
+    """
+
+    processes: int
+    groups: tuple
+    process_of: tuple
+    estimate: Callable | None = None
+    root: int | None = None
 
 
 # name -> platform (None: every platform) -> record
@@ -98,6 +122,7 @@ class LoweringRequest:
       bounds_gbps: each group's certified rate (the rate-optimal plan's ``bound_gbps``, as
         ``jax_blink.plan`` without ``nbytes`` gives it); () when not recorded.
       topology: the ``Topology`` the plans were made on (None when not recorded).
+      root: the root rank (broadcast / reduce), else None.
     """
 
     collective: str
@@ -110,6 +135,7 @@ class LoweringRequest:
     predicted_s: tuple = ()
     bounds_gbps: tuple = ()
     topology: object = None
+    root: int | None = None
 
 
 def register(lowering: Lowering) -> None:
