@@ -217,9 +217,9 @@ def lowering_reason(impl: str, rec, platforms, processes: int) -> str:
 
 
 def _sim(plan, nbytes, topology):
-    from .costmodel import simulated_time
-    from .simulate import DEFAULT_LATENCY_US
-    return simulated_time(plan, nbytes, topology, DEFAULT_LATENCY_US)
+    # the simulator as `jax-blink bench` runs it (simulate's own method="auto"), so the row equals bench's
+    from .simulate import DEFAULT_LATENCY_US, simulate
+    return simulate(plan, nbytes, topology=topology, latency_us=DEFAULT_LATENCY_US).time_s
 
 
 def _baseline(make, nbytes, topology):
