@@ -24,11 +24,20 @@ COMMANDS = {
 }
 
 
+class _VersionAction(argparse.Action):
+    """--version: :func:`version_text` on one line (argparse's own version action wraps it to the
+    terminal width)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; ``only`` imports just that subcommand's module."""
     p = argparse.ArgumentParser(prog="jax-blink", description="Topology-aware collectives for JAX (Blink).")
-    p.add_argument("--version", action="version", version=version_text(),
-                   help="print the versions of jax_blink, jax, jaxlib and Python, then exit")
+    p.add_argument("--version", action=_VersionAction, nargs=0,
+                   help="print the versions of jax_blink, jax, jaxlib, Python and the CPU kernels, then exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (mod, help_) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
