@@ -345,19 +345,33 @@ def _register_target(platform: str, module, target: str, xla_platform: str, miss
     return None
 
 
-def _register(platform: str, xla_platform: str, module, target: str, missing: str | None, rule, **fields) -> None:
+#: Seconds of one schedule step of the CPU executor: an in-process wait between the device threads
+#: for a chunk a peer thread wrote (a few us, estimate).
+CPU_STEP_LATENCY_S = 5e-6
+#: Seconds of one schedule step of the CUDA executor's device-side interpreter (one kernel per device
+#: per call, issue 25): a chunk hop is the sender's stores, a release fence and a flag store in
+#: peer-visible memory, seen by the receiver's acquire poll, the synchronisation of NCCL's Simple
+#: protocol. NCCL prices a Simple-protocol ring step over NVLink at 3.4 us (src/graph/tuning.cc, hwLat
+#: [NVLINK][RING][SIMPLE], NCCL 2.19-2.23; LL's flag-in-every-8-bytes steps 0.6 us); the simulator
+#: adds the link kind's protocol latency (``simulate.PROTOCOL_LATENCY_US``: 0.6 us NVLink, 1.0 us
+#: PCIe) to this per-send latency, so an NVLink hop costs 2.8 + 0.6 = 3.4 us. The launch (~5 us,
+#: once per call, not per step) does not change which schedule wins and is not part of this figure.
+CUDA_STEP_LATENCY_S = 2.8e-6
+
+
+def _register(platform: str, xla_platform: str, module, target: str, missing: str | None, rule,
+              step_latency_s: float, **fields) -> None:
     why = _register_target(platform, module, target, xla_platform, missing)
     if why is None:
         REGISTERED[platform] = target
     else:
         UNAVAILABLE[platform] = why
-    # A step is an in-process barrier between the device threads: a few us (estimate). No barrier
-    # per round (per-tree pipelines); peers meet in process memory, so one process only.
-    register(Lowering("ffi", platform, rule, step_latency_s=5e-6, round_synchronous=False, multi_process=False,
-                      auto_priority=0, auto_allowed=native_auto_allowed, description="native XLA FFI custom call",
-                      unavailable=why, **fields))
+    # No barrier per round (per-tree pipelines); peers meet in process memory, so one process only.
+    register(Lowering("ffi", platform, rule, step_latency_s=step_latency_s, round_synchronous=False,
+                      multi_process=False, auto_priority=0, auto_allowed=native_auto_allowed,
+                      description="native XLA FFI custom call", unavailable=why, **fields))
 
 
-_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule, host_memory=True, shard_input=True,
-          shard_output=True)
-_register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error, _cuda_rule)
+_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule, CPU_STEP_LATENCY_S, host_memory=True,
+          shard_input=True, shard_output=True)
+_register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error, _cuda_rule, CUDA_STEP_LATENCY_S)
