@@ -46,6 +46,24 @@ def test_driver_support():
     assert cpu.driver_support_reason(12080, 12040) == ""
     assert "CUDA 12.4" in cpu.driver_support_reason(12040, 13000)
     assert "no NVIDIA driver" in cpu.driver_support_reason(0, 13000)
+    # an R535-R570 fleet (CUDA 12.2-12.8) under a CUDA 13 build: told about the 11.8 build
+    why = cpu.driver_support_reason(12080, 13000)
+    assert "CUDA 13.0 or later" in why and "scripts/build_cuda118.sh" in why
+    # the CUDA 11.8 build (the DGX-1 / V100 fleets' drivers: R450 reports 11.0, R470 11.4, R535 12.2)
+    for driver in (11000, 11040, 12020):
+        assert cpu.driver_support_reason(driver, 11080) == ""
+    assert "CUDA 10.2" in cpu.driver_support_reason(10020, 11080)
+    assert "build_cuda118" not in cpu.driver_support_reason(10020, 11080)  # 11.8 would not run there either
+
+
+def test_arch_support_names_the_11_8_build_for_v100():
+    """A V100 under nvcc 13's fat binary: the reason names the toolkit that targets sm_70; the 11.8 build's
+    architectures (CMake's default list for nvcc 11.8) run on V100, A100 and H100/H200."""
+    why = cpu.arch_support_reason(FAT, 7, 0)
+    assert "nvcc 13 cannot target sm_70" in why and "build_cuda118.sh" in why
+    assert "build_cuda118" not in cpu.arch_support_reason("90-real", 8, 0)
+    for cc in ((7, 0), (8, 0), (9, 0)):
+        assert cpu.arch_support_reason("70-real;75-real;80-real;86-real;89-real;90", *cc) == ""
 
 
 def _dev(id, hw, proc=0):
