@@ -7,9 +7,9 @@ does, with the CUDA record's step latency) is simulated at that step latency as 
 (``jax_blink.simulate``: link-level, plus each link kind's protocol latency), and so are NCCL's rings
 (``planner.rings.nccl_ring_plan``) and, for all-reduce, its double binary tree
 (``planner.dbtree.nccl_tree_plan``), at the same latency. Columns: the CUDA schedule's time and its
-plan, NCCL's best, the ratio (target: <= 1.00 everywhere, issue 25), and the same schedule built with
-the CPU executor's 5 us step latency (what the CUDA record used before) simulated at the new latency:
-how much the new step latency alone buys.
+plan, NCCL's best, the ratio (target: <= 1.00 everywhere, issue 25), and the schedule the CUDA record
+built before (the CPU executor's 5 us step latency, the round model's chunking under 48 chunks)
+simulated at the new latency.
 
 Run: python benchmarks/cuda_step.py [--collective allreduce|allgather|reducescatter] [--json]
        [--topology NAME_OR_FILE ...] [--sizes 64K,1M,16M,256M,1G]
@@ -24,7 +24,7 @@ import math
 import pathlib
 import sys
 
-from jax_blink import costmodel, mapping
+from jax_blink import costmodel, lowering, mapping
 from jax_blink.cli.bench_cmd import human_bytes, human_time, parse_sizes
 from jax_blink.errors import PlanError
 from jax_blink.lowering import ffi as ffi_lowering
@@ -56,17 +56,21 @@ def _baseline(make, *args, **kw):
         return None
 
 
-def lowering_time(topo, collective: str, devs, nbytes: int, step_s: float, sim_step_s: float):
+def lowering_time(topo, collective: str, devs, nbytes: int, step_s: float, sim_step_s: float,
+                  chunks_as_simulated: bool = True):
     """(seconds, plan) of the schedule the CUDA lowering builds with ``step_s`` for ``nbytes`` float32
-    per GPU, simulated at ``sim_step_s`` per-send latency."""
+    per GPU (its record's chunking, or the round model's with ``chunks_as_simulated=False``),
+    simulated at ``sim_step_s`` per-send latency."""
     plans = mapping.candidate_plans(topo, collective, list(devs), None)
     plan, sched, _ = costmodel.lowering_schedule(plans, nbytes // 4, itemsize=4, step_latency_s=step_s,
-                                                 round_synchronous=False, topology=topo)
+                                                 round_synchronous=False, topology=topo,
+                                                 chunks_as_simulated=chunks_as_simulated)
     return simulate(sched, nbytes, topology=topo, latency_us=sim_step_s * 1e6).time_s, plan
 
 
 def rows(collective: str, names=None, sizes=SIZES) -> list[dict]:
-    step = ffi_lowering.CUDA_STEP_LATENCY_S
+    rec = lowering.record("ffi", "cuda")
+    step = rec.step_latency_s
     old = ffi_lowering.CPU_STEP_LATENCY_S
     out = []
     for name, topo in topologies(names):
@@ -76,8 +80,8 @@ def rows(collective: str, names=None, sizes=SIZES) -> list[dict]:
         for nbytes in parse_sizes(sizes):
             n = len(devs)
             nbytes -= nbytes % (4 * n)  # sharded collectives: whole shards of float32
-            t, plan = lowering_time(topo, collective, devs, nbytes, step, step)
-            t_old, _ = lowering_time(topo, collective, devs, nbytes, old, step)
+            t, plan = lowering_time(topo, collective, devs, nbytes, step, step, rec.chunks_as_simulated)
+            t_old, _ = lowering_time(topo, collective, devs, nbytes, old, step, False)
             nccl = {k: simulate(p, nbytes, topology=topo, latency_us=step * 1e6).time_s
                     for k, p in (("ring", ring), ("tree", tree)) if p is not None}
             best = min(nccl, key=nccl.get) if nccl else None

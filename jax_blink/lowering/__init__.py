@@ -53,6 +53,10 @@ class Lowering:
       auto_fits: ``auto_fits(site) -> str | None``: asked (with the call site's :class:`Site`, None
         inside one process) before ``auto`` takes it; a string says why it does not fit (e.g. the
         hierarchical lowering needs two or more of a group's devices in every process). None: fits.
+      chunks_as_simulated: True when a chunk costs the executor its step latency and nothing else
+        (the CUDA interpreter: one kernel per call, a flag hop per chunk step): the schedule takes the
+        chunk counts the link simulator gives the plan (``costmodel.lowering_schedule``), not the
+        round model's, which bounds chunks for executors that pay per round or per call.
       description: a few words for users ("rounds of collective_permute").
       unavailable: None when usable here; else why not (native module missing, driver too old):
         :func:`find_lowering` skips such records, error messages quote the reason.
@@ -70,6 +74,7 @@ class Lowering:
     shard_input: bool = False
     shard_output: bool = False
     auto_fits: Callable | None = None
+    chunks_as_simulated: bool = False
     description: str = ""
     unavailable: str | None = None
 
