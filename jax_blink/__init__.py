@@ -30,7 +30,8 @@ _LAZY = {"psum": "api", "pmean": "api", "broadcast": "api", "reduce": "api", "al
          "transform": "rewrite", "transform_report": "rewrite",
          "set_device_map": "mapping",
          "plan": "planning", "Plan": "planner.model", "Tree": "planner.model", "ring_rate": "planner.rings",
-         "selftest": "gpu_selftest", "clear_caches": "planner.model", "explain": "explaining"}
+         "selftest": "gpu_selftest", "clear_caches": "planner.model", "explain": "explaining",
+         "lowered_text": "explaining"}
 
 
 def __getattr__(name):
@@ -48,5 +49,5 @@ def __dir__():
 __all__ = ["BlinkError", "PlanError", "ScheduleError", "Topology", "TopologyError", "__version__",
            "PRESETS", "multi_node", "detect", "load_topology", "probe",
            "psum", "pmean", "broadcast", "reduce", "all_gather", "psum_scatter", "export_checks", "deserialize",
-           "transform", "explain", "transform_report", "set_device_map", "plan", "Plan",
+           "transform", "explain", "lowered_text", "transform_report", "set_device_map", "plan", "Plan",
            "Tree", "ring_rate", "selftest", "clear_caches", "cpu_isa"]

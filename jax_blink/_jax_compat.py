@@ -76,6 +76,7 @@ from jax._src.interpreters import partial_eval as pe  # noqa: E402,F401
 from jax._src.lax import lax as _lax  # noqa: E402
 from jax._src.lax import parallel as _parallel  # noqa: E402
 from jax._src.lib.mlir import ir  # noqa: E402,F401
+from jax._src.lib.mlir.dialects import func as _func  # noqa: E402
 from jax._src.lib.mlir.dialects import hlo  # noqa: E402,F401
 from jax._src.mesh import AbstractMesh, empty_abstract_mesh, get_abstract_mesh, use_abstract_mesh  # noqa: E402,F401
 from jax._src.sharding_impls import SPMDAxisContext  # noqa: E402,F401
@@ -186,6 +187,33 @@ def lower_fun_plain(fun, multiple_results: bool = True):
         finally:
             _outer_meshes.pop()
     return rule
+
+
+def call_in_function(ctx, xs, emit, name: str, frontend_attributes: dict[str, str]) -> list:
+    """``emit(args)`` lowered inside a private function of the module, called once with ``xs``; the
+    ``func.call`` carries ``frontend_attributes`` (as ``mhlo.frontend_attributes``, which become
+    the HLO ``call``'s). It is the form ``jax.experimental.compute_on("gpu_stream:N")`` lowers to
+    (``_compute_on_lowering``): XLA:GPU turns a call so marked into an async ``call-start`` /
+    ``call-done`` pair on its own stream (``ExplicitStreamAnnotationAsyncWrapper``).
+
+    Args: ``ctx`` the lowering rule context (its ``avals_out`` type the results); ``xs`` the
+    operands (ir.Value); ``emit(args) -> list[ir.Value]`` emits the body over the function's
+    arguments (same types as ``xs``) at the current insertion point; ``name`` the function's name
+    (made unique in the module). Returns the call's results.
+    """
+    mc = ctx.module_context
+    out_types = [mlir.aval_to_ir_type(mc, a) for a in ctx.avals_out]
+    ftype = ir.FunctionType.get([x.type for x in xs], out_types)
+    fn = _func.FuncOp(name, ftype, ip=ir.InsertionPoint(mc.module.body))
+    fn.attributes["sym_visibility"] = ir.StringAttr.get("private")
+    sym = mc.symbol_table.insert(fn)
+    block = fn.add_entry_block()
+    with ir.InsertionPoint(block):
+        _func.ReturnOp(list(emit(list(block.arguments))))
+    call = _func.CallOp(out_types, ir.FlatSymbolRefAttr.get(sym.value), list(xs))
+    call.operation.attributes["mhlo.frontend_attributes"] = ir.DictAttr.get(
+        {k: ir.StringAttr.get(v) for k, v in frontend_attributes.items()})
+    return list(call.results)
 
 
 # ----------------------------------------------------------------------------- roofline

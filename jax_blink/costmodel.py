@@ -54,7 +54,8 @@ from .errors import PlanError, ScheduleError
 from .planner import dbtree, facade, rings, store, threephase
 from .planner.model import cached, plan_cache
 from .schedule import DEFAULT_MAX_TOTAL_CHUNKS, DEFAULT_STEP_LATENCY_S, Schedule, _depth, build_schedule
-from .simulate import DEFAULT_LATENCY_US, flow_time, simulate
+from .simulate import CHUNK_BUDGET, DEFAULT_LATENCY_US, flow_time, simulate
+from .simulate import DEFAULT_MAX_CHUNKS as SIM_MAX_CHUNKS
 
 #: ``plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
 CANDIDATE_MAX_TREES = (None, 4, 2, 1)
@@ -293,7 +294,7 @@ def _choose_plan(topology, plans, nbytes, latency_us, algorithm="auto", cost=DEF
 
 
 def lowering_schedule(plans, nelems: int, *, itemsize: int, step_latency_s: float, round_synchronous: bool,
-                      topology, chunk_elems: int | None = None):
+                      topology, chunk_elems: int | None = None, chunks_as_simulated: bool = False):
     """(plan, schedule, predicted seconds) a lowering runs, among ``plans`` (candidates).
 
     Args:
@@ -305,12 +306,24 @@ def lowering_schedule(plans, nelems: int, *, itemsize: int, step_latency_s: floa
         with ``step_latency_s`` as per-send latency, then its chunk count by :func:`choose_schedule`.
       topology: the ``Topology`` the plans were made on (for the simulator).
       chunk_elems: fixed chunk size in elements, or None (chosen).
+      chunks_as_simulated: (asynchronous lowerings) chunk the chosen plan as the link simulator did
+        when it timed it (:func:`jax_blink.schedule.choose_chunks` per tree at ``step_latency_s``, at
+        most ``simulate.DEFAULT_MAX_CHUNKS`` per tree and ``simulate.CHUNK_BUDGET`` in all) instead of
+        :func:`choose_schedule`'s round model under ``DEFAULT_MAX_TOTAL_CHUNKS``; the predicted
+        seconds are then the simulated ones. For executors whose chunk costs only the step latency.
 
     Plans the schedule cannot run (relays) are skipped; raises ScheduleError when none is left.
     """
     plans = [p for p in plans if not p.relays]
     if not plans:
         raise ScheduleError("no candidate plan can be scheduled on the job's devices")
+    if not round_synchronous and chunks_as_simulated and chunk_elems is None:
+        best, t = fastest(plans, nelems * itemsize, topology, step_latency_s * 1e6)
+        ntrees = max(1, sum(1 for tr in best.trees if tr.weight_gbps > 0))
+        sched = build_schedule(best, nelems, itemsize=itemsize, step_latency_s=step_latency_s,
+                               max_chunks=max(1, min(SIM_MAX_CHUNKS, CHUNK_BUDGET // ntrees)),
+                               max_total_chunks=CHUNK_BUDGET)
+        return best, sched, t
     if not round_synchronous and len(plans) > 1:
         plans = [fastest(plans, nelems * itemsize, topology, step_latency_s * 1e6)[0]]
     return choose_schedule(plans, nelems, itemsize=itemsize, step_latency_s=step_latency_s,

@@ -244,3 +244,72 @@ def explain(fn, *args, compile: bool = True, **kwargs) -> Report:
     return Report(list(sites), xla, str(name))
 
 
+
+
+#: Platforms :func:`lowered_text` lowers for, and the dialects it prints.
+LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+DIALECTS = ("hlo", "stablehlo")
+
+
+def lowered_text(fn, *args, platform: str = "cuda", dialect: str = "hlo", native_auto: bool | None = None,
+                 **kwargs) -> str:
+    """The program a ``platform`` machine would compile for ``fn(*args, **kwargs)``, as text, lowered here.
+
+    Lowering only (JAX's cross-platform lowering, ``Traced.lower(lowering_platforms=(platform,))``):
+    nothing compiles or runs, so no GPU, driver or CUDA module is needed. jax_blink's records for
+    ``platform`` lower as they would there even where their native target cannot run here
+    (``impl="ffi"`` on CUDA with the CUDA module absent or reporting no driver:
+    :func:`jax_blink.lowering.lowering_only`), so the text shows the ``jax_blink_cuda`` custom calls,
+    their schedule / device-table attributes, operand aliasing and the stream annotation that puts
+    them on their own XLA stream (``_xla_stream_annotation``, docs/cuda.md "Overlap"). This is the
+    module XLA receives, before XLA's own passes (fusion, the async wrapping of annotated calls,
+    scheduling): ``lowered.compile().as_text()`` on a ``platform`` machine shows what those make of it.
+
+    Args:
+      fn: a ``jax.jit`` wrapped function (its ``trace``) or any callable JAX can trace (jitted here).
+      args / kwargs: arrays, ``jax.ShapeDtypeStruct`` or Python values, as for ``jax.jit(fn).trace``;
+        the mesh is that of ``fn`` (e.g. host CPU devices standing in for the GPUs: a device's id is
+        its CUDA ordinal in the device table, as on a one-process machine that sees every GPU).
+      platform: "cuda" (default), "rocm", "tpu" or "cpu".
+      dialect: "hlo" (default; XLA's HLO text, ``frontend_attributes={...}``) or "stablehlo" (the MLIR
+        module, ``mhlo.frontend_attributes = {...}``).
+      native_auto: whether ``impl="auto"`` may take the native CUDA executor, as on a machine where
+        ``jax-blink selftest`` passed (True) or not (False); None: as this machine decides
+        (``JAX_BLINK_CUDA_NATIVE``, the self-test record).
+
+    Returns the text (str). Raises BlinkError for an unknown ``platform`` or ``dialect`` or a ``fn``
+    that is not callable, and what tracing / lowering raises (jax_blink's errors for a topology that
+    does not fit the mesh, ...). Clears JAX's compilation caches before and after, so neither this
+    lowering nor a later real one reuses the other's.
+
+    Example (8 host CPU devices standing in for the 8 GPUs of a DGX H100; on a machine without GPUs
+    the topology is given, as detection has nothing to detect)::
+
+        >>> import jax, jax.numpy as jnp, numpy as np, jax_blink
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
+        >>> f = jax.shard_map(lambda v: jax_blink.psum(v * 2, "d", topology="dgx-h100", impl="ffi"),
+        ...                   mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+        >>> text = jax_blink.lowered_text(f, jnp.ones(8 * 256))
+        >>> 'custom_call_target="jax_blink_cuda"' in text, '_xla_stream_annotation="1"' in text
+        (True, True)
+    """
+    import jax
+
+    from . import lowering
+    from .errors import BlinkError
+    from .lowering import ffi as ffi_lowering
+    if platform not in LOWERING_PLATFORMS:
+        raise BlinkError(f"lowered_text: platform must be one of {', '.join(LOWERING_PLATFORMS)}, got {platform!r}")
+    if dialect not in DIALECTS:
+        raise BlinkError(f"lowered_text: dialect must be 'hlo' or 'stablehlo', got {dialect!r}")
+    if not callable(fn):
+        raise BlinkError(f"lowered_text: fn must be a function or a jax.jit wrapped function, got {type(fn).__name__}")
+    target = fn if hasattr(fn, "trace") else jax.jit(fn)
+    jax.clear_caches()  # a cached lowering (for this platform, other records) would be returned as it was
+    try:
+        with lowering.lowering_only(platform), ffi_lowering.assume_native_auto(platform, native_auto):
+            lowered = target.trace(*args, **kwargs).lower(lowering_platforms=(platform,))
+            return lowered.as_text() if dialect == "stablehlo" else lowered.as_text(dialect="hlo")
+    finally:
+        jax.clear_caches()

@@ -402,7 +402,8 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
                     plans = [_shared_memory_stars(plans[0])]
             chosen, sched, t = costmodel.lowering_schedule(
                 plans, nelems, itemsize=itemsize, step_latency_s=rec.step_latency_s,
-                round_synchronous=rec.round_synchronous, topology=topo, chunk_elems=key.chunk_elems)
+                round_synchronous=rec.round_synchronous, topology=topo, chunk_elems=key.chunk_elems,
+                chunks_as_simulated=rec.chunks_as_simulated)
             cache[gpus] = (sched, chosen, t, bound)
         schedules.append(cache[gpus])
     return _lowering.LoweringRequest(collective=collective, schedules=tuple(s[0] for s in schedules),

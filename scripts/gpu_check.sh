@@ -5,13 +5,20 @@
 # Stages (each one's failure is reported; later stages still run):
 #   build      cmake: the _cpu and _cuda modules and the blink_gpu_check harness (system nvcc by default:
 #              its CUDA major should match the jax CUDA plugin's, e.g. 13 with jax-cuda13-plugin)
-#   harness    ffi/tests/gpu_check.cu: all-reduce / broadcast / reduce, rank r on GPU r % ndev (one GPU
-#              hosts several ranks), bitwise against the host, then timed; int32 too; each on both issue
-#              paths (path=op: op by op; path=graph: one CUDA graph per call site) plus a pointer change
-#   staging    the same with JAX_BLINK_CUDA_FORCE_STAGING=1 (no peer loads: copy-engine staging)
+#   harness    ffi/tests/gpu_check.cu: the interpreter kernel (one launch per rank and call) on 8 ranks,
+#              rank r on GPU r % ndev (on one GPU all 8 share it: real weak memory ordering between the
+#              ranks' blocks), all-reduce / broadcast / reduce bitwise against the host, then timed
+#              (its algbw: the kernel's GB/s); int32 too; plus a pointer change
+#   staging    the same with JAX_BLINK_CUDA_FORCE_STAGING=1 (no peer loads: host-pinned staging)
 #   selftest   jax-blink selftest (executor for every dtype, buckets of odd leaves in place and not, shard_map step and a 2-leaf pytree psum with >= 2 GPUs, table)
 #   sanitizer  compute-sanitizer memcheck, racecheck, synccheck on a small harness run (if installed)
-#   emulator   the GPU programs of every preset / topology file: race checker + stream emulator (CPU)
+#   xla        scripts/gpu_xla_check.py: the XLA handler on a 1-device mesh (bitwise, aliased and not),
+#              the compiled HLO's async call-start on the annotated stream, launch to completion at
+#              4 KiB, device-to-device copy GB/s, whether an independent matmul overlaps the collective
+#              (annotation on and off, JAX_BLINK_CUDA_STREAM=0); a jax.profiler trace in $LOGS/profile
+#   profile    with nsys: the same run profiled, InterpKernel's stream and time span against the
+#              matmul's (the stream annotation seen in a profile); skipped without nsys
+#   emulator   the interpreter's host build over every preset / topology file (CPU; CI runs it too)
 # The whole run is bounded by GPU_CHECK_BUDGET_S (default 420 s): each stage's timeout is cut to what
 # is left, and stages that no longer fit are reported as skipped. Prints one summary table; logs go to $OUT/gpu_check (or build/gpu_check/logs). Exit 0 when all pass.
 set -uo pipefail
@@ -157,6 +164,35 @@ else
   skip sanitizer "compute-sanitizer not installed or harness not built"
 fi
 
+# ------------------------------------------------------------------ inside XLA: 1-device mesh, stream, overlap
+stage xla 150 "$PY" "$ROOT/scripts/gpu_xla_check.py" --profile "$LOGS/profile"
+
+# ------------------------------------------------------------------ the stream annotation in a profile (nsys)
+NSYS="$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1 || true)"
+profile_overlap() {
+  "$NSYS" profile -t cuda -f true -o "$LOGS/overlap" "$PY" "$ROOT/scripts/gpu_xla_check.py" --iters 20 >/dev/null &&
+  "$NSYS" stats -q -r cuda_gpu_trace -f csv -o "$LOGS/overlap" "$LOGS/overlap.nsys-rep" >/dev/null &&
+  "$PY" - "$LOGS"/overlap_cuda_gpu_trace.csv <<'PYEOF'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+col = lambda r, key: next(v for k, v in r.items() if k and key in k)
+kern = [(int(col(r, "Start")), int(col(r, "Duration")), col(r, "Strm")) for r in rows if "InterpKernel" in col(r, "Name")]
+gemm = [(int(col(r, "Start")), int(col(r, "Duration")), col(r, "Strm")) for r in rows
+        if any(k in col(r, "Name").lower() for k in ("gemm", "cutlass", "nvjet", "xmma", "sm90"))]
+if not kern or not gemm:
+    print(f"gpu_check: FAIL profile: {len(kern)} InterpKernel and {len(gemm)} matmul kernels found")
+    sys.exit(1)
+streams = sorted({s for _, _, s in kern})
+both = sum(1 for s0, d0, _ in kern for s1, d1, _ in gemm if s0 < s1 + d1 and s1 < s0 + d0)
+print(f"gpu_check: {'PASS' if both else 'FAIL'} profile: InterpKernel on stream(s) {','.join(streams)}, matmuls on "
+      f"{','.join(sorted({s for _, _, s in gemm}))}; {both} InterpKernel/matmul pairs overlap in time")
+sys.exit(0 if both else 1)
+PYEOF
+}
+export NSYS
+export -f profile_overlap
+if [[ -n "$NSYS" ]]; then stage profile 150 profile_overlap; else skip profile "nsys not installed (the jax.profiler trace of stage xla is in $LOGS/profile)"; fi
+
 # ------------------------------------------------------------------ emulator (no GPU needed; CI runs it too)
 stage emulator 90 "$PY" -m jax_blink.lowering.gpu_program_check --quiet --seeds 8
 
@@ -168,6 +204,18 @@ for r in "${ROWS[@]}"; do echo "$r"; done
 grep -h '^gpu_check: PASS .*algbw' "$LOGS"/harness.log "$LOGS"/staging.log 2>/dev/null | sed 's/^/  /'
 grep -h -E '^gpu_check: (graph vs op|PASS .*graph pointer change|FAIL .*graph)' "$LOGS"/harness.log "$LOGS"/staging.log 2>/dev/null | sed 's/^/  /'
 grep -h '^gpu_check: kernel' "$LOGS"/harness.log 2>/dev/null | head -1 | sed 's/^/  /'
+grep -h -E '^gpu_check: (launch to completion|device-to-device|overlap|copies|PASS compiled|FAIL compiled|PASS profile|FAIL profile)' \
+  "$LOGS"/xla.log "$LOGS"/profile.log 2>/dev/null | sed 's/^/  /'
+# the kernel's best algbw (harness, 8 ranks on the GPU(s)) against the device-to-device copy
+"$PY" - "$LOGS/harness.log" "$LOGS/xla.log" <<'PYEOF' 2>/dev/null || true
+import re, sys
+h, x = (open(f).read() if __import__("os").path.exists(f) else "" for f in sys.argv[1:3])
+bw = [float(v) for v in re.findall(r"algbw\D{0,3}([\d.]+)\s*GB/s", h)]
+cp = re.search(r"device-to-device copy (\d+) GB/s", x)
+if bw and cp:
+    print(f"  kernel {max(bw):.0f} GB/s (best harness algbw) vs device-to-device copy {cp.group(1)} GB/s: "
+          f"{max(bw) / float(cp.group(1)):.2f}x (target >= 0.85)")
+PYEOF
 sed -n '/all-reduce, float32/,/^jax-blink selftest: /p' "$LOGS/selftest.log" 2>/dev/null | sed 's/^/  /'
 { echo "stage status time detail"; for r in "${ROWS[@]}"; do echo "$r"; done; } > "$LOGS/summary.txt"
 exit $FAILED

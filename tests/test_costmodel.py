@@ -125,3 +125,27 @@ def test_native_lowering_runs_the_simulators_fastest_candidate():
         assert len(cpu.schedules[0].seg_root) == len(cands[0].trees)
     portable = primitives.build_request("allreduce", mesh, ("i",), None, None, key, 2**22, 4, "cpu", "ppermute")
     assert len(portable.schedules[0].seg_root) < len(plan(DGX1V, "allreduce").trees)
+
+
+def test_cuda_schedule_is_chunked_as_simulated():
+    """The CUDA record (one kernel per call: a chunk costs a flag hop) takes the chosen plan's chunk counts
+    from the link simulator's rule (choose_chunks per tree, at most 64 per tree), past the round model's
+    48-chunk cap, and predicts the simulated time; the CPU executor keeps the round model's cap."""
+    from jax_blink import primitives
+    from jax_blink.simulate import CHUNK_BUDGET, DEFAULT_MAX_CHUNKS
+
+    rec = lowering.record("ffi", "cuda")
+    assert rec.chunks_as_simulated and not lowering.record("ffi", "cpu").chunks_as_simulated
+    mesh = Mesh(np.array(jax.devices()), ("i",))
+    key = mapping.make_plan_key("dgx1v")
+    nel = 2**24  # 64 MiB of float32 per GPU
+    req = primitives.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cuda", "ffi")
+    chosen, sched, predicted = req.plans[0], req.schedules[0], req.predicted_s[0]
+    ntrees = sum(1 for t in chosen.trees if t.weight_gbps > 0)
+    want = build_schedule(chosen, nel, itemsize=4, step_latency_s=rec.step_latency_s,
+                          max_chunks=min(DEFAULT_MAX_CHUNKS, CHUNK_BUDGET // ntrees), max_total_chunks=CHUNK_BUDGET)
+    assert np.array_equal(sched.chunk_length, want.chunk_length) and len(sched.chunk_seg) > 48
+    assert predicted == pytest.approx(simulate(chosen, nel * 4, topology=DGX1V,
+                                               latency_us=rec.step_latency_s * 1e6).time_s, rel=1e-9)
+    cpu = primitives.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cpu", "ffi")
+    assert len(cpu.schedules[0].chunk_seg) <= 48

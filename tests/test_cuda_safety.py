@@ -46,6 +46,24 @@ def test_driver_support():
     assert cpu.driver_support_reason(12080, 12040) == ""
     assert "CUDA 12.4" in cpu.driver_support_reason(12040, 13000)
     assert "no NVIDIA driver" in cpu.driver_support_reason(0, 13000)
+    # an R535-R570 fleet (CUDA 12.2-12.8) under a CUDA 13 build: told about the 11.8 build
+    why = cpu.driver_support_reason(12080, 13000)
+    assert "CUDA 13.0 or later" in why and "scripts/build_cuda118.sh" in why
+    # the CUDA 11.8 build (the DGX-1 / V100 fleets' drivers: R450 reports 11.0, R470 11.4, R535 12.2)
+    for driver in (11000, 11040, 12020):
+        assert cpu.driver_support_reason(driver, 11080) == ""
+    assert "CUDA 10.2" in cpu.driver_support_reason(10020, 11080)
+    assert "build_cuda118" not in cpu.driver_support_reason(10020, 11080)  # 11.8 would not run there either
+
+
+def test_arch_support_names_the_11_8_build_for_v100():
+    """A V100 under nvcc 13's fat binary: the reason names the toolkit that targets sm_70; the 11.8 build's
+    architectures (CMake's default list for nvcc 11.8) run on V100, A100 and H100/H200."""
+    why = cpu.arch_support_reason(FAT, 7, 0)
+    assert "nvcc 13 cannot target sm_70" in why and "build_cuda118.sh" in why
+    assert "build_cuda118" not in cpu.arch_support_reason("90-real", 8, 0)
+    for cc in ((7, 0), (8, 0), (9, 0)):
+        assert cpu.arch_support_reason("70-real;75-real;80-real;86-real;89-real;90", *cc) == ""
 
 
 def _dev(id, hw, proc=0):
@@ -189,38 +207,88 @@ def test_selftest_flow_with_a_cpu_backed_fake_gpu(monkeypatch, tmp_path):
     assert not selftest_record.has_passed()
 
 
-def test_cuda_lowering_is_one_aliased_custom_call_per_bucket(monkeypatch):
-    """A pytree psum lowered for CUDA (cross-platform lowering, no GPU needed) is one jax_blink_cuda
-    custom call over every leaf, each result aliased to its operand when the operand is computed in
-    the function (as on CPU), not aliased when it is the function's argument."""
-    import re
-
+def _lowered_cuda(computed, *, dialect="hlo", impl="ffi", **kw):
+    """The CUDA lowering of a pytree psum over 4 host CPU devices standing in for 4 V100s."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     import jax_blink
-    usable = dataclasses.replace(_lowering.record("ffi", "cuda"), unavailable=None)
-    monkeypatch.setitem(_lowering.LOWERINGS["ffi"], "cuda", usable)
-    # CPU devices have no CUDA ordinal: the table stays keyed by device id here
-    monkeypatch.setattr(ffi_lowering, "cuda_device_table",
-                        lambda table, devices, p: np.asarray(table, np.int64).reshape(-1))
     mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
     topo = jax_blink.PRESETS["dgx1v"]().subset([0, 1, 2, 3])
 
-    def lowered(computed):
-        def step(t):
-            if computed:
-                t = jax.tree.map(lambda v: v * 2, t)
-            return jax_blink.psum(t, "d", topology=topo, impl="ffi")
-        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-        x = {"a": jnp.ones((4 * 37,), jnp.float32), "b": jnp.ones((4 * 5, 3), jnp.float32)}
-        text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-        return [line for line in text.splitlines() if "custom_call @jax_blink_cuda" in line]
+    def step(t):
+        if computed:
+            t = jax.tree.map(lambda v: v * 2, t)
+        return jax_blink.psum(t, "d", topology=topo, impl=impl)
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    x = {"a": jnp.ones((4 * 37,), jnp.float32), "b": jnp.ones((4 * 5, 3), jnp.float32)}
+    return jax_blink.lowered_text(f, x, platform="cuda", dialect=dialect, **kw)
 
+
+def test_cuda_lowering_is_one_aliased_custom_call_per_bucket_on_its_own_stream():
+    """A pytree psum lowered for CUDA on this CPU-only machine (``jax_blink.lowered_text``: no driver,
+    no CUDA module, no patching) is one jax_blink_cuda custom call over every leaf, each result aliased
+    to its operand when the operand is computed in the function (not when it is the function's
+    argument), inside a call that carries the stream annotation XLA:GPU makes async (call-start /
+    call-done on stream 1), in HLO and StableHLO alike."""
+    import re
+    assert "cuda" not in ffi_lowering.REGISTERED          # the CUDA target cannot run here
     for computed in (False, True):
-        calls = lowered(computed)
+        hlo = _lowered_cuda(computed)
+        calls = [ln for ln in hlo.splitlines() if 'custom_call_target="jax_blink_cuda"' in ln]
         assert len(calls) == 1, calls
-        assert re.search(r"@jax_blink_cuda\(%[\w#]+, %[\w#]+\)", calls[0]), calls[0]
-        assert calls[0].count("#stablehlo.output_operand_alias<") == (2 if computed else 0), calls[0]
+        assert re.search(r"custom-call\(\S+, \S+\)", calls[0]), calls[0]       # both leaves, one call
+        aliasing = re.search(r"output_to_operand_aliasing=\{(.*?)\}, api_version", calls[0])
+        assert (aliasing.group(1) if aliasing else "") == ("{0}: (0, {}), {1}: (1, {})" if computed else ""), calls[0]
+        wrapper = re.findall(r"= \(f32\[37\]\{0\}, f32\[5,3\]\{1,0\}\) call\(.*to_apply=(jax_blink_cuda_call\S*), "
+                             r"frontend_attributes=\{(.*?)\}", hlo)
+        assert wrapper == [(wrapper[0][0], '_xla_stream_annotation="1",inlineable="false"')], hlo
+        # the one annotated call (HLO's converter copies the attributes onto its get-tuple-elements)
+        assert [ln for ln in hlo.splitlines() if "_xla_stream_annotation" in ln and "get-tuple-element(" not in ln] \
+            == [ln for ln in hlo.splitlines() if "to_apply=jax_blink_cuda_call" in ln]
+        body = hlo[hlo.index(wrapper[0][0].rstrip(",") + " {"):]
+        assert 'custom_call_target="jax_blink_cuda"' in body.split("\n}")[0]   # the call wraps the custom call
+    text = _lowered_cuda(True, dialect="stablehlo")
+    assert re.search(r'func\.call @jax_blink_cuda_call\w*\(%\S+, %\S+\) \{mhlo\.frontend_attributes = '
+                     r'\{_xla_stream_annotation = "1", inlineable = "false"\}\}', text), text
+    assert text.count("stablehlo.custom_call @jax_blink_cuda(") == 1
+    assert text.count("#stablehlo.output_operand_alias<") == 2
+
+
+def test_cuda_stream_setting(monkeypatch):
+    """JAX_BLINK_CUDA_STREAM picks the annotated stream, 0 keeps the plain custom call (compute
+    stream), anything else fails at lowering naming the variable."""
+    monkeypatch.setenv(ffi_lowering.ENV_STREAM, "3")
+    assert '_xla_stream_annotation="3"' in _lowered_cuda(True)
+    monkeypatch.setenv(ffi_lowering.ENV_STREAM, "0")
+    hlo = _lowered_cuda(True)
+    assert "_xla_stream_annotation" not in hlo and hlo.count('custom_call_target="jax_blink_cuda"') == 1
+    for bad in ("-1", "x", "64", "1.5"):
+        monkeypatch.setenv(ffi_lowering.ENV_STREAM, bad)
+        with pytest.raises(BlinkError, match="JAX_BLINK_CUDA_STREAM must be an integer in 0..63"):
+            _lowered_cuda(True)
+
+
+def test_lowered_text_auto_follows_the_selftest_gate_and_leaves_nothing_behind(monkeypatch):
+    """impl='auto' in a CUDA lowering takes the native call only where the self-test would allow it
+    (native_auto=True), else the portable collective_permute rounds; afterwards the CUDA records are
+    unusable here again (no lowering_only left active) and bad arguments fail up front."""
+    import jax
+
+    import jax_blink
+    monkeypatch.delenv(ffi_lowering.ENV_NATIVE, raising=False)
+    native = _lowered_cuda(True, impl="auto", native_auto=True)
+    portable = _lowered_cuda(True, impl="auto", native_auto=False)
+    assert native.count('custom_call_target="jax_blink_cuda"') == 1 and "collective-permute(" not in native
+    assert "jax_blink_cuda" not in portable and portable.count("collective-permute(") > 0
+    assert _lowering.find_lowering("ffi", "cuda") is None and not _lowering._LOWERING_ONLY
+    assert ffi_lowering._ASSUMED == {}
+    with pytest.raises(BlinkError, match="platform must be one of"):
+        jax_blink.lowered_text(lambda v: v, np.ones(4), platform="gpu")
+    with pytest.raises(BlinkError, match="dialect must be 'hlo' or 'stablehlo'"):
+        jax_blink.lowered_text(lambda v: v, np.ones(4), dialect="mlir")
+    with pytest.raises(BlinkError, match="fn must be a function"):
+        jax_blink.lowered_text(3, np.ones(4))
+    assert "custom_call" not in jax_blink.lowered_text(jax.jit(lambda v: v + 1), np.ones(4), platform="cpu")

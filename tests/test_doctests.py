@@ -12,7 +12,7 @@ EXAMPLES = {
     "jax_blink.schedule": ["build_schedule", "execute"],
     "jax_blink.topology.model": ["Topology.subset"],
     "jax_blink.api": ["psum"],
-    "jax_blink.explaining": ["explain"],
+    "jax_blink.explaining": ["explain", "lowered_text"],
 }
 
 

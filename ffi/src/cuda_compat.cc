@@ -37,9 +37,15 @@ std::string ArchSupportReason(const std::string& archs, int major, int minor) {
   std::ostringstream os;
   os << "this jax_blink CUDA module carries code for architectures [";
   for (size_t i = 0; i < seen.size(); ++i) os << (i ? ", " : "") << seen[i];
-  os << "], none of which runs on a GPU of compute capability " << major << "." << minor
-     << "; rebuild with JAX_BLINK_CUDA_ARCH including " << cc << " (pip install -e . with CMAKE_ARGS="
-     << "-DJAX_BLINK_CUDA_ARCH=" << cc << ")";
+  os << "], none of which runs on a GPU of compute capability " << major << "." << minor;
+  if (cc < 75) {
+    // nvcc 13 has no target below sm_75: V100 (sm_70) needs an older toolkit.
+    os << "; nvcc 13 cannot target sm_" << cc << ": build with CUDA 11.8 (bash scripts/build_cuda118.sh: cubins "
+       << "sm_70..sm_90, drivers from R450) or a CUDA 12 toolkit with JAX_BLINK_CUDA_ARCH including " << cc;
+  } else {
+    os << "; rebuild with JAX_BLINK_CUDA_ARCH including " << cc << " (pip install -e . with CMAKE_ARGS="
+       << "-DJAX_BLINK_CUDA_ARCH=" << cc << ")";
+  }
   return os.str();
 }
 
@@ -50,8 +56,11 @@ std::string DriverSupportReason(int driver_version, int runtime_version) {
     std::ostringstream os;
     os << "the NVIDIA driver supports CUDA " << driver_version / 1000 << "." << (driver_version % 1000) / 10
        << " but this jax_blink CUDA module was built with CUDA " << runtime_version / 1000 << "."
-       << (runtime_version % 1000) / 10 << "; update the driver or rebuild with a CUDA "
-       << driver_version / 1000 << " toolkit (see docs: CUDA executor build)";
+       << (runtime_version % 1000) / 10 << " (a CUDA " << runtime_version / 1000 << " runtime needs a driver of "
+       << "CUDA " << runtime_version / 1000 << ".0 or later: minor-version compatibility); update the driver or "
+       << "rebuild with a CUDA " << driver_version / 1000 << " toolkit";
+    if (driver_version >= 11000) os << " (CUDA 11.8, any driver from R450: bash scripts/build_cuda118.sh)";
+    os << " (docs/cuda.md, Build)";
     return os.str();
   }
   return "";

@@ -19,6 +19,7 @@ them).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -52,6 +53,10 @@ class Lowering:
       auto_fits: ``auto_fits(site) -> str | None``: asked (with the call site's :class:`Site`, None
         inside one process) before ``auto`` takes it; a string says why it does not fit (e.g. the
         hierarchical lowering needs two or more of a group's devices in every process). None: fits.
+      chunks_as_simulated: True when a chunk costs the executor its step latency and nothing else
+        (the CUDA interpreter: one kernel per call, a flag hop per chunk step): the schedule takes the
+        chunk counts the link simulator gives the plan (``costmodel.lowering_schedule``), not the
+        round model's, which bounds chunks for executors that pay per round or per call.
       description: a few words for users ("rounds of collective_permute").
       unavailable: None when usable here; else why not (native module missing, driver too old):
         :func:`find_lowering` skips such records, error messages quote the reason.
@@ -69,6 +74,7 @@ class Lowering:
     shard_input: bool = False
     shard_output: bool = False
     auto_fits: Callable | None = None
+    chunks_as_simulated: bool = False
     description: str = ""
     unavailable: str | None = None
 
@@ -150,12 +156,37 @@ def record(name: str, platform: str) -> Lowering | None:
     return table.get(platform, table.get(None))
 
 
+# Platforms lowered for without running (``lowering_only``) -> how many contexts hold them.
+_LOWERING_ONLY: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def lowering_only(platform: str):
+    """Within the block, records of ``platform`` count as usable even where ``unavailable`` says their
+    native target cannot run here (module not built, no driver): for lowering a program for that
+    platform on a machine without it (``jax_blink.lowered_text``). The rules emit the same custom
+    calls (they need no driver); compiling or running such a program here still fails. Nests; not
+    meant for threads lowering other programs at the same time."""
+    _LOWERING_ONLY[platform] = _LOWERING_ONLY.get(platform, 0) + 1
+    try:
+        yield
+    finally:
+        _LOWERING_ONLY[platform] -= 1
+        if not _LOWERING_ONLY[platform]:
+            del _LOWERING_ONLY[platform]
+
+
+def usable(rec: Lowering | None, platform: str) -> bool:
+    """True when ``rec`` may lower for ``platform`` here (available, or inside :func:`lowering_only`)."""
+    return rec is not None and (rec.unavailable is None or platform in _LOWERING_ONLY)
+
+
 def find_lowering(name: str, platform: str) -> Lowering | None:
     """The usable record of ``name`` on ``platform`` (platform-specific first, then every-platform),
-    or None when none is registered or usable here."""
+    or None when none is registered or usable here (:func:`usable`)."""
     table = LOWERINGS.get(name, {})
     for rec in (table.get(platform), table.get(None)):
-        if rec is not None and rec.unavailable is None:
+        if usable(rec, platform):
             return rec
     return None
 

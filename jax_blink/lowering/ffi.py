@@ -29,6 +29,7 @@ makes that device skip every meeting, so the others hit the timeout error. Never
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -39,7 +40,7 @@ import jax
 import numpy as np
 
 from .. import _native, collectives
-from .._jax_compat import ir
+from .._jax_compat import call_in_function, ir
 from ..errors import BlinkError
 from . import Lowering, LoweringRequest, register, selftest_record
 
@@ -189,7 +190,36 @@ def cuda_device_table(table, devices, process_index: int) -> np.ndarray:
     return rows.reshape(-1)
 
 
-def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool, table=None):
+#: JAX_BLINK_CUDA_STREAM: the XLA stream the CUDA custom call runs on (``_xla_stream_annotation``);
+#: 0 keeps it on the compute stream, in program order (the behaviour before the annotation).
+ENV_STREAM = "JAX_BLINK_CUDA_STREAM"
+DEFAULT_STREAM = 1
+MAX_STREAM = 63
+
+
+def cuda_stream() -> int:
+    """The stream the CUDA custom call is annotated with: ``JAX_BLINK_CUDA_STREAM`` (an integer in
+    0..63) or :data:`DEFAULT_STREAM`; 0 means no annotation. Raises BlinkError for anything else
+    (read at lowering, so a bad value fails the call that lowers, not a compile deep in XLA)."""
+    text = os.environ.get(ENV_STREAM, "").strip(_ASCII_SPACE)
+    if not text:
+        return DEFAULT_STREAM
+    if re.fullmatch(r"[0-9]+", text) is None or int(text) > MAX_STREAM:
+        raise BlinkError(f"{ENV_STREAM} must be an integer in 0..{MAX_STREAM} (the XLA stream of the CUDA "
+                         f"collective; 0: the compute stream, no overlap), got {os.environ[ENV_STREAM]!r}; unset "
+                         f"it for the default {DEFAULT_STREAM}")
+    return int(text)
+
+
+def stream_attributes(stream: int) -> dict[str, str]:
+    """The frontend attributes that put a call on XLA:GPU stream ``stream`` (> 0), as
+    ``jax.experimental.compute_on(f"gpu_stream:{stream}")`` writes them: ``_xla_stream_annotation``
+    (honoured under ``--xla_gpu_experimental_stream_annotation``, on by default at jax 0.10.2 and
+    0.12) and ``inlineable="false"`` (so XLA's call inliner keeps the call that carries it)."""
+    return {"_xla_stream_annotation": str(int(stream)), "inlineable": "false"}
+
+
+def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool, table=None, stream: int = 0):
     avals = ctx.avals_in
     sharded = collectives.get(request.collective).sharded
     table = np.asarray(request.device_table, np.int64).reshape(-1) if table is None else table
@@ -199,11 +229,17 @@ def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool, table=Non
     aliases = {i: i for i, x in enumerate(xs)
                if _produced(x, sharded) and ctx.avals_out[i].shape == avals[i].shape} if alias else {}
     lower = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases or None)
-    return list(lower(ctx, *xs,
-                      schedule=schedule_attribute(request),
-                      device_table=table,
-                      call_site=np.int64(call_site_id(request, avals, _ordinal(ctx))),
-                      timeout_ms=np.int64(timeout_ms(request.timeout_ms))))
+    attrs = dict(schedule=schedule_attribute(request), device_table=table,
+                 call_site=np.int64(call_site_id(request, avals, _ordinal(ctx))),
+                 timeout_ms=np.int64(timeout_ms(request.timeout_ms)))
+
+    def emit(args):
+        return list(lower(ctx, *args, **attrs))
+    if not stream:
+        return emit(xs)
+    # The aliases were decided on the caller's values above; inside the function every operand is an
+    # argument, and the custom call's result i still aliases its operand i there.
+    return call_in_function(ctx, xs, emit, f"{target}_call", stream_attributes(stream))
 
 
 def _cpu_rule(ctx, xs, request_for):
@@ -226,16 +262,41 @@ def _cuda_rule(ctx, xs, request_for):
     """One custom call for the whole bucket, as on CPU (operand i -> result i, one schedule over the
     leaves' virtual concatenation, results aliased to operands that die at the call); the GPU program
     maps chunks onto the leaf buffers and treats an aliased leaf as one buffer, race-checked in CI
-    (``ffi/src/gpu_program.h``). Its device table is keyed by local hardware id (``cuda_device_table``)."""
+    (``ffi/src/gpu_program.h``). Its device table is keyed by local hardware id (``cuda_device_table``).
+
+    The call sits in a private function whose ``call`` carries the stream annotation of
+    :func:`stream_attributes` (stream :func:`cuda_stream`): XLA:GPU makes it an async ``call-start`` /
+    ``call-done`` pair on that stream, which the latency-hiding scheduler overlaps with independent
+    compute (docs/cuda.md, "Overlap"). ``JAX_BLINK_CUDA_STREAM=0`` keeps the plain custom call."""
     request = request_for(sum(math.prod(a.shape) for a in ctx.avals_out))
     devices = list(ctx.module_context.axis_context.mesh.devices.flat)
     table = cuda_device_table(request.device_table, devices, jax.process_index())
-    return _call(CUDA_TARGET, ctx, xs, request, _ALIAS, table)
+    return _call(CUDA_TARGET, ctx, xs, request, _ALIAS, table, stream=cuda_stream())
 
 
 # ------------------------------------------------------------------------------ safe default on GPUs
 ENV_NATIVE = "JAX_BLINK_CUDA_NATIVE"
 _said = set()
+_ASSUMED: dict[str, bool] = {}  # platform -> answer of native_auto_allowed inside assume_native_auto
+
+
+@contextlib.contextmanager
+def assume_native_auto(platform: str, allowed: bool | None):
+    """Within the block :func:`native_auto_allowed` answers ``allowed`` for ``platform`` (as on a
+    machine whose self-test passed, or not), without a warning; None leaves it as it is. For
+    lowering for a machine other than this one (``jax_blink.lowered_text``)."""
+    if allowed is None:
+        yield
+        return
+    saved = _ASSUMED.get(platform)
+    _ASSUMED[platform] = bool(allowed)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del _ASSUMED[platform]
+        else:
+            _ASSUMED[platform] = saved
 
 
 def native_auto_allowed(platform: str) -> bool:
@@ -248,6 +309,8 @@ def native_auto_allowed(platform: str) -> bool:
     """
     if platform != "cuda":
         return True
+    if platform in _ASSUMED:
+        return _ASSUMED[platform]
     env = os.environ.get(ENV_NATIVE, "").strip()
     if env in ("0", "1"):
         return env == "1"
@@ -282,19 +345,34 @@ def _register_target(platform: str, module, target: str, xla_platform: str, miss
     return None
 
 
-def _register(platform: str, xla_platform: str, module, target: str, missing: str | None, rule, **fields) -> None:
+#: Seconds of one schedule step of the CPU executor: an in-process wait between the device threads
+#: for a chunk a peer thread wrote (a few us, estimate).
+CPU_STEP_LATENCY_S = 5e-6
+#: Seconds of one schedule step of the CUDA executor's device-side interpreter (one kernel per device
+#: per call, issue 25): a chunk hop is the sender's stores, a release fence and a flag store in
+#: peer-visible memory, seen by the receiver's acquire poll, the synchronisation of NCCL's Simple
+#: protocol. NCCL prices a Simple-protocol ring step over NVLink at 3.4 us (src/graph/tuning.cc, hwLat
+#: [NVLINK][RING][SIMPLE], NCCL 2.19-2.23; LL's flag-in-every-8-bytes steps 0.6 us); the simulator
+#: adds the link kind's protocol latency (``simulate.PROTOCOL_LATENCY_US``: 0.6 us NVLink, 1.0 us
+#: PCIe) to this per-send latency, so an NVLink hop costs 2.8 + 0.6 = 3.4 us. The launch (~5 us,
+#: once per call, not per step) does not change which schedule wins and is not part of this figure.
+CUDA_STEP_LATENCY_S = 2.8e-6
+
+
+def _register(platform: str, xla_platform: str, module, target: str, missing: str | None, rule,
+              step_latency_s: float, **fields) -> None:
     why = _register_target(platform, module, target, xla_platform, missing)
     if why is None:
         REGISTERED[platform] = target
     else:
         UNAVAILABLE[platform] = why
-    # A step is an in-process barrier between the device threads: a few us (estimate). No barrier
-    # per round (per-tree pipelines); peers meet in process memory, so one process only.
-    register(Lowering("ffi", platform, rule, step_latency_s=5e-6, round_synchronous=False, multi_process=False,
-                      auto_priority=0, auto_allowed=native_auto_allowed, description="native XLA FFI custom call",
-                      unavailable=why, **fields))
+    # No barrier per round (per-tree pipelines); peers meet in process memory, so one process only.
+    register(Lowering("ffi", platform, rule, step_latency_s=step_latency_s, round_synchronous=False,
+                      multi_process=False, auto_priority=0, auto_allowed=native_auto_allowed,
+                      description="native XLA FFI custom call", unavailable=why, **fields))
 
 
-_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule, host_memory=True, shard_input=True,
-          shard_output=True)
-_register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error, _cuda_rule)
+_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule, CPU_STEP_LATENCY_S, host_memory=True,
+          shard_input=True, shard_output=True)
+_register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error, _cuda_rule, CUDA_STEP_LATENCY_S,
+          chunks_as_simulated=True)
