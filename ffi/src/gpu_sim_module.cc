@@ -16,6 +16,8 @@
 #include "blink_core.h"
 #include "gpu_emulator.h"
 #include "gpu_program.h"
+#include "interp_host.h"
+#include "interp_plan.h"
 #include "nb_arrays.h"
 #include "program_cache.h"
 
@@ -116,6 +118,98 @@ nb::dict GpuProgramCheck(I64Array schedule, std::string dtype, std::vector<AnyAr
   return out;
 }
 
+// The device interpreter's program of the first group's schedule (interp_plan.h), run on the host
+// with one thread per (rank, block) (interp_host.h) for `seeds` seeds of random delays (seed 0: none)
+// and `calls` successive calls each, every rank's output compared with `expected` bit for bit.
+// absent_rank: that rank never starts (every peer must time out naming it); late_rank starts late_ms
+// late. Returns the program's figures, the mismatches, and the first run's error / records.
+nb::dict InterpCheck(I64Array schedule, std::string dtype, std::vector<AnyArray> inputs, std::vector<AnyArray> expected,
+                     std::vector<uint8_t> peer_ok, int max_blocks, int seeds, std::vector<int64_t> leaf_sizes,
+                     std::vector<uint8_t> aliased, int absent_rank, int late_rank, int64_t late_ms,
+                     int64_t timeout_ms, int64_t calls) {
+  const Dtype dt = DtypeByName(dtype);
+  std::vector<Schedule> scheds;
+  std::string err = DecodeSchedules(schedule.data(), schedule.shape(0), &scheds);
+  ExecPlan plan;
+  if (err.empty()) err = BuildExecPlan(scheds[0], &plan);
+  if (!err.empty()) throw std::invalid_argument(err);
+  InterpOptions opt;
+  opt.peer_ok = std::move(peer_ok);
+  opt.max_blocks = max_blocks;
+  opt.leaf_elems = std::move(leaf_sizes);
+  InterpPlan ip;
+  err = BuildInterpPlan(plan, dt, opt, &ip);
+  if (!err.empty()) throw std::invalid_argument(err);
+  const int64_t nelems = plan.schedule.nelems;
+  const size_t bytes = static_cast<size_t>(nelems) * DtypeSize(dt);
+  if (static_cast<int64_t>(inputs.size()) != plan.schedule.nranks || expected.size() != inputs.size())
+    throw std::invalid_argument("need one input and one expected array per rank");
+  for (size_t r = 0; r < inputs.size(); ++r)
+    if (inputs[r].nbytes() != bytes || expected[r].nbytes() != bytes)
+      throw std::invalid_argument("array sizes differ from the schedule's nelems x dtype size");
+  if (!aliased.empty() && static_cast<int32_t>(aliased.size()) != ip.nleaves)
+    throw std::invalid_argument("aliased must have one entry per leaf");
+  int64_t mismatched = 0, crit = 0, threads = 0;
+  std::string run_error, first_error;
+  std::vector<interp::ErrorRecord> records;
+  std::vector<int64_t> bad_ranks;
+  {
+    nb::gil_scoped_release release;
+    crit = CriticalPath(ip);
+    std::vector<const void*> ins;
+    for (auto& a : inputs) ins.push_back(a.data());
+    for (int s = 0; s < std::max(seeds, 1) && run_error.empty(); ++s) {
+      HostRunOptions ho;
+      ho.seed = static_cast<uint64_t>(s);
+      ho.absent_rank = absent_rank;
+      ho.late_rank = late_rank;
+      ho.late_ms = late_ms;
+      ho.timeout_ms = timeout_ms;
+      ho.calls = calls;
+      HostRunResult res;
+      run_error = RunInterpOnHost(ip, ins, nelems, aliased, ho, &res);
+      if (!run_error.empty()) break;
+      threads = res.threads;
+      if (s == 0) {
+        first_error = res.error;
+        records = res.records;
+      }
+      if (!res.error.empty()) continue;
+      bool same = true;
+      for (size_t r = 0; r < res.outputs.size(); ++r)
+        if (res.outputs[r].size() != bytes || (bytes && std::memcmp(res.outputs[r].data(), expected[r].data(), bytes))) {
+          same = false;
+          if (s == 0) bad_ranks.push_back(static_cast<int64_t>(r));
+        }
+      if (!same) ++mismatched;
+    }
+  }
+  if (!run_error.empty()) throw std::invalid_argument(run_error);
+  int64_t flags = 0, deps = 0;
+  for (int32_t f : ip.flags_per_rank) flags += f;
+  for (const auto& t : ip.tasks) deps += t.dep_count;
+  nb::list recs;
+  for (const auto& r : records)
+    recs.append(nb::make_tuple(static_cast<int64_t>(r.epoch), r.missing_rank, r.waiting_rank, r.task));
+  nb::dict out;
+  out["critical_path"] = crit;
+  out["segment_chunks"] = ip.max_segment_chunks;
+  out["chunk_depth"] = ip.chunk_depth;
+  out["pipeline_ideal"] = ip.pipeline_ideal;
+  out["tasks"] = static_cast<int64_t>(ip.tasks.size());
+  out["flags"] = flags;
+  out["dep_waits"] = deps;
+  out["blocks"] = static_cast<int64_t>(ip.max_blocks);
+  out["staging_elems"] = ip.staging_elems;
+  out["leaves"] = static_cast<int64_t>(ip.nleaves);
+  out["threads"] = threads;
+  out["mismatched_seeds"] = mismatched;
+  out["mismatched_ranks"] = bad_ranks;
+  out["error"] = first_error;
+  out["records"] = recs;
+  return out;
+}
+
 // The GPU program's listing (debugging): gpu_program_check's options, no data.
 std::string GpuProgramDescribe(I64Array schedule, std::string dtype, std::vector<int32_t> rank_device,
                                std::vector<uint8_t> peer_ok, int max_streams, std::vector<int64_t> leaf_sizes,
@@ -172,6 +266,12 @@ NB_MODULE(_gpusim, m) {
         nb::arg("mutate"), nb::arg("leaf_sizes") = std::vector<int64_t>{},
         nb::arg("aliased") = std::vector<uint8_t>{},
         "Build, race-check and emulate the CUDA executor's GPU program over a bucket of leaves.");
+  m.def("interp_check", &jax_blink::InterpCheck, nb::arg("schedule"), nb::arg("dtype"), nb::arg("inputs"),
+        nb::arg("expected"), nb::arg("peer_ok"), nb::arg("max_blocks"), nb::arg("seeds"),
+        nb::arg("leaf_sizes") = std::vector<int64_t>{}, nb::arg("aliased") = std::vector<uint8_t>{},
+        nb::arg("absent_rank") = -1, nb::arg("late_rank") = -1, nb::arg("late_ms") = 0,
+        nb::arg("timeout_ms") = 2000, nb::arg("calls") = 1,
+        "Run the device interpreter on the host (a thread per rank block) and compare with expected bit for bit.");
   m.def("gpu_program_describe", &jax_blink::GpuProgramDescribe, nb::arg("schedule"), nb::arg("dtype"),
         nb::arg("rank_device"), nb::arg("peer_ok"), nb::arg("max_streams"),
         nb::arg("leaf_sizes") = std::vector<int64_t>{}, nb::arg("aliased") = std::vector<uint8_t>{},
