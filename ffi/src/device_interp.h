@@ -15,8 +15,9 @@
 //      out[rank] = src, or out[rank] = 0, or (staging for a pair without peer access) the owner copies
 //      its own value into a staging slot the reader then loads;
 //   4. signals its done flag = epoch (release), if any task waits on it.
-// After its last task, block 0 of each rank waits for every peer task that reads this rank's buffers
-// (so XLA can reuse them when the kernel ends). Epochs: every rank counts its calls of a call site
+// After its last task, block 0 of each rank waits until every other rank arrived (so a rank that never
+// does fails every peer, also those that read nothing of it) and for every peer task that reads this
+// rank's buffers (so XLA can reuse them when the kernel ends). Epochs: every rank counts its calls of a call site
 // (1, 2, ...) and uses that count as the value of this call's flags, so nothing is reset between calls
 // (a flag of an older call is < epoch, a newer one cannot exist before this rank's kernel ended).
 //
@@ -33,7 +34,7 @@
 //   M::Tid(), M::Threads()                this thread's index in its block, the block's thread count
 //   M::Sync()                             block barrier (orders the block's data accesses around flags)
 //   M::Exchange(uint64_t*, uint64_t)      atomic exchange (claims the error record)
-//   M::Pause()                            back-off while spinning
+//   M::Pause(spins)                       back-off while spinning (spins so far)
 //   M::Jitter()                           test hook: a random delay (host checks), nothing on the GPU
 // Data is loaded, added and stored by every thread of the block on its share of the elements.
 #pragma once
@@ -238,7 +239,7 @@ struct Interpreter {
           }
         }
       }
-      M::Pause();
+      M::Pause(spins);
     }
     return true;
   }

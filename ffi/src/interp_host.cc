@@ -6,7 +6,6 @@
 #include <cstring>
 #include <memory>
 #include <random>
-#include <set>
 #include <thread>
 
 namespace jax_blink {
@@ -16,9 +15,16 @@ thread_local std::mt19937_64* t_rng = nullptr;  // per block thread: its random 
 
 // The host's memory primitives: GCC/Clang __atomic builtins (what std::atomic compiles to, and what
 // ThreadSanitizer models), one thread per block.
+// JAX_BLINK_INTERP_RELAXED_FLAGS (a mutation build for the TSan check's own test) drops the
+// ordering: the flag protocol then races and ThreadSanitizer must say so.
+#ifdef JAX_BLINK_INTERP_RELAXED_FLAGS
+constexpr int kAcquire = __ATOMIC_RELAXED, kRelease = __ATOMIC_RELAXED;
+#else
+constexpr int kAcquire = __ATOMIC_ACQUIRE, kRelease = __ATOMIC_RELEASE;
+#endif
 struct HostMem {
-  static uint64_t LoadAcquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-  static void StoreRelease(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+  static uint64_t LoadAcquire(const uint64_t* p) { return __atomic_load_n(p, kAcquire); }
+  static void StoreRelease(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, kRelease); }
   static uint64_t Exchange(uint64_t* p, uint64_t v) { return __atomic_exchange_n(p, v, __ATOMIC_ACQ_REL); }
   static uint64_t NowNs() {
     return static_cast<uint64_t>(
@@ -27,7 +33,10 @@ struct HostMem {
   static int64_t Tid() { return 0; }
   static int64_t Threads() { return 1; }
   static void Sync() {}
-  static void Pause() { std::this_thread::yield(); }
+  static void Pause(uint32_t spins) {  // yield, then sleep more and more (many threads share few cores)
+    if (spins < 8192) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
   static void Jitter() {
     if (!t_rng) return;
     const uint64_t r = (*t_rng)();
@@ -37,24 +46,6 @@ struct HostMem {
 };
 
 }  // namespace
-
-std::string InterpErrorMessage(const std::vector<interp::ErrorRecord>& records, uint64_t epoch, int64_t timeout_ms) {
-  std::set<int64_t> missing, waiting;
-  for (const auto& r : records)
-    if (r.epoch == epoch && epoch != 0) {
-      missing.insert(r.missing_rank);
-      waiting.insert(r.waiting_rank);
-    }
-  if (missing.empty()) return "";
-  auto list = [](const std::set<int64_t>& s) {
-    std::string o;
-    for (int64_t x : s) o += (o.empty() ? "" : ", ") + std::to_string(x);
-    return o;
-  };
-  return "jax_blink: collective timed out: rank" + std::string(missing.size() > 1 ? "s " : " ") + list(missing) +
-         " never arrived on the device within " + std::to_string(timeout_ms) + " ms (ranks " + list(waiting) +
-         " gave up waiting; JAX_BLINK_TIMEOUT_S sets the bound)";
-}
 
 std::string RunInterpOnHost(const InterpPlan& p, const std::vector<const void*>& inputs, int64_t nelems,
                             const std::vector<uint8_t>& aliased_in, const HostRunOptions& opt, HostRunResult* res) {

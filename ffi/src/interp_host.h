@@ -36,9 +36,4 @@ struct HostRunResult {
 std::string RunInterpOnHost(const InterpPlan& p, const std::vector<const void*>& inputs, int64_t nelems,
                             const std::vector<uint8_t>& aliased, const HostRunOptions& opt, HostRunResult* result);
 
-// The error message for the records of a call of `epoch` that failed (empty when none names this
-// epoch): "jax_blink: collective timed out: rank M never arrived ..." naming the missing ranks and
-// those that gave up. Shared by the host runner and the CUDA executor.
-std::string InterpErrorMessage(const std::vector<interp::ErrorRecord>& records, uint64_t epoch, int64_t timeout_ms);
-
 }  // namespace jax_blink

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <map>
+#include <set>
 
 namespace jax_blink {
 
@@ -342,6 +343,8 @@ std::string BuildInterpPlan(const ExecPlan& plan, Dtype dtype, const InterpOptio
   for (int32_t r = 0; r < n; ++r) {
     std::sort(readers[r].begin(), readers[r].end());
     readers[r].erase(std::unique(readers[r].begin(), readers[r].end()), readers[r].end());
+    for (int32_t q = 0; q < n; ++q)  // every rank arrived: a rank that never does fails every peer
+      if (q != r) p.tail.push_back(FlagRef{q, 0});
     for (int64_t id : readers[r]) p.tail.push_back(flag_of(id));
     p.tail_begin[r + 1] = static_cast<int32_t>(p.tail.size());
   }
@@ -366,6 +369,24 @@ std::string BuildInterpPlan(const ExecPlan& plan, Dtype dtype, const InterpOptio
   for (auto& [seg, k] : seg_chunks) p.pipeline_ideal = std::max(p.pipeline_ideal, k + seg_depth[seg] - 1);
   *out = std::move(p);
   return "";
+}
+
+std::string InterpErrorMessage(const std::vector<interp::ErrorRecord>& records, uint64_t epoch, int64_t timeout_ms) {
+  std::set<int64_t> missing, waiting;
+  for (const auto& r : records)
+    if (r.epoch == epoch && epoch != 0) {
+      missing.insert(r.missing_rank);
+      waiting.insert(r.waiting_rank);
+    }
+  if (missing.empty()) return "";
+  auto list = [](const std::set<int64_t>& s) {
+    std::string o;
+    for (int64_t x : s) o += (o.empty() ? "" : ", ") + std::to_string(x);
+    return o;
+  };
+  return "jax_blink: collective timed out: rank" + std::string(missing.size() > 1 ? "s " : " ") + list(missing) +
+         " never arrived on the device within " + std::to_string(timeout_ms) + " ms (ranks " + list(waiting) +
+         " gave up waiting; JAX_BLINK_TIMEOUT_S sets the bound)";
 }
 
 int64_t CriticalPath(const InterpPlan& p) {

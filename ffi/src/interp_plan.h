@@ -48,8 +48,8 @@ struct InterpPlan {
   std::vector<interp::FlagRef> deps;
   std::vector<int32_t> arrives;
   std::vector<int64_t> leaf_start;
-  std::vector<interp::FlagRef> tail;
-  std::vector<int32_t> tail_begin;
+  std::vector<interp::FlagRef> tail;   // per rank: the other ranks' arrivals, then the peer tasks
+  std::vector<int32_t> tail_begin;     // that read its buffers (its exit waits)
   std::vector<int32_t> flags_per_rank;  // entries of each rank's flag array (arrival included)
   int64_t staging_elems = 0;            // size of the staging area
   std::vector<int32_t> blocks_used;     // per rank: blocks with at least one task
@@ -72,5 +72,10 @@ std::string BuildInterpPlan(const ExecPlan& plan, Dtype dtype, const InterpOptio
 // tasks in order and all blocks at once: the kernel's critical path. The pipelining ideal is
 // max_segment_chunks + chunk_depth - 1.
 int64_t CriticalPath(const InterpPlan& p);
+
+// The error message for the records of a call of `epoch` that failed (empty when none names this
+// epoch): "jax_blink: collective timed out: rank M never arrived ..." naming the missing ranks and
+// those that gave up. Shared by the host runner and the CUDA executor.
+std::string InterpErrorMessage(const std::vector<interp::ErrorRecord>& records, uint64_t epoch, int64_t timeout_ms);
 
 }  // namespace jax_blink
