@@ -9,7 +9,6 @@ two successive calls (epochs, no reset), the pipeline ratio within 1.1, and ever
 rank failing within the bound and naming it. The ThreadSanitizer run is in tests/test_sanitizers.py.
 """
 
-import numpy as np
 import pytest
 
 from jax_blink import _native, collectives

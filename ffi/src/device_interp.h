@@ -64,7 +64,9 @@ struct Src {
   int64_t slot;    // kStaging: element offset of the slot in the staging area
 };
 
-// A flag address: rank `rank`'s flag array, entry `index` (entry 0 is the rank's arrival flag).
+// A flag address: rank `rank`'s flag array, entry `index` (entry 0 is the rank's arrival flag, entry
+// 1 the claim word of its error record, tasks' done flags from 2 on).
+constexpr int32_t kArrivalFlag = 0, kClaimFlag = 1, kFirstTaskFlag = 2;
 struct FlagRef {
   int32_t rank;
   int32_t index;
@@ -102,7 +104,6 @@ struct View {
 // Error record of one rank (in host-readable memory on the GPU). `epoch` is written last (release):
 // a record whose epoch differs from the call's is stale.
 struct ErrorRecord {
-  uint64_t claim;        // exchanged to the epoch by the one block that writes the record
   uint64_t epoch;
   int64_t missing_rank;  // the rank that never signalled (or whose error was passed on)
   int64_t waiting_rank;  // the rank that gave up
@@ -209,7 +210,9 @@ struct Interpreter {
   // Records that this rank gave up waiting on `missing` (thread 0 only).
   BLINK_HD void Fail(int64_t missing) {
     ErrorRecord* e = p.errors[rank];
-    if (M::Exchange(&e->claim, epoch) != epoch) {  // first block of this rank to give up this call
+    // the first block of this rank to give up this call claims the record (the claim word is flag 1
+    // in the rank's own device memory: no atomic read-modify-write on host memory)
+    if (M::Exchange(&p.flags[rank][kClaimFlag], epoch) != epoch) {
       e->missing_rank = missing;
       e->waiting_rank = rank;
       e->task = task;
@@ -232,7 +235,7 @@ struct Interpreter {
         if (now > deadline_ns) {
           // blame the owner only if it never arrived (or its own verdict does not come in time):
           // an owner that arrived is itself waiting for someone, and will name them
-          const bool arrived = owner == rank || M::LoadAcquire(&p.flags[owner][0]) >= epoch;
+          const bool arrived = owner == rank || M::LoadAcquire(&p.flags[owner][kArrivalFlag]) >= epoch;
           if (!arrived || now > deadline_ns + grace_ns) {
             Fail(owner);
             return false;
@@ -310,7 +313,7 @@ struct Interpreter {
   BLINK_HD bool WaitFor(const Task& t) {
     for (int32_t k = 0; k < t.arrive_count; ++k) {
       const int32_t r = v.arrives[t.arrive_begin + k];
-      if (!Wait(&p.flags[r][0], r)) return false;
+      if (!Wait(&p.flags[r][kArrivalFlag], r)) return false;
     }
     for (int32_t k = 0; k < t.dep_count; ++k) {
       const FlagRef& d = v.deps[t.dep_begin + k];
@@ -328,7 +331,7 @@ BLINK_HD bool RunBlock(const View& v, const Ptrs& p, int32_t rank, int32_t block
                        uint64_t timeout_ns, volatile int* shared_ok) {
   Interpreter<M> it{v, p, rank, epoch, M::NowNs() + timeout_ns, timeout_ns / 2};
   const bool leader = M::Tid() == 0;
-  if (block == 0 && leader) M::StoreRelease(&p.flags[rank][0], epoch);  // arrival: our operands are ready
+  if (block == 0 && leader) M::StoreRelease(&p.flags[rank][kArrivalFlag], epoch);  // arrival: our operands are ready
   const int32_t b0 = v.block_begin[rank * v.max_blocks + block], b1 = v.block_begin[rank * v.max_blocks + block + 1];
   bool ok = true;
   for (int32_t i = b0; i < b1 && ok; ++i) {

@@ -67,7 +67,7 @@ std::string RunInterpOnHost(const InterpPlan& p, const std::vector<const void*>&
   for (int32_t r = 0; r < n; ++r) flags[r].assign(static_cast<size_t>(p.flags_per_rank[r]), 0);
   std::vector<uint64_t*> flag_ptr(n);
   for (int32_t r = 0; r < n; ++r) flag_ptr[r] = flags[r].data();
-  std::vector<interp::ErrorRecord> records(n, interp::ErrorRecord{0, 0, -1, -1, -1});
+  std::vector<interp::ErrorRecord> records(n, interp::ErrorRecord{0, -1, -1, -1});
   std::vector<interp::ErrorRecord*> err_ptr(n);
   for (int32_t r = 0; r < n; ++r) err_ptr[r] = &records[r];
   std::vector<uint8_t> staging(static_cast<size_t>(std::max<int64_t>(p.staging_elems * es, 1)));

@@ -304,7 +304,7 @@ std::string BuildInterpPlan(const ExecPlan& plan, Dtype dtype, const InterpOptio
   for (size_t i = 0; i < order.size(); ++i) pos[order[i]] = static_cast<int64_t>(i);
   // flags: a task that some task of another block waits on gets one in its rank's array
   std::vector<int32_t> flag(all.size(), -1);
-  p.flags_per_rank.assign(n, 1);  // entry 0: arrival
+  p.flags_per_rank.assign(n, interp::kFirstTaskFlag);  // entries 0, 1: arrival, error-record claim
   auto flag_of = [&](int64_t id) {
     if (flag[id] < 0) flag[id] = p.flags_per_rank[all[id].t.rank]++;
     return FlagRef{all[id].t.rank, flag[id]};
@@ -344,7 +344,7 @@ std::string BuildInterpPlan(const ExecPlan& plan, Dtype dtype, const InterpOptio
     std::sort(readers[r].begin(), readers[r].end());
     readers[r].erase(std::unique(readers[r].begin(), readers[r].end()), readers[r].end());
     for (int32_t q = 0; q < n; ++q)  // every rank arrived: a rank that never does fails every peer
-      if (q != r) p.tail.push_back(FlagRef{q, 0});
+      if (q != r) p.tail.push_back(FlagRef{q, interp::kArrivalFlag});
     for (int64_t id : readers[r]) p.tail.push_back(flag_of(id));
     p.tail_begin[r + 1] = static_cast<int32_t>(p.tail.size());
   }

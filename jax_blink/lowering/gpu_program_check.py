@@ -1,25 +1,26 @@
-"""Checks the CUDA executor's GPU programs on the CPU (no GPU needed): ``python -m
+"""Checks the CUDA executor's device interpreter on the CPU (no GPU needed): ``python -m
 jax_blink.lowering.gpu_program_check`` (what ``scripts/gpu_sim_check.sh`` runs).
 
-The CUDA executor (``ffi/src/cuda_executor.cu``) only issues a *GPU program* built by plain C++
-(``ffi/src/gpu_program.cc``): streams, copies, fused reduces, zeroing, event records and waits. This
-module drives, through ``jax_blink._native._gpusim.gpu_program_check``, for the plans of every preset and
-every topology file in ``tests/data/topologies`` (every collective of ``jax_blink.collectives``:
-all-reduce, broadcast, reduce, all-gather, reduce-scatter; odd sizes; every dtype across the set):
+The CUDA executor (``ffi/src/cuda_executor.cu``) launches one kernel per rank that interprets the
+rank's part of the plan (``ffi/src/device_interp.h`` over the program of ``ffi/src/interp_plan.cc``:
+tasks per thread block, flags per task with epochs, bounded waits). The same interpreter, compiled
+for the host, runs here with one thread per (rank, block) and acquire/release flags
+(``jax_blink._native._gpusim.interp_check``), for the plans of every preset and every topology file in
+``tests/data/topologies`` (every collective of ``jax_blink.collectives``; odd sizes; dtypes rotating
+over all 14):
 
-- the happens-before race checker over byte ranges (XLA's own stream per rank included: inputs are
-  written before the call, outputs are read and both buffers reused after it);
-- a CPU emulator of CUDA streams and events with random op durations over several seeds, whose
-  captured outputs must equal ``jax_blink.schedule.execute`` bit for bit;
-- the critical path in chunk steps (unit cost per copy/reduce/zero) against the pipelining ideal
-  ``chunks + depth - 1`` (depth: one chunk's longest dependency chain).
+- outputs bitwise equal to ``jax_blink.schedule.execute`` under random delays, two calls per run on
+  the same flags (epochs, nothing reset), in three peer layouts (all pairs peer; none: every
+  cross-rank source staged; peers within halves), and once more as a *bucket* of odd leaves (every
+  leaf a separate buffer, every other leaf aliased);
+- a rank that never starts: every peer gives up within the bound and names it;
+- the critical path in task steps against the pipelining ideal (per tree: chunks + depth - 1), with
+  one block per (tree, phase) and with the blocks per rank capped at 8 and 1;
+- ThreadSanitizer over ``ffi/tests/interp_stress.cc`` (``tsan_check``): the flag protocol race-free in
+  the C++ memory model.
 
-Three layouts per plan: one GPU per rank with peer access (the ratio is measured here), every rank
-on one GPU with at most 8 streams per device (how ``ffi/tests/gpu_check.cu`` runs on one GPU), and
-no peer access at all (reduce sources staged through the copy engine), 8 streams per device. Then
-each plan once more as a *bucket* (what one custom call of a pytree gets): the elements cut into
-leaves of odd sizes (``bucket_leaves``: chunks span leaves), every leaf a separate buffer, every
-other leaf aliased (result = operand), layouts and dtypes rotating.
+Method: Blink (Wang et al., MLSys 2020, Sec. 4: trees' chunks pipelined); the device-side flag
+protocol is the one NCCL-style kernels use (one launch, flags in peer-visible memory).
 """
 
 from __future__ import annotations
@@ -138,10 +139,12 @@ def pipeline_ratios(schedule, caps=(1, 8, 0)) -> dict:
     return out
 
 
-# CUDA calls the executor makes per call and device in steady state (ffi/src/cuda_executor.cu,
-# LaunchInterp): the kernel launch and the completion event record. Everything else of a call is the
-# host rendezvous (pointer exchange) and memory reads.
-HOST_CUDA_CALLS_PER_CALL = 2
+# CUDA calls that reach the driver per call and device in steady state (ffi/src/cuda_executor.cu,
+# EnqueueLocked, read from the code, not measured here): the kernel launch, the completion event
+# record and, in the default error mode, the wait on it (2 with JAX_BLINK_CUDA_ASYNC_ERRORS=1); besides
+# them only cudaSetDevice / cudaGetLastError bookkeeping, the host rendezvous (pointer exchange) and
+# reads of the pinned error records. A pointer-table upload is added when the buffers changed.
+HOST_CUDA_CALLS_PER_CALL = 3
 
 
 # ------------------------------------------------------------------ ThreadSanitizer run
@@ -206,7 +209,8 @@ def write_tsan_cases(directory, seeds: int = 2) -> list[str]:
 def tsan_check(seeds: int = 2, relaxed: bool = False) -> dict:
     """Builds ffi/tests/interp_stress.cc with -fsanitize=thread (system g++, cached by a hash of the
     sources) and runs it on ``write_tsan_cases``; ``relaxed`` builds the mutation whose flags have no
-    acquire/release ordering (JAX_BLINK_INTERP_RELAXED_FLAGS: TSan must report races). Returns {cases, reports (ThreadSanitizer warnings),
+    acquire/release ordering (JAX_BLINK_INTERP_RELAXED_FLAGS: TSan must report races).
+    Returns {cases, reports (ThreadSanitizer warnings),
     failures (check failures), error ("" or why it could not run), tail (output end), note}."""
     import hashlib
     import os
@@ -294,10 +298,12 @@ def run(seeds: int = 4, layouts=LAYOUTS, nelems: int = 1031, chunk_elems: int = 
         max_ranks: int | None = None, buckets: bool = True, timeouts_every: int = 1) -> dict:
     """Checks every case in every layout (dtypes rotating), once more as a bucket of leaves
     (``bucket_leaves``, every other leaf aliased), and (every ``timeouts_every``-th case; 0: none)
-    once with a rank that never arrives (every peer must fail naming it); the pipeline ratio per block cap (1, 8, none). Returns
-    {programs, bucketed, mismatches, timeouts_checked, worst_ratio, worst_capped {cap: ratio}, failures}."""
+    once with a rank that never arrives (every peer must fail naming it); the pipeline ratio per block
+    cap (1, 8, none). Returns
+    {programs, bucketed, mismatches, timeouts_checked, worst_ratio, worst_capped {cap: ratio},
+    per_topology {name: {cap: worst ratio over its collectives}}, failures}."""
     total = dict(programs=0, bucketed=0, mismatches=0, timeouts_checked=0, worst_ratio=0.0,
-                 worst_capped={1: 0.0, 8: 0.0, 0: 0.0}, failures=[])
+                 worst_capped={1: 0.0, 8: 0.0, 0: 0.0}, per_topology={}, failures=[])
     k = 0
     for ci, case in enumerate(cases(nelems, chunk_elems)):
         n = case.schedule.nranks
@@ -342,8 +348,10 @@ def run(seeds: int = 4, layouts=LAYOUTS, nelems: int = 1031, chunk_elems: int = 
                       f"path {r['critical_path']:4d} ideal {r['pipeline_ideal']:4d} ratio {r['ratio']:.2f} "
                       f"mismatched {r['mismatched_seeds']}/{seeds} {'ok' if not bad else 'FAIL'} "
                       f"{time.perf_counter() - t0:.2f}s", flush=True)
+        row = total["per_topology"].setdefault(case.name, {1: 0.0, 8: 0.0, 0: 0.0})
         for cap, ratio in pipeline_ratios(case.schedule).items():
             total["worst_capped"][cap] = max(total["worst_capped"][cap], ratio)
+            row[cap] = max(row[cap], ratio)
     return total
 
 
@@ -364,6 +372,9 @@ def main(argv=None) -> int:
             t["failures"].append(f"tsan: {ts['error']} {ts['tail']}")
     for f in t["failures"]:
         print("FAIL", f, file=sys.stderr)
+    print("pipeline ratio per topology (worst over collectives; blocks per rank 1 / 8 / one per tree and phase):")
+    for name, row in t["per_topology"].items():
+        print(f"  {name:32s} {row[1]:6.2f} {row[8]:6.2f} {row[0]:6.2f}")
     c = t["worst_capped"]
     print(f"block caps (blocks per rank, the one launch's own choice): worst pipeline ratio {c[1]:.2f} at 1 block, "
           f"{c[8]:.2f} at 8, {c[0]:.2f} uncapped (one block per tree and phase); "
