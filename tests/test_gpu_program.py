@@ -92,13 +92,13 @@ def test_never_arriving_rank_fails_every_peer_naming_it(absent):
     import time
     s = _schedule("dgx1v", "allreduce")
     t0 = time.perf_counter()
-    r = g.check_schedule(s, "float32", seeds=1, absent_rank=absent, timeout_ms=200)
+    r = g.check_schedule(s, "float32", seeds=1, absent_rank=absent, timeout_ms=1000)
     took = time.perf_counter() - t0
     assert f"rank {absent} never arrived" in r["error"] and "timed out" in r["error"]
     for rank, (epoch, missing, waiting, _task) in enumerate(r["records"]):
         if rank != absent:
             assert (epoch, missing, waiting) == (1, absent, rank)
-    assert took < 5  # bounded: 1.5 x timeout per wait chain, far from a hang
+    assert took < 10  # bounded: 1.5 x the timeout, far from a hang
 
 
 def test_late_rank_is_waited_for():

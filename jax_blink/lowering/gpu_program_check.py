@@ -179,7 +179,7 @@ def tsan_cases():
     s = sched("dgx1v", "allreduce", subset=[0, 1, 2, 3])
     leaves = bucket_leaves(s.nelems, sizes=(7, 30, 1, 58))
     out.append(("dgx1v4-bucket", s, "int64", dict(leaves=leaves, aliased=[i % 2 for i in range(len(leaves))])))
-    out.append(("dgx1v-absent", sched("dgx1v", "allreduce"), "float32", dict(absent_rank=6, timeout_ms=300)))
+    out.append(("dgx1v-absent", sched("dgx1v", "allreduce"), "float32", dict(absent_rank=6, timeout_ms=2000)))
     return out
 
 
