@@ -11,8 +11,8 @@ Checks, each against an independent reference, and prints one JSON line ``{"isas
   executor (``impl="ffi"``) in one jitted shard_map over 8 devices, every dtype of the executor, against
   NumPy on the host (operands are small integers, so every sum is exact in every dtype and order);
 - ``JAX_BLINK_CPU_ISA`` naming a set this CPU lacks is refused at lowering, naming the widest it runs;
-- the GPU-program emulator (``_gpusim``, which sums with the same kernels): every collective's program
-  on the DGX-1V plans, raced and emulated against ``schedule.execute``.
+- the CUDA executor's device interpreter in its host build (``_gpusim``, a thread per rank block):
+  every collective's program on the DGX-1V plans against ``schedule.execute``.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def check_isa_refusal(isas) -> str:
     return f"JAX_BLINK_CPU_ISA={wider[0]} refused at lowering"
 
 
-def check_gpu_emulator() -> str:
+def check_gpu_interpreter() -> str:
     from jax_blink import collectives
     from jax_blink.planning import plan
     from jax_blink.schedule import build_schedule
@@ -154,15 +154,15 @@ def check_gpu_emulator() -> str:
         s = build_schedule(p, 1024 if row.sharded else 1031, chunk_elems=29)
         for dtype in (DTYPES[k % len(DTYPES)], DTYPES[(k + 5) % len(DTYPES)]):
             k += 1
-            r = check_schedule(s, dtype, seeds=2)
-            assert r["races"] == 0 and r["mismatched_seeds"] == 0 and not r["emulator_error"], (coll, dtype, r)
-    return f"GPU-program emulator: {k} programs, 0 races, 0 mismatches"
+            r = check_schedule(s, dtype, seeds=2, timeout_ms=120000)  # emulated CPUs are slow
+            assert r["mismatched_seeds"] == 0 and not r["error"], (coll, dtype, r)
+    return f"GPU interpreter (host build): {k} programs, 0 mismatches"
 
 
 def main() -> int:
     isas = _native.cpu_isas()
     active = jax_blink.cpu_isa()
-    checks = [check_sum_kernels(), check_collectives(), check_isa_refusal(isas), check_gpu_emulator()]
+    checks = [check_sum_kernels(), check_collectives(), check_isa_refusal(isas), check_gpu_interpreter()]
     print(json.dumps({"isas": list(isas), "active": active, "checks": checks}), flush=True)
     return 0
 

@@ -7,7 +7,7 @@ only inside the per-instruction-set sum kernels (``jax_blink::sum_avx2::Sum*`` /
 ``jax_blink::sum_avx512::Sum*`` and their internal helpers), never in code that runs before the CPU
 check (tables, dispatch, static initialisers). (2) Dynamic: tests/cpu_portability_cases.py (every
 collective through the native executor, every dtype, the sum kernels of each instruction set, the
-GPU-program emulator) under ``qemu-x86_64 -cpu Haswell`` (AVX2, no AVX-512), with and without
+GPU interpreter's host build) under ``qemu-x86_64 -cpu Haswell`` (AVX2, no AVX-512), with and without
 ``JAX_BLINK_CPU_ISA=baseline``, and ``-cpu SandyBridge`` (AVX, no AVX2: the lowest jaxlib 0.10 starts on;
 jaxlib >= 0.11 needs AVX2 and refuses it, and there the native module's kernels run alone), where an
 instruction the CPU lacks raises SIGILL as on such a machine.

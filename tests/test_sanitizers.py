@@ -113,3 +113,25 @@ def test_core_stress(binaries, variant):
         f"core_stress ({variant}) exit {r.returncode}, reports {reports}\nstdout:\n{r.stdout[-2000:]}\n"
         f"stderr:\n{r.stderr[-8000:]}")
     assert " 0 check failures" in r.stdout and "trials" in r.stdout, r.stdout
+
+
+# ------------------------------------------------------------------ the device interpreter under TSan
+def test_device_interpreter_flags_race_free_under_tsan():
+    """The interpreter's host build (a thread per rank block) over small plans (reduce trees,
+    broadcast, staged pairs, bucket with aliased leaves, block cap, two calls on the same flags, a
+    never-arriving rank): 0 ThreadSanitizer reports, every check passes."""
+    from jax_blink.lowering.gpu_program_check import tsan_check
+    r = tsan_check()
+    if r["error"] and _missing_runtime(r["error"]):
+        pytest.skip(f"g++ has no TSan runtime: {r['error'][-300:]}")
+    assert r["error"] == "" and r["reports"] == 0 and r["failures"] == 0 and r["cases"] >= 10, r["tail"]
+
+
+def test_tsan_sees_the_race_when_flags_lose_acquire_release():
+    """The same run built with relaxed flags (no ordering): TSan must report the data races, so the
+    check above can fail."""
+    from jax_blink.lowering.gpu_program_check import tsan_check
+    r = tsan_check(seeds=1, relaxed=True)
+    if r["error"] and _missing_runtime(r["error"]):
+        pytest.skip(f"g++ has no TSan runtime: {r['error'][-300:]}")
+    assert r["reports"] > 0, r["tail"]

@@ -1,26 +1,29 @@
-// CUDA backend: XLA FFI handler "jax_blink_cuda" and the thin layer that issues a GPU program.
+// CUDA backend: XLA FFI handler "jax_blink_cuda": one launch of the device interpreter per rank.
 //
-// Every ordering decision is made by the plain C++ builder (gpu_program.cc: streams, ops, event
-// records and waits), which CI emulates and race-checks without a GPU. This file only:
-//  1. sets up everything that can fail before anything is enqueued (peer access per buffer, the
-//     program (cached per call site, a bounded LRU: program_cache.h), streams, events, scratch, a
-//     kernel image for each device);
-//  2. issues the program's ops in order (cudaMemcpy[Peer]Async, the fused reduce kernel,
-//     cudaMemsetAsync, cudaEventRecord, cudaStreamWaitEvent): either captured once into a CUDA graph
-//     per (program, buffer pointers) and launched each call (all ranks on one device), or op by op
-//     (several devices, JAX_BLINK_CUDA_GRAPHS=0, or any graph failure: see IssueGraph);
-//  3. if an issue call fails midway, still makes every rank's XLA stream wait for the work already
-//     enqueued, so XLA never frees or reuses a buffer that a peer still reads.
-// The handler meets its peers on the host (blocking: XLA:GPU runs each device on its own thread); the
-// last to arrive enqueues for everyone. A device that cannot join fails the whole call at once
-// (FailCall), so XLA's client never waits 10 s on a replica that will not come. Not marked
-// command-buffer compatible: host meetings and cross-device waits cannot be replayed in a graph.
+// Every ordering decision is in the interpreter program (interp_plan.cc: tasks per thread block,
+// flag dependencies, staging) and the interpreter itself (device_interp.h), both plain C++ that CI runs
+// on the host with a thread per block under ThreadSanitizer. This file only:
+//  1. sets up, once per device pair, peer access (a pair without it stages through host-pinned
+//     memory: decided here, never per call), and once per call site (a bounded LRU:
+//     program_cache.h) the program on every rank's device, its flags (zeroed once; epochs), error
+//     records and staging area;
+//  2. per call: finds the pointer table of the call's buffers (uploaded on the rank's stream only when
+//     XLA's pointers changed), launches the interpreter kernel once per rank on its XLA stream and
+//     records one completion event per rank: no per-op CUDA calls, no cross-device events;
+//  3. turns the kernels' error records (a bounded wait gave up: JAX_BLINK_TIMEOUT_S, default 5 s,
+//     below PjRt's 10 s abort) into an error naming the rank that never arrived.
+// The handler meets its peers on the host only to exchange buffer pointers (blocking: XLA:GPU runs each
+// device on its own thread); the last to arrive launches for everyone. A device that cannot join fails
+// the whole call at once (FailCall). Not marked command-buffer compatible: the host meeting cannot be
+// replayed in a graph. The fused reduce kernel (LaunchReduce) stays for the harness's bandwidth figures.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <cuda/atomic>
 
 #include <algorithm>
+#include <cstring>
 #include <cstdlib>
 #include <future>
 #include <list>
@@ -32,6 +35,8 @@
 
 #include "cuda_compat.h"
 #include "cuda_executor.h"
+#include "device_interp.h"
+#include "interp_plan.h"
 #include "program_cache.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_dtype.h"
@@ -205,35 +210,76 @@ std::string CheckCudaCompatibility() {
 
 namespace {
 
+// ------------------------------------------------------------------------------ the interpreter kernel
+// Device memory primitives of the interpreter (device_interp.h): flags are system-scope atomics
+// (libcu++, the C++ memory model), so a peer's or the host's view of them is ordered.
+struct DeviceMem {
+  __device__ static uint64_t LoadAcquire(const uint64_t* p) {
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> a(*const_cast<uint64_t*>(p));
+    return a.load(cuda::memory_order_acquire);
+  }
+  __device__ static void StoreRelease(uint64_t* p, uint64_t v) {
+    __threadfence_system();  // the block's data stores (ordered before us by the block barrier)
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> a(*p);
+    a.store(v, cuda::memory_order_release);
+  }
+  __device__ static uint64_t Exchange(uint64_t* p, uint64_t v) {
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> a(*p);
+    return a.exchange(v, cuda::memory_order_acq_rel);
+  }
+  __device__ static uint64_t NowNs() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+  }
+  __device__ static int64_t Tid() { return threadIdx.x; }
+  __device__ static int64_t Threads() { return blockDim.x; }
+  __device__ static void Sync() { __syncthreads(); }
+  __device__ static void Pause(uint32_t spins) {
+#if __CUDA_ARCH__ >= 700
+    __nanosleep(spins < 1024 ? 32 : 256);
+#endif
+  }
+  __device__ static void Jitter() {}
+};
+
+constexpr int kInterpThreads = 256;
+
+// One launch per rank: block b of the grid runs the rank's block b of the program.
+__global__ void __launch_bounds__(kInterpThreads)
+InterpKernel(interp::View v, interp::Ptrs p, int32_t rank, uint64_t epoch, uint64_t timeout_ns) {
+  __shared__ int ok;
+  interp::RunBlock<DeviceMem>(v, p, rank, static_cast<int32_t>(blockIdx.x), epoch, timeout_ns, &ok);
+}
+
 // ------------------------------------------------------------------------------ set-up state
-std::mutex g_mu;  // all set-up and issuing
+std::mutex g_mu;  // all set-up and launching
 
-std::map<std::pair<int, int>, cudaStream_t> g_streams;  // (device, slot) -> work stream
-std::map<int, std::vector<cudaEvent_t>> g_events;        // device -> event pool
-std::map<std::pair<int, int>, bool> g_device_peer;       // (reader, owner) -> peer access enabled
-std::set<std::pair<int, Dtype>> g_kernel_ok;             // (device, dtype) with a kernel image
+std::map<std::pair<int, int>, bool> g_device_peer;  // (reader, owner) -> peer access enabled
+std::set<int> g_kernel_ok;                           // devices with an interpreter kernel image
 
-// One instantiated CUDA graph of a cached program, for one set of buffer pointers.
-struct GraphEntry {
-  std::vector<const void*> ptrs;  // rank 0's leaves (in, out), then rank 1's, ...
-  cudaGraphExec_t exec = nullptr;
-};
-
+// A call site's interpreter program on the ranks' devices, with its flags (device memory of each
+// rank, zeroed once), error records and staging area (host-pinned, mapped), and the pointer tables
+// of the last few buffer sets (device memory per rank; uploaded only when XLA's pointers change).
 struct CachedProgram {
-  GpuProgram prog;
-  std::vector<void*> scratch;  // device pointers, one per prog.scratch
-  std::vector<int> scratch_device;
-  // CUDA graphs (single-device programs only): most recently used first, at most GraphCacheSize().
-  std::list<GraphEntry> graphs;
-  int64_t graph_calls = 0, graph_misses = 0;
-  bool graphs_off = false;     // a capture failed, or pointers change on most calls: op by op from now on
-  std::string graphs_off_why;
-  // Completion of the latest call: an event recorded on each of its XLA streams after the call's work
-  // (every op of a call precedes an XLA stream's final wait). fence_failed: a record failed, so
-  // completion is unknown and the program is never freed (leaked rather than freed in flight).
-  std::vector<std::pair<int, cudaEvent_t>> fences;  // (device, event)
-  bool fence_failed = false;
+  InterpPlan plan;
+  std::vector<int> rank_device;
+  std::vector<void*> view_mem;             // per rank: the View arrays on its device
+  std::vector<interp::View> views;         // per rank: pointing into view_mem
+  std::vector<uint64_t*> flags;            // per rank: its flag array (on its device)
+  interp::ErrorRecord* records = nullptr;  // host-pinned, one per rank
+  char* staging = nullptr;                 // host-pinned (portable, mapped)
+  std::vector<uint64_t> epoch;             // per rank: calls so far
+  struct Table {
+    std::vector<const void*> key;          // the buffer pointers (rank-major: in, out per leaf)
+    std::vector<void*> dev;                // per rank: the table on its device
+    std::vector<void*> host;               // per rank: pinned source of the upload
+  };
+  std::list<Table> tables;                 // most recently used first, at most kTables
+  bool broken = false;                     // a call failed: flags may disagree; never reused
+  std::vector<std::pair<int, cudaEvent_t>> fences;  // per rank: end of its latest launch
 };
+constexpr size_t kTables = 4;
 
 // Programs by call site, at most JAX_BLINK_CUDA_CACHE_PROGRAMS sites (read once).
 ProgramCache<CachedProgram>& Programs() {
@@ -241,9 +287,7 @@ ProgramCache<CachedProgram>& Programs() {
   return cache;
 }
 
-// Has the latest call of an evicted program completed? (cudaErrorNotReady or any other answer: no.)
 bool ProgramIdle(const CachedProgram& cp) {
-  if (cp.fence_failed) return false;
   for (auto& [dev, ev] : cp.fences) {
     cudaError_t e = cudaEventQuery(ev);
     if (e != cudaSuccess) {
@@ -254,55 +298,31 @@ bool ProgramIdle(const CachedProgram& cp) {
   return true;
 }
 
-// Frees an evicted program whose work completed: scratch, executable graphs, fence events.
 void ReleaseProgram(CachedProgram& cp) {
-  for (size_t i = 0; i < cp.scratch.size(); ++i) {
-    cudaSetDevice(cp.scratch_device[i]);
-    cudaFree(cp.scratch[i]);
+  for (size_t r = 0; r < cp.rank_device.size(); ++r) {
+    cudaSetDevice(cp.rank_device[r]);
+    if (r < cp.view_mem.size()) cudaFree(cp.view_mem[r]);
+    if (r < cp.flags.size()) cudaFree(cp.flags[r]);
+    for (auto& t : cp.tables) {
+      if (r < t.dev.size()) cudaFree(t.dev[r]);
+      if (r < t.host.size()) cudaFreeHost(t.host[r]);
+    }
   }
-  for (auto& g : cp.graphs) cudaGraphExecDestroy(g.exec);
-  for (auto& [dev, ev] : cp.fences) {
-    cudaSetDevice(dev);
-    cudaEventDestroy(ev);
-  }
+  for (auto& [dev, ev] : cp.fences) cudaEventDestroy(ev);
+  if (cp.records) cudaFreeHost(cp.records);
+  if (cp.staging) cudaFreeHost(cp.staging);
   cudaGetLastError();
-  cp.scratch.clear();
-  cp.graphs.clear();
+  cp.view_mem.clear();
+  cp.flags.clear();
+  cp.tables.clear();
   cp.fences.clear();
-}
-
-// Records the fences of `cp` after a call: on `xla` (device, stream) pairs after whose current work the
-// call's work is complete (the graph path: its launch stream; op by op: every rank's XLA stream).
-// Best effort: a failure marks the program fence_failed.
-void RecordFences(CachedProgram& cp, const std::vector<std::pair<int, cudaStream_t>>& xla) {
-  for (size_t i = 0; i < xla.size(); ++i) {
-    const int dev = xla[i].first;
-    cudaError_t e = cudaSetDevice(dev);
-    if (e == cudaSuccess && (i >= cp.fences.size() || cp.fences[i].first != dev)) {
-      cudaEvent_t ev = nullptr;
-      e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
-      if (e == cudaSuccess) {
-        if (i < cp.fences.size()) cp.fences[i] = {dev, ev};  // the old one stays unfreed: it may be pending
-        else cp.fences.push_back({dev, ev});
-      }
-    }
-    if (e == cudaSuccess) e = cudaEventRecord(cp.fences[i].second, xla[i].second);
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      cp.fence_failed = true;
-    }
-  }
+  cp.records = nullptr;
+  cp.staging = nullptr;
 }
 
 bool EnvFlag(const char* name) {
   const char* v = std::getenv(name);
   return v && *v && std::string(v) != "0";
-}
-
-int MaxConnections() {
-  const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-  int n = v ? std::atoi(v) : 8;
-  return n >= 1 && n <= 32 ? n : 8;
 }
 
 // Device-level peer access reader -> owner, enabled once per pair (tolerating "already enabled").
@@ -332,64 +352,10 @@ std::string DevicePeer(int reader, int owner, bool* ok) {
   return "";
 }
 
-// Can kernels on `reader` load `ptr`? Memory from a non-default pool or a VMM mapping may lack the
-// grant even with peer access enabled: ask the driver (CU_POINTER_ATTRIBUTE_ACCESS_FLAGS, for the
-// current context's device). If the query is unavailable, trust device-level peer access.
-bool PointerReadable(int reader, const void* ptr) {
-  using Fn = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
-  static Fn fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q;
-#if CUDART_VERSION >= 12050
-    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &p, 12000, cudaEnableDefault, &q) != cudaSuccess)
-#else
-    if (cudaGetDriverEntryPoint("cuPointerGetAttribute", &p, cudaEnableDefault, &q) != cudaSuccess)
-#endif
-      p = nullptr;
-    cudaGetLastError();
-    return reinterpret_cast<Fn>(p);
-  }();
-  if (!fn || cudaSetDevice(reader) != cudaSuccess) { cudaGetLastError(); return true; }
-  unsigned long long flags = 0;
-  if (fn(&flags, CU_POINTER_ATTRIBUTE_ACCESS_FLAGS, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS) return true;
-  return (flags & CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READ) != 0;
-}
-
-// Work streams of the op-by-op path (g_streams), and the graph path's own streams (g_graph_streams:
-// slot -1 launches the graphs, slot 0 is the capture origin, 1 + s captures work slot s). The graph
-// path never captures on the op-by-op streams, so a capture that goes wrong cannot disturb them.
-std::map<std::pair<int, int>, cudaStream_t> g_graph_streams;
-
-std::string StreamOf(std::map<std::pair<int, int>, cudaStream_t>* m, int device, int slot, cudaStream_t* s) {
-  auto it = m->find({device, slot});
-  if (it != m->end()) { *s = it->second; return ""; }
-  BLINK_CUDA(cudaSetDevice(device));
-  BLINK_CUDA(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking));
-  (*m)[{device, slot}] = *s;
-  return "";
-}
-std::string WorkStream(int device, int slot, cudaStream_t* s) { return StreamOf(&g_streams, device, slot, s); }
-
-// Takes events from the per-device pools (next[pool] counts those used by this enqueue). Pool `device`
-// serves the op-by-op path and graph launches; pool -1 - device the events recorded inside captures.
-std::string TakeEvent(int device, std::map<int, size_t>* next, cudaEvent_t* ev, bool capture = false) {
-  const int key = capture ? -1 - device : device;
-  auto& pool = g_events[key];
-  size_t& i = (*next)[key];
-  if (i == pool.size()) {
-    BLINK_CUDA(cudaSetDevice(device));
-    cudaEvent_t e;
-    BLINK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    pool.push_back(e);
-  }
-  *ev = pool[i++];
-  return "";
-}
-
-std::string ProgramKey(int64_t plan_id, Dtype dt, const std::vector<CudaRank>& ranks, const std::vector<int64_t>& leaves,
-                       const std::vector<uint8_t>& aliased, const std::vector<uint8_t>& peer, int cap) {
-  std::string k = std::to_string(plan_id) + "/" + std::to_string(static_cast<int>(dt)) + "/" + std::to_string(cap) + "/";
-  for (size_t l = 0; l < leaves.size(); ++l) k += std::to_string(leaves[l]) + (aliased[l] ? "a," : ",");
+std::string ProgramKey(int64_t group, Dtype dt, const std::vector<CudaRank>& ranks, const std::vector<int64_t>& leaves,
+                       const std::vector<uint8_t>& peer) {
+  std::string k = std::to_string(group) + "/" + std::to_string(static_cast<int>(dt)) + "/";
+  for (int64_t l : leaves) k += std::to_string(l) + ",";
   k += "/";
   for (auto& r : ranks) k += std::to_string(r.device) + ",";
   k += "/";
@@ -399,321 +365,171 @@ std::string ProgramKey(int64_t plan_id, Dtype dt, const std::vector<CudaRank>& r
 
 CudaStatus Fail(int kind, std::string msg) { return CudaStatus{kind, std::move(msg)}; }
 
-CudaGraphStats g_graph_stats;
+CudaGraphStats g_stats;
 
-// JAX_BLINK_CUDA_GRAPHS=0: issue op by op (no CUDA graphs).
-bool GraphsEnabled() {
-  const char* v = std::getenv("JAX_BLINK_CUDA_GRAPHS");
-  return !(v && std::string(v) == "0");
-}
-// Executable graphs kept per program (pointer sets), JAX_BLINK_CUDA_GRAPH_CACHE (default 4, 1..64).
-size_t GraphCacheSize() {
-  const char* v = std::getenv("JAX_BLINK_CUDA_GRAPH_CACHE");
-  const int n = v ? std::atoi(v) : 4;
-  return static_cast<size_t>(n >= 1 && n <= 64 ? n : 4);
-}
-
-// Issues the program's ops in order, stream i of the program on streams[i] (the pseudo ops are
-// skipped). used[i] is set for each stream that got an op. `current`: the device set now (-1: unknown).
-// Returns "" or the first error (later ops are not issued).
-std::string IssueOps(const GpuProgram& prog, const CachedProgram& cp, Dtype dt, const std::vector<CudaRank>& ranks,
-                     const std::vector<cudaStream_t>& streams, const std::vector<cudaEvent_t>& events,
-                     std::vector<uint8_t>* used, int current) {
-  auto ptr = [&](const ByteRange& b) -> char* {
-    char* base = b.buf.kind == BufKind::kIn ? static_cast<char*>(const_cast<void*>(ranks[b.buf.owner].in[b.buf.leaf]))
-                 : b.buf.kind == BufKind::kOut ? static_cast<char*>(ranks[b.buf.owner].out[b.buf.leaf])
-                                               : static_cast<char*>(cp.scratch[b.buf.owner]);
-    return base + b.offset;
-  };
-  auto dev_of = [&](const BufRef& b) {
-    return b.kind == BufKind::kScratch ? ranks[prog.scratch[b.owner].rank].device : ranks[b.owner].device;
-  };
-  std::string err;
-  const void* srcs[64];
-  for (size_t i = 0; i < prog.ops.size() && err.empty(); ++i) {
-    const GpuOp& op = prog.ops[i];
-    if (op.kind == GpuOpKind::kXlaBefore || op.kind == GpuOpKind::kXlaAfter) continue;
-    const int dev = prog.streams[op.stream].device;
-    cudaStream_t s = streams[op.stream];
-    if (dev != current) {
-      cudaError_t e = cudaSetDevice(dev);
-      if (e != cudaSuccess) { err = CudaErr("cudaSetDevice", e); break; }
-      current = dev;
-    }
-    cudaError_t e = cudaSuccess;
-    switch (op.kind) {
-      case GpuOpKind::kRecord: e = cudaEventRecord(events[op.event], s); break;
-      case GpuOpKind::kWait: e = cudaStreamWaitEvent(s, events[op.event], 0); break;
-      case GpuOpKind::kZero: e = cudaMemsetAsync(ptr(op.dst), 0, static_cast<size_t>(op.dst.bytes), s); break;
-      case GpuOpKind::kCopy: {
-        const int sd = dev_of(op.src[0].buf), dd = dev_of(op.dst.buf);
-        if (sd == dd) e = cudaMemcpyAsync(ptr(op.dst), ptr(op.src[0]), op.dst.bytes, cudaMemcpyDeviceToDevice, s);
-        else e = cudaMemcpyPeerAsync(ptr(op.dst), dd, ptr(op.src[0]), sd, static_cast<size_t>(op.dst.bytes), s);
-        break;
-      }
-      case GpuOpKind::kReduce: {
-        const int k = static_cast<int>(op.src.size()) - 1;
-        if (k > 64) { err = "jax_blink: more than 64 reduce sources"; break; }
-        for (int j = 0; j < k; ++j) srcs[j] = ptr(op.src[1 + j]);
-        err = LaunchReduce(dt, ptr(op.dst), ptr(op.src[0]), srcs, k, op.elems, s);
-        break;
-      }
-      default: break;
-    }
-    if (e != cudaSuccess) err = CudaErr(GpuOpKindName(op.kind), e);
-    (*used)[op.stream] = 1;
-  }
-  return err;
+// Default bound of the device-side waits: below PjRt's 10 s abort window even with the half timeout
+// of grace an arrived peer gets (device_interp.h), so a missing rank fails the call, not the process.
+constexpr int64_t kDefaultGpuTimeoutMs = 5000;
+// JAX_BLINK_TIMEOUT_S when set, else the lowering's attribute capped at the GPU default (a longer
+// wait only ends in PjRt's abort), else the GPU default.
+int64_t GpuTimeoutMs(int64_t attr_ms) {
+  const char* v = std::getenv("JAX_BLINK_TIMEOUT_S");
+  if (v && *v) return EffectiveTimeoutMs(0);
+  return attr_ms > 0 ? std::min(attr_ms, kDefaultGpuTimeoutMs) : kDefaultGpuTimeoutMs;
 }
 
-// The op-by-op path: every op is one CUDA call on the work streams (pooled, shared by call sites).
-CudaStatus IssueOpByOp(const CachedProgram& cp, Dtype dt, const std::vector<CudaRank>& ranks) {
-  const GpuProgram& prog = cp.prog;
+// Copies the plan's arrays to each rank's device, allocates flags, records and staging. The blocks
+// of all ranks on one device must be resident at once (they wait on each other): if they do not fit
+// the occupancy, the plan is rebuilt with fewer blocks per rank.
+std::string BuildProgram(const ExecPlan& plan, Dtype dt, const std::vector<CudaRank>& ranks,
+                         const std::vector<int64_t>& leaves, const std::vector<uint8_t>& peer, CachedProgram* cp) {
   const int32_t n = static_cast<int32_t>(ranks.size());
-  std::vector<cudaStream_t> streams(prog.streams.size());
-  for (size_t i = 0; i < prog.streams.size(); ++i) {
-    const GpuStream& gs = prog.streams[i];
-    if (gs.xla) { streams[i] = static_cast<cudaStream_t>(ranks[gs.rank].stream); continue; }
-    std::string e = WorkStream(gs.device, gs.slot, &streams[i]);
-    if (!e.empty()) return Fail(2, e);
+  InterpOptions opt;
+  opt.peer_ok = peer;
+  opt.leaf_elems = leaves;
+  std::string e = BuildInterpPlan(plan, dt, opt, &cp->plan);
+  if (!e.empty()) return e;
+  std::map<int, int> per_device;  // device -> ranks on it
+  for (auto& r : ranks) ++per_device[r.device];
+  int fit = 1 << 30;
+  for (auto& [dev, count] : per_device) {
+    int sms = 0, per_sm = 0;
+    BLINK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    BLINK_CUDA(cudaSetDevice(dev));
+    BLINK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, InterpKernel, kInterpThreads, 0));
+    fit = std::min(fit, std::max(1, sms * per_sm / count));
   }
-  std::map<int, size_t> next;
-  std::vector<cudaEvent_t> events(static_cast<size_t>(prog.nevents), nullptr);
-  for (const GpuOp& op : prog.ops)
-    if (op.kind == GpuOpKind::kRecord) {
-      std::string e = TakeEvent(prog.streams[op.stream].device, &next, &events[op.event]);
-      if (!e.empty()) return Fail(2, e);
-    }
-  std::vector<cudaEvent_t> tails(prog.streams.size(), nullptr);  // for the failure path
-  for (size_t i = 0; i < prog.streams.size(); ++i)
-    if (!prog.streams[i].xla) {
-      std::string e = TakeEvent(prog.streams[i].device, &next, &tails[i]);
-      if (!e.empty()) return Fail(2, e);
-    }
-  ++g_graph_stats.op_by_op;
-
-  // ---- 2. issue the program
-  std::vector<uint8_t> used(prog.streams.size(), 0);
-  std::string err = IssueOps(prog, cp, dt, ranks, streams, events, &used, -1);
-  if (err.empty()) return CudaStatus{};
-  // ---- 3. failure midway: every XLA stream waits for all work already enqueued (best effort)
-  cudaGetLastError();
-  for (size_t i = 0; i < prog.streams.size(); ++i)
-    if (used[i] && tails[i]) {
-      cudaSetDevice(prog.streams[i].device);
-      cudaEventRecord(tails[i], streams[i]);
-    }
+  if (cp->plan.max_blocks > fit) {
+    opt.max_blocks = fit;
+    e = BuildInterpPlan(plan, dt, opt, &cp->plan);
+    if (!e.empty()) return e;
+  }
+  const InterpPlan& ip = cp->plan;
+  for (auto& r : ranks) cp->rank_device.push_back(r.device);
+  cp->epoch.assign(n, 0);
+  // one allocation per rank for the View arrays
+  struct Part { const void* src; size_t bytes; };
+  const Part parts[] = {{ip.tasks.data(), ip.tasks.size() * sizeof(interp::Task)},
+                        {ip.block_begin.data(), ip.block_begin.size() * sizeof(int32_t)},
+                        {ip.srcs.data(), ip.srcs.size() * sizeof(interp::Src)},
+                        {ip.deps.data(), ip.deps.size() * sizeof(interp::FlagRef)},
+                        {ip.arrives.data(), ip.arrives.size() * sizeof(int32_t)},
+                        {ip.leaf_start.data(), ip.leaf_start.size() * sizeof(int64_t)},
+                        {ip.tail.data(), ip.tail.size() * sizeof(interp::FlagRef)},
+                        {ip.tail_begin.data(), ip.tail_begin.size() * sizeof(int32_t)}};
+  size_t total = 0;
+  size_t offs[8];
+  for (int i = 0; i < 8; ++i) {
+    offs[i] = total;
+    total += (parts[i].bytes + 15) & ~size_t{15};
+  }
+  BLINK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&cp->records), sizeof(interp::ErrorRecord) * n,
+                           cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(cp->records, 0, sizeof(interp::ErrorRecord) * n);
+  BLINK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&cp->staging),
+                           static_cast<size_t>(std::max<int64_t>(ip.staging_elems * ip.elem_size, 16)),
+                           cudaHostAllocMapped | cudaHostAllocPortable));
   for (int32_t r = 0; r < n; ++r) {
-    cudaSetDevice(ranks[r].device);
-    for (size_t i = 0; i < prog.streams.size(); ++i)
-      if (used[i] && tails[i]) cudaStreamWaitEvent(static_cast<cudaStream_t>(ranks[r].stream), tails[i], 0);
+    BLINK_CUDA(cudaSetDevice(ranks[r].device));
+    void* mem = nullptr;
+    BLINK_CUDA(cudaMalloc(&mem, std::max<size_t>(total, 16)));
+    cp->view_mem.push_back(mem);
+    for (int i = 0; i < 8; ++i)
+      if (parts[i].bytes) BLINK_CUDA(cudaMemcpy(static_cast<char*>(mem) + offs[i], parts[i].src, parts[i].bytes,
+                                                cudaMemcpyHostToDevice));
+    interp::View v = ip.view();
+    char* base = static_cast<char*>(mem);
+    v.tasks = reinterpret_cast<const interp::Task*>(base + offs[0]);
+    v.block_begin = reinterpret_cast<const int32_t*>(base + offs[1]);
+    v.srcs = reinterpret_cast<const interp::Src*>(base + offs[2]);
+    v.deps = reinterpret_cast<const interp::FlagRef*>(base + offs[3]);
+    v.arrives = reinterpret_cast<const int32_t*>(base + offs[4]);
+    v.leaf_start = reinterpret_cast<const int64_t*>(base + offs[5]);
+    v.tail = reinterpret_cast<const interp::FlagRef*>(base + offs[6]);
+    v.tail_begin = reinterpret_cast<const int32_t*>(base + offs[7]);
+    cp->views.push_back(v);
+    uint64_t* f = nullptr;
+    BLINK_CUDA(cudaMalloc(&f, sizeof(uint64_t) * static_cast<size_t>(ip.flags_per_rank[r])));
+    BLINK_CUDA(cudaMemset(f, 0, sizeof(uint64_t) * static_cast<size_t>(ip.flags_per_rank[r])));
+    cp->flags.push_back(f);
+    cudaEvent_t ev;
+    BLINK_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    cp->fences.push_back({ranks[r].device, ev});
   }
-  cudaGetLastError();
-  return Fail(2, err);
-}
-
-// Captures the program into one CUDA graph (every rank on device `dev`). Nothing runs during a capture:
-// the capturing streams only record. The program's XLA streams become the capture origin (its
-// records at the start fork the work streams, its waits at the end join them); every capture work
-// stream is forked from the origin before the first op (an op on a stream outside the capture would
-// run at once) and joined back after the last. Any failure ends the capture, destroys the partial
-// graph and returns the error (*out stays null): nothing was enqueued anywhere.
-std::string CaptureProgram(const CachedProgram& cp, Dtype dt, const std::vector<CudaRank>& ranks, int dev,
-                           cudaGraph_t* out) {
-  *out = nullptr;
-  const GpuProgram& prog = cp.prog;
-  // fallible set-up outside the capture: streams, events
-  cudaStream_t origin;
-  std::string e = StreamOf(&g_graph_streams, dev, 0, &origin);
-  if (!e.empty()) return e;
-  std::vector<cudaStream_t> streams(prog.streams.size());
-  std::map<int, cudaStream_t> work;  // slot -> capture stream
-  for (size_t i = 0; i < prog.streams.size(); ++i) {
-    const GpuStream& gs = prog.streams[i];
-    if (gs.device != dev) return "jax_blink: graph capture needs every stream on one device";
-    if (gs.xla) { streams[i] = origin; continue; }
-    e = StreamOf(&g_graph_streams, dev, 1 + gs.slot, &streams[i]);
-    if (!e.empty()) return e;
-    work[gs.slot] = streams[i];
+  for (int32_t r = 0; r < n; ++r) {  // the uploads and the zeroing are done before any launch reads them
+    BLINK_CUDA(cudaSetDevice(ranks[r].device));
+    BLINK_CUDA(cudaDeviceSynchronize());
   }
-  std::map<int, size_t> next;
-  std::vector<cudaEvent_t> events(static_cast<size_t>(prog.nevents), nullptr);
-  for (const GpuOp& op : prog.ops)
-    if (op.kind == GpuOpKind::kRecord) {
-      e = TakeEvent(dev, &next, &events[op.event], /*capture=*/true);
-      if (!e.empty()) return e;
-    }
-  cudaEvent_t fork = nullptr;
-  e = TakeEvent(dev, &next, &fork, true);
-  if (!e.empty()) return e;
-  std::vector<cudaEvent_t> joins(work.size(), nullptr);
-  for (auto& j : joins) {
-    e = TakeEvent(dev, &next, &j, true);
-    if (!e.empty()) return e;
-  }
-  BLINK_CUDA(cudaSetDevice(dev));
-  // ThreadLocal: only this thread's unsafe calls are checked (XLA's other threads are left alone).
-  cudaError_t ce = cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal);
-  if (ce != cudaSuccess) {
-    cudaGetLastError();
-    return CudaErr("cudaStreamBeginCapture", ce);
-  }
-  std::string err;
-  ce = cudaEventRecord(fork, origin);
-  for (auto& [slot, st] : work)
-    if (ce == cudaSuccess) ce = cudaStreamWaitEvent(st, fork, 0);
-  if (ce != cudaSuccess) err = CudaErr("capture fork", ce);
-  std::vector<uint8_t> used(prog.streams.size(), 0);
-  if (err.empty()) err = IssueOps(prog, cp, dt, ranks, streams, events, &used, dev);
-  size_t j = 0;
-  for (auto& [slot, st] : work) {  // join every capture stream into the origin, even after an error
-    cudaError_t a = cudaEventRecord(joins[j], st);
-    if (a == cudaSuccess) a = cudaStreamWaitEvent(origin, joins[j], 0);
-    if (a != cudaSuccess && err.empty()) err = CudaErr("capture join", a);
-    ++j;
-  }
-  cudaGraph_t g = nullptr;
-  ce = cudaStreamEndCapture(origin, &g);
-  if (ce != cudaSuccess && err.empty()) err = CudaErr("cudaStreamEndCapture", ce);
-  if (err.empty() && g == nullptr) err = "jax_blink: stream capture returned no graph";
-  // No stream may stay in capture mode (its later work would be recorded, not run): such a stream is
-  // dropped from the pool (leaked; a fresh one is created next time).
-  std::vector<std::pair<int, cudaStream_t>> all{{0, origin}};
-  for (auto& [slot, st] : work) all.push_back({1 + slot, st});
-  for (auto& [slot, st] : all) {
-    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(st, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone) {
-      g_graph_streams.erase({dev, slot});
-      if (err.empty()) err = "jax_blink: a stream was left in capture mode";
-    }
-  }
-  cudaGetLastError();  // capture errors are not sticky: clear them
-  if (!err.empty()) {
-    if (g) cudaGraphDestroy(g);
-    return err;
-  }
-  *out = g;
   return "";
 }
 
-// The graph path (every rank on one device): one executable graph per (program, buffer pointers),
-// captured and instantiated on first use, then launched each call. A new pointer set reuses the least
-// recently used graph with cudaGraphExecUpdate when the cache is full (re-instantiates if CUDA refuses).
-// Launch: each rank's XLA stream records an event the launch stream waits on (the graph starts after
-// every rank reached the call), the graph runs, and every XLA stream waits for its end.
-// Returns false, with *why, when the call must go op by op instead: nothing of the program has been
-// enqueued then (at most waits on the launch stream). Returns true when the graph was launched (*st:
-// its status; after a failure past the launch the host waits for the graph, so XLA never reuses a
-// buffer it still reads).
-bool IssueGraph(CachedProgram& cp, Dtype dt, const std::vector<CudaRank>& ranks, CudaStatus* st, std::string* why) {
-  const int dev = ranks[0].device;
-  std::vector<const void*> ptrs;
+// The pointer table of this call's buffers on every rank's device: found by the pointers (XLA
+// usually hands a call site the same buffers every step: no CUDA call), else the least recently used
+// table is refilled by a stream-ordered upload on each rank's stream (its earlier kernels, the only
+// readers of that rank's copy, are done before it runs).
+std::string TableFor(CachedProgram& cp, const std::vector<CudaRank>& ranks, std::vector<interp::Ptrs>* ptrs) {
+  const int32_t n = static_cast<int32_t>(ranks.size());
+  const int32_t L = cp.plan.nleaves;
+  std::vector<const void*> key;
   for (auto& r : ranks)
-    for (size_t l = 0; l < r.in.size(); ++l) {
-      ptrs.push_back(r.in[l]);
-      ptrs.push_back(r.out[l]);
+    for (int32_t l = 0; l < L; ++l) {
+      key.push_back(r.in[l]);
+      key.push_back(r.out[l]);
     }
-  ++cp.graph_calls;
-  auto it = std::find_if(cp.graphs.begin(), cp.graphs.end(), [&](const GraphEntry& g) { return g.ptrs == ptrs; });
-  if (it != cp.graphs.end()) {
-    cp.graphs.splice(cp.graphs.begin(), cp.graphs, it);
+  // layout of a table: in[n*L], out[n*L], flags[n], errors[n]
+  const size_t words = static_cast<size_t>(n) * L * 2 + 2 * static_cast<size_t>(n);
+  auto it = std::find_if(cp.tables.begin(), cp.tables.end(), [&](const CachedProgram::Table& t) { return t.key == key; });
+  if (it != cp.tables.end()) {
+    cp.tables.splice(cp.tables.begin(), cp.tables, it);
   } else {
-    ++cp.graph_misses;
-    if (cp.graph_misses > 8 && cp.graph_misses * 2 > cp.graph_calls) {
-      cp.graphs_off = true;  // capturing on most calls costs more than issuing op by op
-      *why = "buffer pointers change on most calls";
-      return false;
-    }
-    cudaGraph_t g = nullptr;
-    ++g_graph_stats.captures;
-    std::string e = CaptureProgram(cp, dt, ranks, dev, &g);
-    if (!e.empty()) {
-      ++g_graph_stats.capture_failures;
-      cp.graphs_off = true;
-      *why = "capture failed: " + e;
-      return false;
-    }
-    cudaGraphExec_t exec = nullptr;
-    if (cp.graphs.size() >= GraphCacheSize()) {
-      GraphEntry old = std::move(cp.graphs.back());
-      cp.graphs.pop_back();
-#if CUDART_VERSION >= 12000
-      cudaGraphExecUpdateResultInfo info{};
-      if (cudaGraphExecUpdate(old.exec, g, &info) == cudaSuccess) {
-        exec = old.exec;  // takes effect at its next launch; launches in flight are not affected
-        ++g_graph_stats.updates;
-      } else {
-        cudaGetLastError();
-        cudaGraphExecDestroy(old.exec);  // an in-flight launch completes; freed afterwards
+    CachedProgram::Table t;
+    if (cp.tables.size() >= kTables) {
+      t = std::move(cp.tables.back());
+      cp.tables.pop_back();
+    } else {
+      for (int32_t r = 0; r < n; ++r) {
+        BLINK_CUDA(cudaSetDevice(ranks[r].device));
+        void* d = nullptr;
+        void* h = nullptr;
+        BLINK_CUDA(cudaMalloc(&d, words * sizeof(void*)));
+        BLINK_CUDA(cudaHostAlloc(&h, words * sizeof(void*), cudaHostAllocPortable));
+        t.dev.push_back(d);
+        t.host.push_back(h);
       }
-#else
-      cudaGraphExecDestroy(old.exec);
-#endif
     }
-    if (!exec) {
-#if CUDART_VERSION >= 12000
-      cudaError_t ce = cudaGraphInstantiate(&exec, g, 0);
-#else
-      cudaError_t ce = cudaGraphInstantiateWithFlags(&exec, g, 0);
-#endif
-      if (ce != cudaSuccess) {
-        cudaGetLastError();
-        cudaGraphDestroy(g);
-        cp.graphs_off = true;
-        *why = CudaErr("cudaGraphInstantiate", ce);
-        return false;
+    t.key = key;
+    for (int32_t r = 0; r < n; ++r) {
+      void** h = static_cast<void**>(t.host[r]);
+      // the pinned source may still feed an upload of an older call: wait for this rank's last launch
+      BLINK_CUDA(cudaEventSynchronize(cp.fences[r].second));
+      for (int32_t q = 0; q < n; ++q)
+        for (int32_t l = 0; l < L; ++l) {
+          h[static_cast<size_t>(q) * L + l] = const_cast<void*>(ranks[q].in[l]);
+          h[static_cast<size_t>(n) * L + static_cast<size_t>(q) * L + l] = ranks[q].out[l];
+        }
+      for (int32_t q = 0; q < n; ++q) {
+        h[static_cast<size_t>(n) * L * 2 + q] = cp.flags[q];
+        h[static_cast<size_t>(n) * L * 2 + n + q] = &cp.records[q];
       }
-      ++g_graph_stats.instantiates;
+      BLINK_CUDA(cudaSetDevice(ranks[r].device));
+      BLINK_CUDA(cudaMemcpyAsync(t.dev[r], h, words * sizeof(void*), cudaMemcpyHostToDevice,
+                                 static_cast<cudaStream_t>(ranks[r].stream)));
+      ++g_stats.table_uploads;
     }
-    cudaGraphDestroy(g);
-    cp.graphs.push_front(GraphEntry{ptrs, exec});
+    cp.tables.push_front(std::move(t));
   }
-  cudaGraphExec_t exec = cp.graphs.front().exec;
-  // launch set-up (fallible, nothing enqueued): launch stream, events
-  cudaStream_t launch;
-  std::string e = StreamOf(&g_graph_streams, dev, -1, &launch);
-  std::vector<cudaStream_t> xla;  // distinct XLA streams (ranks may share one)
-  for (auto& r : ranks) {
-    cudaStream_t s = static_cast<cudaStream_t>(r.stream);
-    if (std::find(xla.begin(), xla.end(), s) == xla.end()) xla.push_back(s);
+  const CachedProgram::Table& t = cp.tables.front();
+  ptrs->assign(n, interp::Ptrs{});
+  for (int32_t r = 0; r < n; ++r) {
+    void** d = static_cast<void**>(t.dev[r]);
+    interp::Ptrs& p = (*ptrs)[r];
+    p.in = reinterpret_cast<const void* const*>(d);
+    p.out = reinterpret_cast<void* const*>(d + static_cast<size_t>(n) * L);
+    p.flags = reinterpret_cast<uint64_t* const*>(d + static_cast<size_t>(n) * L * 2);
+    p.errors = reinterpret_cast<interp::ErrorRecord* const*>(d + static_cast<size_t>(n) * L * 2 + n);
+    p.staging = cp.staging;
   }
-  std::map<int, size_t> next;
-  std::vector<cudaEvent_t> arrive(xla.size(), nullptr);
-  cudaEvent_t done = nullptr;
-  for (auto& a : arrive)
-    if (e.empty()) e = TakeEvent(dev, &next, &a);
-  if (e.empty()) e = TakeEvent(dev, &next, &done);
-  if (e.empty() && cudaSetDevice(dev) != cudaSuccess) e = CudaErr("cudaSetDevice", cudaGetLastError());
-  cudaError_t ce = cudaSuccess;
-  for (size_t i = 0; i < xla.size() && e.empty() && ce == cudaSuccess; ++i) {
-    ce = cudaEventRecord(arrive[i], xla[i]);
-    if (ce == cudaSuccess) ce = cudaStreamWaitEvent(launch, arrive[i], 0);
-  }
-  if (e.empty() && ce != cudaSuccess) e = CudaErr("graph launch set-up", ce);
-  if (e.empty()) {
-    ce = cudaGraphLaunch(exec, launch);
-    if (ce != cudaSuccess) {
-      e = CudaErr("cudaGraphLaunch", ce);
-      cp.graphs_off = true;
-    }
-  }
-  if (!e.empty()) {  // nothing of the program enqueued: go op by op
-    cudaGetLastError();
-    *why = e;
-    return false;
-  }
-  ++g_graph_stats.launches;
-  ce = cudaEventRecord(done, launch);
-  for (size_t i = 0; i < xla.size() && ce == cudaSuccess; ++i) ce = cudaStreamWaitEvent(xla[i], done, 0);
-  if (ce != cudaSuccess) {
-    cudaGetLastError();
-    cudaStreamSynchronize(launch);  // XLA's streams may not wait for the graph: wait here instead
-    cudaGetLastError();
-    *st = Fail(2, CudaErr("graph completion event", ce));
-  } else {
-    *st = CudaStatus{};
-  }
-  return true;
+  return "";
 }
 
 CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaRank>& ranks, int64_t cache_key,
@@ -721,21 +537,16 @@ CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
   const int32_t n = static_cast<int32_t>(ranks.size());
   if (n != plan.schedule.nranks) return Fail(1, "jax_blink: rank count differs from the schedule's");
   if (leaves.empty()) leaves = {plan.schedule.nelems};
-  std::vector<uint8_t> aliased(leaves.size(), 0);
   for (int32_t r = 0; r < n; ++r) {
     if (ranks[r].in.size() != leaves.size() || ranks[r].out.size() != leaves.size())
       return Fail(1, "jax_blink: rank " + std::to_string(r) + " brings " + std::to_string(ranks[r].in.size()) +
                          " operands for " + std::to_string(leaves.size()) + " leaves");
-    for (size_t l = 0; l < leaves.size(); ++l) {
-      const uint8_t a = ranks[r].in[l] == ranks[r].out[l];
-      if (r == 0) aliased[l] = a;
-      else if (a != aliased[l])
+    for (size_t l = 0; l < leaves.size(); ++l)
+      if ((ranks[r].in[l] == ranks[r].out[l]) != (ranks[0].in[l] == ranks[0].out[l]))
         return Fail(1, "jax_blink: leaf " + std::to_string(l) + " is aliased (result = operand) on some ranks only");
-    }
   }
-  // Evicted programs whose last call completed are freed first.
-  g_graph_stats.released_programs += static_cast<int64_t>(Programs().Collect(ProgramIdle, ReleaseProgram));
-  // ---- 1. set-up: nothing is enqueued until all of it succeeded
+  g_stats.released_programs += static_cast<int64_t>(Programs().Collect(ProgramIdle, ReleaseProgram));
+  // ---- set-up once per device pair and per call site: peer access, program, flags, kernel image
   const bool force_staging = EnvFlag("JAX_BLINK_CUDA_FORCE_STAGING");
   std::vector<uint8_t> peer(static_cast<size_t>(n) * n, 1);
   for (int32_t r = 0; r < n; ++r)
@@ -749,88 +560,83 @@ CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
         std::string e = DevicePeer(ranks[r].device, ranks[o].device, &dev_ok);
         if (!e.empty()) return Fail(2, e);
         ok = dev_ok;
-        for (size_t l = 0; l < leaves.size() && ok; ++l)
-          ok = PointerReadable(ranks[r].device, ranks[o].in[l]) && PointerReadable(ranks[r].device, ranks[o].out[l]);
       }
       peer[static_cast<size_t>(r) * n + o] = ok;
     }
-  const int cap = MaxConnections();
-  const std::string key = ProgramKey(group, dt, ranks, leaves, aliased, peer, cap);
+  for (auto& r : ranks) {
+    if (g_kernel_ok.count(r.device)) continue;
+    if (cudaSetDevice(r.device) != cudaSuccess) return Fail(2, CudaErr("cudaSetDevice", cudaGetLastError()));
+    cudaFuncAttributes a;
+    cudaError_t ce = cudaFuncGetAttributes(&a, InterpKernel);
+    if (ce != cudaSuccess)
+      return Fail(2, CudaErr("cudaFuncGetAttributes", ce) + " (device " + std::to_string(r.device) +
+                         ": no interpreter kernel image for it; see jax_blink.lowering.ffi.UNAVAILABLE)");
+    g_kernel_ok.insert(r.device);
+  }
+  const std::string key = ProgramKey(group, dt, ranks, leaves, peer);
   std::shared_ptr<CachedProgram> cp = Programs().Find(cache_key, key);
-  if (!cp) {
+  if (!cp || cp->broken) {
     cp = std::make_shared<CachedProgram>();
-    GpuProgramOptions opt;
-    for (auto& r : ranks) opt.rank_device.push_back(r.device);
-    opt.peer_ok = peer;
-    opt.max_streams_per_device = cap;
-    opt.leaf_elems = leaves;
-    opt.leaf_aliased = aliased;
-    const bool cplx = dt == Dtype::kC64 || dt == Dtype::kC128;
-    std::string e = BuildGpuProgram(plan, static_cast<int64_t>(DtypeSize(dt)), cplx ? 2 : 1, opt, &cp->prog);
-    if (!e.empty()) return Fail(1, e);
-    for (auto& sb : cp->prog.scratch) {
-      void* p = nullptr;
-      cudaError_t ce = cudaSetDevice(ranks[sb.rank].device);
-      if (ce == cudaSuccess) ce = cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(sb.bytes, 16)));
-      if (ce != cudaSuccess) {
-        cudaGetLastError();
-        for (size_t i = 0; i < cp->scratch.size(); ++i) {
-          cudaSetDevice(ranks[cp->prog.scratch[i].rank].device);
-          cudaFree(cp->scratch[i]);
-        }
-        return Fail(2, CudaErr("cudaMalloc (staging scratch)", ce));
-      }
-      cp->scratch.push_back(p);
-      cp->scratch_device.push_back(ranks[sb.rank].device);
+    std::string e = BuildProgram(plan, dt, ranks, leaves, peer, cp.get());
+    if (!e.empty()) {
+      ReleaseProgram(*cp);
+      return Fail(e.find("jax_blink CUDA error") != std::string::npos ? 2 : 1, e);
     }
     const int64_t evicted = Programs().evicted_sites();
     Programs().Insert(cache_key, key, cp);
-    g_graph_stats.evicted_sites += Programs().evicted_sites() - evicted;
+    g_stats.evicted_sites += Programs().evicted_sites() - evicted;
   }
-  for (auto& r : ranks) {
-    if (g_kernel_ok.count({r.device, dt})) continue;
-    if (cudaSetDevice(r.device) != cudaSuccess) return Fail(2, CudaErr("cudaSetDevice", cudaGetLastError()));
-    int64_t lanes;
-    std::string e = Dispatch(dt, &lanes, [](auto tag) { return KernelImage<decltype(tag)>(); });
-    if (!e.empty()) return Fail(2, e + " (device " + std::to_string(r.device) + ": no reduce kernel image for it; "
-                                        "see jax_blink.lowering.ffi.UNAVAILABLE)");
-    g_kernel_ok.insert({r.device, dt});
+  std::vector<interp::Ptrs> ptrs;
+  std::string e = TableFor(*cp, ranks, &ptrs);
+  if (!e.empty()) {
+    cp->broken = true;
+    return Fail(2, e);
   }
-
-  // ---- 2. issue: one graph launch where possible, else op by op
-  bool one_device = true;
-  for (auto& r : ranks) one_device = one_device && r.device == ranks[0].device;
-  if (!GraphsEnabled()) {
-    g_graph_stats.last_fallback = "JAX_BLINK_CUDA_GRAPHS=0";
-  } else if (!one_device) {
-    g_graph_stats.last_fallback = "ranks on several devices (graphs are single-device)";
-  } else if (cp->graphs_off) {
-    g_graph_stats.last_fallback = cp->graphs_off_why;
-  } else {
-    CudaStatus st;
-    std::string why;
-    if (IssueGraph(*cp, dt, ranks, &st, &why)) {
-      RecordFences(*cp, {{ranks[0].device, g_graph_streams[{ranks[0].device, -1}]}});
-      return st;
+  // ---- the call: one launch and one completion record per rank
+  const int64_t timeout_ms = GpuTimeoutMs(0);
+  const uint64_t timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
+  std::string err;
+  for (int32_t r = 0; r < n && err.empty(); ++r) {
+    cudaStream_t st = static_cast<cudaStream_t>(ranks[r].stream);
+    cudaError_t ce = cudaSetDevice(ranks[r].device);
+    const uint64_t epoch = ++cp->epoch[r];
+    const unsigned blocks = static_cast<unsigned>(std::max(1, cp->plan.blocks_used[r]));
+    if (ce == cudaSuccess) {
+      InterpKernel<<<blocks, kInterpThreads, 0, st>>>(cp->views[r], ptrs[r], r, epoch, timeout_ns);
+      ce = cudaGetLastError();
     }
-    g_graph_stats.last_fallback = why;
-    if (cp->graphs_off) cp->graphs_off_why = why;
+    if (ce == cudaSuccess) ce = cudaEventRecord(cp->fences[r].second, st);
+    if (ce != cudaSuccess) err = CudaErr("interpreter launch", ce);
+    ++g_stats.launches;
   }
-  CudaStatus st = IssueOpByOp(*cp, dt, ranks);
-  std::vector<std::pair<int, cudaStream_t>> xla;  // distinct XLA streams
-  for (auto& r : ranks) {
-    const std::pair<int, cudaStream_t> x{r.device, static_cast<cudaStream_t>(r.stream)};
-    if (std::find(xla.begin(), xla.end(), x) == xla.end()) xla.push_back(x);
+  if (!err.empty()) {
+    // a rank without its launch never arrives: the launched peers time out on the device (bounded)
+    cp->broken = true;
+    return Fail(2, err);
   }
-  RecordFences(*cp, xla);
-  return st;
+  if (EnvFlag("JAX_BLINK_CUDA_ASYNC_ERRORS")) return CudaStatus{};
+  // ---- errors: wait for the kernels (bounded by their own timeout), read the records
+  for (int32_t r = 0; r < n; ++r) {
+    cudaSetDevice(ranks[r].device);
+    cudaError_t ce = cudaEventSynchronize(cp->fences[r].second);
+    if (ce != cudaSuccess && err.empty()) err = CudaErr("interpreter kernel", ce);
+  }
+  if (err.empty()) {
+    std::vector<interp::ErrorRecord> recs(cp->records, cp->records + n);
+    err = InterpErrorMessage(recs, cp->epoch[0], timeout_ms);
+  }
+  if (!err.empty()) {
+    cp->broken = true;
+    return Fail(2, err);  // the handler maps a timeout message to kDeadlineExceeded
+  }
+  return CudaStatus{};
 }
 
 }  // namespace
 
 CudaGraphStats GetCudaGraphStats() {
   std::lock_guard<std::mutex> lock(g_mu);
-  return g_graph_stats;
+  return g_stats;
 }
 
 CudaStatus EnqueueOnCuda(const ExecPlan& plan, Dtype dt, const std::vector<CudaRank>& ranks, int64_t cache_key,
@@ -863,7 +669,7 @@ ffi::ErrorCode CodeFor(const std::string& msg) {
 // keyed by each device's local hardware id (its CUDA ordinal in this process, jax's
 // Device.local_hardware_id); the handler finds its own from its first non-empty operand's pointer,
 // falling back to the FFI device ordinal only when the pointer query fails. Operands: a bucket of
-// leaves, as the CPU handler takes (the schedule runs over their concatenation; gpu_program.h).
+// leaves, as the CPU handler takes (the schedule runs over their concatenation; interp_plan.h).
 ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, ffi::RemainingArgs args,
                          ffi::RemainingRets rets, ffi::Span<const int64_t> schedule,
                          ffi::Span<const int64_t> device_table, int64_t call_site, int64_t timeout_ms) {
@@ -894,7 +700,20 @@ ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, f
     nelems += n;
   }
   if (bad.empty() && nelems == 0) return ffi::Error::Success();
-  int hw = any_ptr ? DeviceOfPointer(any_ptr) : -1;
+  // the CUDA ordinal of this executor: asked once per FFI ordinal (no per-call pointer queries)
+  static std::mutex hw_mu;
+  static std::map<int32_t, int> hw_of;
+  int hw = -1;
+  {
+    std::lock_guard<std::mutex> lock(hw_mu);
+    auto it = hw_of.find(ordinal);
+    if (it != hw_of.end()) {
+      hw = it->second;
+    } else if (any_ptr) {
+      hw = DeviceOfPointer(any_ptr);
+      if (hw >= 0) hw_of[ordinal] = hw;
+    }
+  }
   if (hw < 0) hw = ordinal;
   me.device = hw;
   if (IsTestAbsentDevice(hw)) return ffi::Error::Success();
@@ -924,7 +743,7 @@ ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, f
   a.backend = &me;  // valid: this thread waits below until the meeting finished
   a.done = [result](const std::string& msg) { result->set_value(msg); };
   MeetingKey key{run.run_id, call_site, e->group, generation};
-  auto meeting = Arrive(key, info, std::move(a), EffectiveTimeoutMs(timeout_ms));
+  auto meeting = Arrive(key, info, std::move(a), GpuTimeoutMs(timeout_ms));
   if (meeting) {
     std::vector<CudaRank> ranks;
     for (auto& arr : meeting->arrivals) ranks.push_back(*static_cast<CudaRank*>(arr.backend));

@@ -1,7 +1,9 @@
 // CUDA executor for jax_blink schedules (see cuda_executor.cu). Host API, no CUDA headers needed.
 //
-// All ordering logic lives in gpu_program.{h,cc} (plain C++, emulated and race-checked in CI); the CUDA
-// layer sets up streams, events, scratch and peer access, then issues the program's ops in order.
+// One kernel launch per device per call runs the device interpreter (device_interp.h) over the program
+// of interp_plan.h (plain C++, run on the host under ThreadSanitizer in CI); the CUDA layer sets up peer
+// access once per device pair, the program, flags, error records and staging once per call site, and
+// the buffer pointer table once per buffer set.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +11,6 @@
 #include <vector>
 
 #include "blink_core.h"
-#include "gpu_program.h"
 
 namespace jax_blink {
 
@@ -28,36 +29,33 @@ struct CudaStatus {
   bool ok() const { return kind == 0; }
 };
 
-// Enqueues `plan` over the ranks' buffers: a bucket of leaves of `leaf_elems` elements each (empty:
-// one leaf of the schedule's nelems), the schedule running over their concatenation; every rank
-// brings one pointer per leaf, and a leaf is aliased (result = operand) on every rank or on none
-// (else kind 1). First all fallible set-up (peer access per buffer, program build or cache lookup by
-// `cache_key`, streams, events, scratch, kernel image check) with nothing enqueued; then the
-// program's ops. (cache_key, group) must identify `plan` for the life of the process (the handler
-// passes the call site id and the group): the program and its scratch are cached under it, with the
-// dtype, the leaf layout (sizes, aliasing), the ranks' devices and the peer-access map, for at most
-// JAX_BLINK_CUDA_CACHE_PROGRAMS call sites (default 64; least recently used evicted, freed once the
-// work of its last call completed: program_cache.h). If issuing fails midway, every rank's XLA stream
-// is still made to wait for all work already enqueued (so XLA never reuses a buffer a peer still reads). Env:
-// JAX_BLINK_CUDA_FORCE_STAGING=1 stages every cross-rank reduce source through the copy engine (as
-// when peer access is missing); CUDA_DEVICE_MAX_CONNECTIONS (default 8) caps work streams per device.
-// Thread-safe (one global lock: pooled events are re-recorded only after all waits on them were issued).
-//
-// Issue: when every rank is on one device, the program is captured once into a CUDA graph per
-// (program, buffer pointers), instantiated, and launched each call (a handful of host calls instead of
-// one per op, record and wait); a small LRU per program (JAX_BLINK_CUDA_GRAPH_CACHE, default 4) and
-// cudaGraphExecUpdate when pointers change. Ranks on several devices, JAX_BLINK_CUDA_GRAPHS=0, a
-// capture / instantiate / launch failure (the capture is ended and dropped: nothing enqueued), or
-// pointers that change on most calls: op by op (the same ops, one CUDA call each).
+// Runs `plan` over the ranks' buffers: a bucket of leaves of `leaf_elems` elements each (empty: one
+// leaf of the schedule's nelems), the schedule running over their concatenation; every rank brings
+// one pointer per leaf, and a leaf is aliased (result = operand) on every rank or on none (else kind
+// 1). Set-up (cached under (cache_key, group) with the dtype, leaf sizes, devices and peer map, for at
+// most JAX_BLINK_CUDA_CACHE_PROGRAMS call sites, default 64, least recently used evicted and freed
+// once its last launches completed: program_cache.h): peer access once per device pair (pairs
+// without it stage through host-pinned memory), the interpreter program copied to every rank's
+// device, flags zeroed once (epochs: never reset), error records and staging host-pinned. Per call:
+// the pointer table of the buffers (found by pointers, uploaded on each rank's stream only when they
+// changed), then per rank one kernel launch on its XLA stream and one completion event record.
+// Errors: the kernels' waits are bounded (JAX_BLINK_TIMEOUT_S, default 5 s); unless
+// JAX_BLINK_CUDA_ASYNC_ERRORS=1 the call waits for its kernels and turns their error records into
+// an error naming the rank that never arrived (with it set, the call returns after the launches and
+// a failed call's records are not read: faster, for jobs that accept that). After any failure the
+// program is rebuilt (fresh flags) at the next call. JAX_BLINK_CUDA_FORCE_STAGING=1 stages every
+// cross-rank source. Thread-safe (one global lock).
 CudaStatus EnqueueOnCuda(const ExecPlan& plan, Dtype dtype, const std::vector<CudaRank>& ranks, int64_t cache_key,
                          int64_t group, const std::vector<int64_t>& leaf_elems = {});
 
-// Counters of the issue paths since the process started (the gpu_check harness prints them).
+// Counters since the process started (the gpu_check harness prints them). The graph / op-by-op
+// fields of the retired issue paths stay zero (kept so older harness code still builds).
 struct CudaGraphStats {
-  int64_t launches = 0;          // calls issued as one graph launch
-  int64_t op_by_op = 0;          // calls issued op by op
+  int64_t launches = 0;          // interpreter kernel launches (one per rank and call)
+  int64_t table_uploads = 0;     // pointer-table uploads (a rank's buffers changed)
+  int64_t op_by_op = 0;
   int64_t captures = 0, capture_failures = 0, instantiates = 0, updates = 0;
-  std::string last_fallback;     // why the latest call that did not launch a graph went op by op
+  std::string last_fallback;
   int64_t evicted_sites = 0;     // call sites evicted from the program cache
   int64_t released_programs = 0; // evicted programs freed (after their work completed)
 };

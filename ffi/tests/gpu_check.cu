@@ -3,9 +3,8 @@
 // rank's output bitwise against a host execution of the schedule rows, then times it.
 //   blink_gpu_check <schedule.int64 file> [float32|int32] [iterations=20]
 // JAX_BLINK_CUDA_FORCE_STAGING=1 forces the no-peer path (reduce sources staged by the copy engine).
-// Both issue paths are checked and timed: op by op (JAX_BLINK_CUDA_GRAPHS=0) and the CUDA graph path
-// (when every rank is on one GPU; a graph path that falls back is a FAIL here), then a pointer change
-// on the graph path (cudaGraphExecUpdate).
+// The interpreter executor is checked and timed (one kernel launch per rank and call, counted), then a
+// pointer change (the pointer table uploaded once, then found again in its cache).
 // Prints "gpu_check: PASS ..." / "gpu_check: FAIL ..." lines; exit 0 on pass, 1 on mismatch, 2 on a
 // setup or CUDA error, 3 without a GPU.
 #include <cuda_runtime.h>
@@ -65,8 +64,6 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
   if (s.collective == Collective::kReduce && !s.seg_root.empty())
     for (int64_t r = 0; r < n; ++r)
       if (r != s.seg_root[0]) std::fill(ref[r].begin(), ref[r].end(), T(0));
-  bool one_device = true;
-  for (auto& r : ranks) one_device = one_device && r.device == ranks[0].device;
   auto sync = [&] { for (int d = 0; d < ndev; ++d) { cudaSetDevice(d); cudaDeviceSynchronize(); } };
   const double bytes = ne * static_cast<double>(sizeof(T));
   // One checked call: outputs scribbled, enqueue, wait, every rank's output bitwise against the host.
@@ -102,16 +99,12 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
     }
     return 0;
   };
-  // Both issue paths, each checked bitwise then timed (the same call repeatedly, program cached; wall
-  // clock with all devices synchronised). op: JAX_BLINK_CUDA_GRAPHS=0 (one CUDA call per op, record and
-  // wait); graph: one CUDA graph per pointer set, captured on the first call ("first" = its enqueue).
-  double time_s[2] = {0, 0}, enq_us[2] = {0, 0};
-  const char* names[2] = {"op", "graph"};
-  for (int path = 0; path < 2; ++path) {
-    setenv("JAX_BLINK_CUDA_GRAPHS", path == 0 ? "0" : "1", 1);
+  // The interpreter: one launch per rank and call, checked bitwise then timed (the same call
+  // repeatedly, program cached; wall clock with all devices synchronised).
+  {
     const CudaGraphStats before = GetCudaGraphStats();
     double first_us = 0;
-    int rc = checked(names[path], &first_us);
+    int rc = checked("interp", &first_us);
     if (rc) return rc;
     const int warm = iters > 1 ? 1 : 0;  // sanitizer runs (1 iteration) skip the warm-up call
     if (warm) EnqueueOnCuda(plan, dt, ranks, 12345, 0);
@@ -125,38 +118,24 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
     sync();
     auto t2 = std::chrono::steady_clock::now();
     const CudaGraphStats after = GetCudaGraphStats();
-    const int64_t launches = after.launches - before.launches;
-    std::string label = names[path];
-    if (path == 1 && launches != iters + 1 + warm) {
-      if (one_device) {
-        std::printf("gpu_check: FAIL %s %s graph path not taken (%lld of %d calls launched a graph): %s\n", coll, dname,
-                    (long long)launches, iters + 1 + warm, after.last_fallback.c_str());
-        return 1;
-      }
-      label = "op(multi-device)";
+    const int64_t launches = after.launches - before.launches, calls = iters + 1 + warm;
+    if (launches != n * calls) {
+      std::printf("gpu_check: FAIL %s %s %lld kernel launches for %lld calls of %lld ranks (want one per rank)\n", coll,
+                  dname, (long long)launches, (long long)calls, (long long)n);
+      return 1;
     }
     const double t = std::chrono::duration<double>(t2 - t0).count() / iters;
     const double host_us = std::chrono::duration<double>(t1 - t0).count() / iters * 1e6;
-    time_s[path] = t;
-    enq_us[path] = host_us;
     const double algbw = bytes / t / 1e9;
     const double busbw = s.collective == Collective::kAllReduce ? algbw * 2.0 * (n - 1) / n : algbw;
-    std::printf("gpu_check: PASS %s %s ranks=%lld gpus=%d staging=%s path=%s size=%.1fMiB time=%.3fms algbw=%.1fGB/s "
-                "busbw=%.1fGB/s enqueue=%.0fus first=%.0fus", coll, dname, (long long)n, ndev, staging ? "forced" : "auto",
-                label.c_str(), bytes / 1048576.0, t * 1e3, algbw, busbw, host_us, first_us);
-    if (path == 1)
-      std::printf(" captures=%lld instantiates=%lld", (long long)(after.captures - before.captures),
-                  (long long)(after.instantiates - before.instantiates));
-    std::printf("\n");
+    std::printf("gpu_check: PASS %s %s ranks=%lld gpus=%d staging=%s path=interp size=%.1fMiB time=%.3fms algbw=%.1fGB/s "
+                "busbw=%.1fGB/s enqueue=%.0fus first=%.0fus launches/call=%lld table_uploads=%lld\n", coll, dname,
+                (long long)n, ndev, staging ? "forced" : "auto", bytes / 1048576.0, t * 1e3, algbw, busbw, host_us,
+                first_us, (long long)(launches / calls), (long long)(after.table_uploads - before.table_uploads));
   }
-  std::printf("gpu_check: graph vs op %s %s size=%.1fMiB: time %.3fms -> %.3fms (%.2fx), enqueue %.0fus -> %.0fus\n",
-              coll, dname, bytes / 1048576.0, time_s[0] * 1e3, time_s[1] * 1e3, time_s[0] / time_s[1], enq_us[0],
-              enq_us[1]);
-  // New buffer pointers on the graph path with a one-graph cache: a new capture that updates the
-  // cached executable graph in place (cudaGraphExecUpdate; re-instantiated if CUDA refuses), checked
-  // bitwise, then back to the first pointers (updated again).
-  if (one_device) {
-    setenv("JAX_BLINK_CUDA_GRAPH_CACHE", "1", 1);
+  // New buffer pointers: the pointer table is uploaded once per rank, checked bitwise; back to the
+  // first pointers: found among the cached tables (no upload).
+  {
     std::vector<void*> first_out(n), alt(n, nullptr);
     const CudaGraphStats before = GetCudaGraphStats();
     for (int64_t r = 0; r < n; ++r) {
@@ -165,24 +144,23 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
       first_out[r] = ranks[r].out[0];
       ranks[r].out[0] = alt[r];
     }
-    int rc = checked("graph new pointers", nullptr);
+    int rc = checked("new pointers", nullptr);
+    const CudaGraphStats mid = GetCudaGraphStats();
     for (int64_t r = 0; r < n; ++r) ranks[r].out[0] = first_out[r];
-    if (!rc) rc = checked("graph first pointers again", nullptr);
+    if (!rc) rc = checked("first pointers again", nullptr);
     sync();
     for (int64_t r = 0; r < n; ++r) { cudaSetDevice(ranks[r].device); cudaFree(alt[r]); }
-    unsetenv("JAX_BLINK_CUDA_GRAPH_CACHE");
     if (rc) return rc;
     const CudaGraphStats after = GetCudaGraphStats();
-    if (after.launches - before.launches != 2) {
-      std::printf("gpu_check: FAIL %s %s graph path not taken after a pointer change: %s\n", coll, dname,
-                  after.last_fallback.c_str());
+    const long long up_new = mid.table_uploads - before.table_uploads, up_old = after.table_uploads - mid.table_uploads;
+    if (up_new != n || up_old != 0) {
+      std::printf("gpu_check: FAIL %s %s pointer change: %lld table uploads for new pointers (want %lld), %lld for "
+                  "the first pointers again (want 0)\n", coll, dname, up_new, (long long)n, up_old);
       return 1;
     }
-    std::printf("gpu_check: PASS %s %s graph pointer change: 2 calls, captures=%lld updates=%lld instantiates=%lld\n",
-                coll, dname, (long long)(after.captures - before.captures), (long long)(after.updates - before.updates),
-                (long long)(after.instantiates - before.instantiates));
+    std::printf("gpu_check: PASS %s %s pointer change: %lld table uploads, 0 when the first pointers come back\n",
+                coll, dname, up_new);
   }
-  unsetenv("JAX_BLINK_CUDA_GRAPHS");
   // Kernel rates on rank 0's GPU (reference for the numbers above).
   if (n >= 2 && ranks[1].device == ranks[0].device) {
     cudaSetDevice(ranks[0].device);
