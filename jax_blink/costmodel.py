@@ -59,9 +59,6 @@ from .simulate import DEFAULT_MAX_CHUNKS as SIM_MAX_CHUNKS
 
 #: ``plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
 CANDIDATE_MAX_TREES = (None, 4, 2, 1)
-#: Identical nodes: "rsag" is a candidate while N^2 (N trees of N GPUs) stays within this many tree
-#: edges (up to 512 GPUs); above, building it costs more than the rest of plan(nbytes=) together.
-STRUCTURED_RSAG_MAX_EDGES = 512 * 512
 #: The cost model's default predictor, "auto": "flow" (:func:`jax_blink.simulate.flow_time`, the
 #: closed form, cost independent of chunks and links) on topologies with a network (several nodes),
 #: "link" (the link-level event model) inside one node, where it takes milliseconds.
@@ -154,8 +151,8 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
     NCCL's double binary tree and the reduce-scatter + all-gather forests ("rsag"), and Blink's
     three phases when ``devices`` span several nodes. All-reduce over identical nodes
     (:func:`jax_blink.planner.facade.structure`): the plans of :mod:`jax_blink.planner.symmetric` only
-    (the exact tree packing, three phases, and "rsag" up to STRUCTURED_RSAG_MAX_EDGES), each planned on
-    one node; the flat-packing, ring and NCCL candidates, planned over all GPUs at once, are left out
+    (the exact tree packing, three phases, and "rsag"), each planned on one node and composed
+    (:class:`~jax_blink.planner.model.ComposedTrees`, built on use); the flat-packing, ring and NCCL candidates, planned over all GPUs at once, are left out
     there. A forced ``algorithm`` keeps its family: "trees" (packings),
     "ring" (the LP ring packing), "hierarchical". ``max_trees`` given: ``plan(max_trees=...)`` only
     (an explicit choice, like a forced algorithm). Candidates that cannot be built on these
@@ -176,8 +173,7 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
             makers.append(lambda: facade.plan(topology, collective, devices=devices, algorithm="trees"))
         if algorithm == "auto":
             makers.append(lambda: facade.plan(topology, collective, devices=devices, algorithm="hierarchical"))
-            if len(devices) ** 2 <= STRUCTURED_RSAG_MAX_EDGES:
-                makers.append(lambda: facade.plan(topology, collective, devices=devices, algorithm="rsag"))
+            makers.append(lambda: facade.plan(topology, collective, devices=devices, algorithm="rsag"))
         return _dedupe(first, makers)
     if algorithm in ("auto", "trees"):
         opt = facade.plan(topology, collective, devices=devices, root=root, algorithm="trees")

@@ -50,7 +50,7 @@ from typing import Any
 
 from . import collectives as _collectives
 from .errors import BlinkError, PlanError, ScheduleError
-from .planner.model import tree_shape
+from .planner.model import ComposedTrees, plan_cache, tree_shape
 from .planner.routes import route
 from .schedule import COPY, REDUCE, Schedule, choose_chunks
 
@@ -548,7 +548,7 @@ def _walk(hops, root, links, relays=()):
     return max(v[0] for v in vals), [v[1:] for v in vals], slow
 
 
-_FLOW_TREES: dict = {}
+_FLOW_TREES = plan_cache()  # emptied by clear_caches(), as the plans are
 
 
 def _frontier(points) -> list:
@@ -615,7 +615,12 @@ def flow_time(plan, nbytes: float, topology, *, latency_us: float = DEFAULT_LATE
     with such sends should use ``method="link"``.
     """
     devices = list(plan.devices)
-    trees = [t for t in plan.trees if t.weight_gbps > 0]
+    if isinstance(plan.trees, ComposedTrees):  # weights, roots and shapes without building the trees
+        composed = plan.trees
+        trees = [(w, r, i) for i, (w, r, _) in enumerate(composed.pieces) if w > 0]
+    else:
+        composed = None
+        trees = [(t.weight_gbps, t.root, t) for t in plan.trees if t.weight_gbps > 0]
     if len(devices) <= 1 or not trees:
         return 0.0
     row = _collectives.get(plan.collective)
@@ -623,21 +628,26 @@ def flow_time(plan, nbytes: float, topology, *, latency_us: float = DEFAULT_LATE
     links = {(u, v): (d["bandwidth_gbps"], 1.0 / d["bandwidth_gbps"], _KIND_RANK.get(d["kind"], -1))
              for u, v, d in g.edges(data=True)}
     symmetric = all(links.get((v, u)) == x for (u, v), x in links.items())
-    wsum = sum(t.weight_gbps for t in trees)
+    wsum = sum(w for w, _, _ in trees)
     per_root: dict = {}
-    for t in trees:
-        per_root[t.root] = per_root.get(t.root, 0.0) + t.weight_gbps
+    for w, r, _ in trees:
+        per_root[r] = per_root.get(r, 0.0) + w
     latency_s = latency_us * 1e-6
     mc = max(1, min(max_chunks, CHUNK_BUDGET // len(trees)))
     worst = 0.0
-    for t in trees:
-        d, paths, slow = _tree_metrics(t, links, row.reduces, row.broadcasts, symmetric)
-        seg = nbytes / len(devices) * t.weight_gbps / per_root[t.root] if row.sharded else nbytes * t.weight_gbps / wsum
-        k = choose_chunks(seg, d, t.weight_gbps, step_latency_s=max(latency_s, 1e-7), max_chunks=mc)
+    for w, r, t in trees:
+        if composed is not None:  # one tree built per shape
+            hit = _FLOW_TREES.get((composed.pieces[t][2], row.reduces, row.broadcasts, symmetric))
+            d, paths, slow = hit[1] if hit is not None else _tree_metrics(
+                composed.sample(t), links, row.reduces, row.broadcasts, symmetric)
+        else:
+            d, paths, slow = _tree_metrics(t, links, row.reduces, row.broadcasts, symmetric)
+        seg = nbytes / len(devices) * w / per_root[r] if row.sharded else nbytes * w / wsum
+        k = choose_chunks(seg, d, w, step_latency_s=max(latency_s, 1e-7), max_chunks=mc)
         c = seg / k / 1e9
         # deepest path of each phase: chunk store-and-forward over its hops plus its sends' latencies
         fill = sum(max(c * inv + proto + sends * latency_s for inv, proto, sends in ps) for ps in paths)
-        tt = seg / (t.weight_gbps * 1e9) + max(fill - c / slow, 0.0)
+        tt = seg / (w * 1e9) + max(fill - c / slow, 0.0)
         worst = max(worst, tt)
     return worst
 

@@ -45,8 +45,9 @@ from ..errors import PlanError
 from ..topology.model import Topology, _key
 from .bounds import sharded_cut
 from .colgen import column_generation
-from .model import Plan, Tree, _hops, _round, cached, plan_cache, set_shape
+from .model import ComposedTrees, Plan, Tree, _hops, _round, cached, plan_cache, register_composition
 from .routes import Column, RouteTable, _spanning_parents, pricer
+from .store import _check_tree
 from .trees import flat_plan
 
 _STRUCTURES = plan_cache()
@@ -256,19 +257,15 @@ def _mapped(route, m) -> tuple:
     return tuple(m[v] for v in route)
 
 
-def _expand(struct: NodeStructure, cols, weights, x_id):
-    """Trees over all GPUs from the symmetric columns: per (centre route, component count) group,
-    the columns end to end, cut into N equal pieces centred at nodes 0..N-1."""
-    n = struct.n_nodes
-    net = struct.network
-    fp = struct.template.fingerprint()
-    maps = [{**m, x_id: net} for m in struct.maps]
+def _pieces(n: int, cols, weights) -> list:
+    """[(column, centre node, weight)]: per (centre route, component count) group, the columns end to
+    end, cut into N equal pieces centred at nodes 0..N-1 (at most columns + N - 1 per group)."""
     groups = collections.OrderedDict()
     for j, col in enumerate(cols):
         if weights[j] <= 1e-12:
             continue
         groups.setdefault((col.attach[0], len(col.attach)), []).append(j)
-    pieces = []  # (column, centre node, weight)
+    pieces = []
     for js in groups.values():
         total = float(sum(weights[j] for j in js))
         edges = np.cumsum([0.0] + [float(weights[j]) for j in js])
@@ -277,13 +274,24 @@ def _expand(struct: NodeStructure, cols, weights, x_id):
             for i, j in enumerate(js):
                 a, b = max(lo, edges[i]), min(hi, edges[i + 1])
                 if b - a > 1e-12:
-                    pieces.append((j, k, b - a))
-    # per column: each component's intra hops (oriented away from its attach GPU), mapped per node once
-    built = {}
-    trees = []
-    for j, k, wt in pieces:
-        col = cols[j]
+                    pieces.append((j, k, _round(b - a)))
+    return pieces
+
+
+def _composed(topology, devices, struct: NodeStructure, cols, weights) -> ComposedTrees:
+    """The trees over all GPUs of the symmetric columns (:func:`_pieces`), as :class:`ComposedTrees`:
+    a piece (column j, centre node k) is the star of column j's components in every node, centred
+    at j's centre GPU of node k, its cross edges through that GPU's network route."""
+    n = struct.n_nodes
+    fp = struct.template.fingerprint()
+    maps = [{**m, struct.x_id: struct.network} for m in struct.maps]
+    pieces = _pieces(n, cols, weights)
+    pieces.sort(key=lambda p: (-p[2], _key(maps[p[1]][cols[p[0]].center])))
+    built = {}  # per column: each component's intra hops (oriented away from its attach GPU), per node
+
+    def column(j):
         if j not in built:
+            col = cols[j]
             comp_of = {b: b for b, _ in col.attach}
             per = {b: [] for b, _ in col.attach}
             for u, v, r in col.intra:  # breadth-first from the attach GPUs: parents come first
@@ -291,7 +299,12 @@ def _expand(struct: NodeStructure, cols, weights, x_id):
                 per[comp_of[u]].extend(_hops(r))
             built[j] = ([{b: [(m[x], m[y]) for x, y in per[b]] for b, _ in col.attach} for m in maps],
                         [{b: [(m[x], m[y]) for x, y in _hops(r[::-1])] for b, r in col.attach} for m in maps])
-        intra, down = built[j]
+        return built[j]
+
+    def make(i):
+        j, k, wt = pieces[i]
+        col = cols[j]
+        intra, down = column(j)
         star, up_route = col.attach[0]
         up = [(maps[k][x], maps[k][y]) for x, y in _hops(up_route)]
         hops = list(intra[k][star])
@@ -302,10 +315,78 @@ def _expand(struct: NodeStructure, cols, weights, x_id):
                 hops.extend(up)
                 hops.extend(down[m_i][b])
                 hops.extend(intra[m_i][b])
-        tree = Tree(maps[k][star], _round(wt), tuple(hops))
-        set_shape(tree, ("symmetric", fp, n, col.intra, col.attach))  # same for every centre node
-        trees.append(tree)
-    return trees
+        return Tree(maps[k][star], wt, tuple(hops))
+
+    spec = {"columns": [[[list(e[:2]) + [list(e[2])] for e in c.intra], [[b, list(r)] for b, r in c.attach]]
+                        for c in cols],
+            "weights": [float(x) for x in weights]}
+    shapes = [("symmetric", fp, n, c.intra, c.attach) for c in cols]  # the same for every centre node
+    info = [(wt, maps[k][cols[j].center], shapes[j]) for j, k, wt in pieces]
+    key = (topology.fingerprint(), tuple(devices), tuple((c.intra, c.attach) for c in cols), tuple(pieces))
+    return ComposedTrees("symmetric", spec, info, make, key)
+
+
+def _route_ok(tg, route, a, b) -> bool:
+    """``route`` runs a -> b over links of ``tg`` through switches only (no GPU inside)."""
+    return (len(route) >= 2 and route[0] == a and route[-1] == b and all(tg.has_edge(x, y) for x, y in _hops(route))
+            and not any(isinstance(v, int) for v in route[1:-1]))
+
+
+def _decode_symmetric(topology, devices, spec) -> ComposedTrees:
+    """:class:`ComposedTrees` of a "symmetric" spec (the disk cache), checked: every route a path of
+    the node's links, every column a spanning forest of one node's GPUs with one network route per
+    component, and every link of every node loaded within capacity (computed on one node per centre:
+    the composition's load on node m is the columns' usage plus, for pieces centred at m, the
+    centre route's (N c - 2) extra uses). Raises PlanError otherwise."""
+    struct = node_structure(topology, devices)
+    if struct is None:
+        raise PlanError("symmetric plan entry: the devices are not identical nodes on this topology")
+    tg, x, devs0 = struct.template.graph, struct.x_id, set(struct.groups[0])
+    n = struct.n_nodes
+    cols = []
+    for intra, attach in spec["columns"]:
+        intra = tuple((u, v, tuple(r)) for u, v, r in intra)
+        attach = tuple((b, tuple(r)) for b, r in attach)
+        comp = {}
+        for b, r in attach:
+            if b not in devs0 or b in comp or not _route_ok(tg, r, b, x):
+                raise PlanError(f"symmetric plan entry: bad network route {r} of GPU {b}")
+            comp[b] = b
+        for u, v, r in intra:
+            if u not in comp or v not in devs0 or v in comp or not _route_ok(tg, r, u, v):
+                raise PlanError(f"symmetric plan entry: bad intra-node edge {u}->{v} over {r}")
+            comp[v] = comp[u]
+        if set(comp) != devs0 or not attach:
+            raise PlanError("symmetric plan entry: a column does not span the node's GPUs")
+        cols.append(_SymColumn(intra, attach, attach[0][0]))
+    weights = np.asarray(spec["weights"], dtype=float)
+    if weights.shape != (len(cols),) or not np.all(np.isfinite(weights)) or np.any(weights < 0):
+        raise PlanError("symmetric plan entry: weights must be one finite number >= 0 per column")
+    links = {e: i for i, e in enumerate(tg.edges)}
+    cap = np.array([tg.edges[e]["bandwidth_gbps"] for e in links])
+    base, star = np.zeros((len(cols), len(links))), np.zeros((len(cols), len(links)))
+    for j, c in enumerate(cols):
+        for route, row in [(r, base) for *_, r in c.intra] + [(r, base) for _, r in c.attach] \
+                + [(c.attach[0][1], star)]:
+            for a, b in _hops(route):
+                row[j, links[a, b]] += 1
+                row[j, links[b, a]] += 1
+    pieces = _pieces(n, cols, weights)
+    total = np.zeros(len(cols))
+    extra = np.zeros((n, len(cols)))
+    for j, k, wt in pieces:
+        total[j] += wt
+        extra[k, j] += wt * (n * len(cols[j].attach) - 2)
+    load = total @ base + extra @ star
+    over = np.argwhere(load > cap * (1 + 1e-6) + 1e-9)
+    if len(over):
+        m, i = over[0]
+        raise PlanError(f"symmetric plan entry loads link {list(links)[i]} of node {m} with {load[m, i]:.3f} GB/s "
+                        f"> its {cap[i]} GB/s")
+    return _composed(topology, devices, struct, cols, weights)
+
+
+register_composition("symmetric", _decode_symmetric)
 
 
 def symmetric_plan(topology: Topology, devices, struct: NodeStructure, *, leader: str = "any",
@@ -324,9 +405,8 @@ def symmetric_plan(topology: Topology, devices, struct: NodeStructure, *, leader
     other or the network.
     """
     cols, w, rate, dual, _ = _solve(struct, leader)
-    trees = _expand(struct, cols, w, struct.x_id)
-    trees.sort(key=lambda t: (-t.weight_gbps, _key(t.root)))
-    total = _round(sum(t.weight_gbps for t in trees))
+    trees = _composed(topology, devices, struct, cols, w)
+    total = _round(sum(p[0] for p in trees.pieces))
     n, g = struct.n_nodes, len(struct.groups[0])
     what = (f"symmetric decomposition: {n} identical nodes of {g} GPUs around network {struct.network!r}; one LP "
             f"over one node's {len(struct.template.graph.edges)} links (usage averaged over the nodes), "
@@ -337,10 +417,10 @@ def symmetric_plan(topology: Topology, devices, struct: NodeStructure, *, leader
         notes = (f"three phases (Blink s. 5) by symmetry: reduce inside each node onto its leader, cross-node "
                  f"star among the leaders, broadcast inside; {total:.3f} GB/s, {gap:.2f}% below the exact flat "
                  f"bound {flat:.3f} GB/s (three-phase LP optimum {rate:.3f}, dual {dual:.3f})", what)
-        return Plan("allreduce", None, tuple(devices), tuple(trees), total, _round(flat), "hierarchical", notes)
+        return Plan("allreduce", None, tuple(devices), trees, total, _round(flat), "hierarchical", notes)
     notes = (f"tree packing by symmetry: {total:.3f} GB/s of the exact bound {dual:.3f} GB/s (the flat LP's "
              f"optimum: symmetric LP dual)", what)
-    return Plan("allreduce", None, tuple(devices), tuple(trees), total, _round(max(dual, total)), "trees", notes)
+    return Plan("allreduce", None, tuple(devices), trees, total, _round(max(dual, total)), "trees", notes)
 
 
 _BOUNDS = plan_cache()
@@ -373,7 +453,100 @@ def sharded_bounds(struct: NodeStructure) -> tuple[float, float]:
     return rs, ag
 
 
-def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_gpu_edges: int | None = None) -> Plan:
+def _rsag_load(struct: NodeStructure, forest, up) -> dict:
+    """{template link: uses per unit of the root weight x} of the composed rsag plan on ANY one node
+    (the same on every node by symmetry): n times each position's one-node forest (shares of its
+    root's trees) plus (N - 1) uses of each position's network route each way, both directions."""
+    n = struct.n_nodes
+    wsum = collections.Counter()
+    for d, w, _ in forest:
+        wsum[d] += w
+    load = collections.Counter()
+    for d, w, edges in forest:
+        for h in edges:
+            load[h] += n * w / wsum[d]
+            load[h[::-1]] += n * w / wsum[d]
+    for d in wsum:
+        for h in _hops(up[d]):
+            load[h] += 2 * (n - 1)
+            load[h[::-1]] += 2 * (n - 1)
+    return load
+
+
+def _composed_rsag(topology, devices, struct: NodeStructure, forest, up, x: float) -> ComposedTrees:
+    """The rsag trees over all GPUs (:func:`symmetric_rsag_plan`) as :class:`ComposedTrees`: for node
+    k, root position d and one-node tree t of d (``forest``: (d, weight, hops) on node 0), t in node
+    k, then d's route up and down into every other node and t there; weight x * t's share of d."""
+    n = struct.n_nodes
+    maps = [{**m, struct.x_id: struct.network} for m in struct.maps]
+    fp = struct.template.fingerprint()
+    wsum = collections.Counter()
+    for d, w, _ in forest:
+        wsum[d] += w
+    pieces = [(k, i) for k in range(n) for i in range(len(forest))]
+    mapped, downs = {}, {}
+
+    def per_node(i, m):
+        if (i, m) not in mapped:
+            mapped[i, m] = [(maps[m][a], maps[m][b]) for a, b in forest[i][2]]
+        return mapped[i, m]
+
+    def down(d, m):
+        if (d, m) not in downs:
+            downs[d, m] = [(maps[m][a], maps[m][b]) for a, b in _hops(up[d][::-1])]
+        return downs[d, m]
+
+    def make(p):
+        k, i = pieces[p]
+        d, w, _ = forest[i]
+        hops = list(per_node(i, k))
+        upk = [(maps[k][a], maps[k][b]) for a, b in _hops(up[d])]
+        for m_i in range(n):
+            if m_i != k:
+                hops.extend(upk)
+                hops.extend(down(d, m_i))
+                hops.extend(per_node(i, m_i))
+        hops = tuple(hops)
+        return Tree(maps[k][d], _round(x * w / wsum[d]), hops, hops)
+
+    info = [(_round(x * forest[i][1] / wsum[forest[i][0]]), maps[k][forest[i][0]],
+             ("rsag", fp, n, forest[i][0], forest[i][2])) for k, i in pieces]  # one shape per root position
+    spec = {"forest": [[d, w, [list(h) for h in e]] for d, w, e in forest],
+            "up": [[d, list(r)] for d, r in up.items()], "x": x}
+    key = (topology.fingerprint(), tuple(devices), tuple(forest), tuple(sorted(up.items(), key=lambda kv: kv[0])), x)
+    return ComposedTrees("rsag", spec, info, make, key)
+
+
+def _decode_rsag(topology, devices, spec) -> ComposedTrees:
+    """:class:`ComposedTrees` of an "rsag" spec (the disk cache), checked: each one-node tree spans
+    node 0's GPUs from its root over the node's links, each position's network route is a path of
+    links, and x times :func:`_rsag_load` is within every link's capacity. Raises PlanError otherwise."""
+    struct = node_structure(topology, devices)
+    if struct is None:
+        raise PlanError("rsag plan entry: the devices are not identical nodes on this topology")
+    tg, devs0 = struct.template.graph, set(struct.groups[0])
+    forest = tuple((d, float(w), tuple(tuple(h) for h in e)) for d, w, e in spec["forest"])
+    up = {d: tuple(r) for d, r in spec["up"]}
+    x = float(spec["x"])
+    if set(up) != devs0 or {d for d, _, _ in forest} != devs0 or not (0 < x < float("inf")):
+        raise PlanError("rsag plan entry: one network route and one or more trees per GPU of a node, x > 0")
+    for d, w, e in forest:
+        if not (0 < w < float("inf")) or any(not tg.has_edge(*h) or struct.x_id in h for h in e):
+            raise PlanError(f"rsag plan entry: tree of GPU {d} has a bad weight or a hop that is no node link")
+        _check_tree(e, d, devs0, set())
+    for d, r in up.items():
+        if not _route_ok(tg, r, d, struct.x_id):
+            raise PlanError(f"rsag plan entry: bad network route {r} of GPU {d}")
+    for h, v in _rsag_load(struct, forest, up).items():
+        if x * v > tg.edges[h]["bandwidth_gbps"] * (1 + 1e-6) + 1e-9:
+            raise PlanError(f"rsag plan entry loads link {h} with {x * v:.3f} GB/s > its capacity")
+    return _composed_rsag(topology, devices, struct, forest, up, x)
+
+
+register_composition("rsag", _decode_rsag)
+
+
+def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure) -> Plan:
     """All-reduce as reduce-scatter + all-gather forests over N identical nodes, composed from one node
     (ForestColl's forests, Zhao et al. 2024, composed by symmetry as SyCCL does).
 
@@ -383,10 +556,8 @@ def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_
     the same tree reversed. Every node then carries, per root weight x, n times its one-node forest
     plus (N - 1) uses of each position's NIC route each way, so x is the least capacity / load over
     ONE node's links (exact for the whole cluster by symmetry) and the rate N x. Certificate:
-    1 / (1 / B_rs + 1 / B_ag) of :func:`sharded_bounds`; the shortfall is in ``notes``.
-
-    ``max_gpu_edges``: raise PlanError when the plan would list more GPU-level tree edges (N trees
-    of N GPUs per one-node tree of a root: the plan's size grows as N^2). Raises PlanError when a GPU
+    1 / (1 / B_rs + 1 / B_ag) of :func:`sharded_bounds`; the shortfall is in ``notes``. The N G
+    trees of N G GPUs each are :class:`ComposedTrees` (built on use). Raises PlanError when a GPU
     cannot reach the network.
     """
     n, g = struct.n_nodes, len(struct.groups[0])
@@ -407,18 +578,11 @@ def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_
         rs = table.routes.get((d, struct.x_id)) or []
         if not rs:
             raise PlanError(f"rsag over {n} nodes: GPU {d} of node {list(devs0)} has no route to the network")
-        up[d] = rs[0]
-    def rate_of(forest):
-        load = collections.Counter()
-        for d, ts in forest.items():
-            wsum = sum(t.weight_gbps for t in ts)
-            for t in ts:
-                for h in t.edges:
-                    load[h] += n * t.weight_gbps / wsum
-                    load[h[::-1]] += n * t.weight_gbps / wsum
-            for h in _hops(up[d]):
-                load[h] += 2 * (n - 1)
-                load[h[::-1]] += 2 * (n - 1)
+        up[d] = tuple(rs[0])
+
+    def rate_of(per):
+        forest = [(d, t.weight_gbps, t.edges) for d, ts in per.items() for t in ts]
+        load = _rsag_load(struct, forest, up)
         return min(struct.template.graph.edges[e]["bandwidth_gbps"] / v for e, v in load.items() if v > 0)
 
     # one tree per root (its heaviest) when the network binds anyway: fewer, longer-pipelined trees
@@ -427,33 +591,9 @@ def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_
     xh = rate_of(heavy)
     if xh >= x * (1 - 1e-9):
         per_root, x = heavy, xh
-    total_trees = n * sum(len(v) for v in per_root.values())
-    if max_gpu_edges is not None and total_trees * n * g > max_gpu_edges:
-        raise PlanError(f"rsag over {n} nodes: {total_trees} trees of {n * g} GPUs exceed {max_gpu_edges} tree edges "
-                        f"(the plan grows as N^2)")
-    net = struct.network
-    maps = [{**m, struct.x_id: net} for m in struct.maps]
-    fp = struct.template.fingerprint()
-    mine = [t for ts in per_root.values() for t in ts]
-    mapped = [{id(t): [(m[a], m[b]) for a, b in t.edges] for t in mine} for m in maps]
-    downs = [{d: [(m[a], m[b]) for a, b in _hops(up[d][::-1])] for d in per_root} for m in maps]
-    trees = []
-    for k in range(n):
-        for d, ts in per_root.items():
-            wsum = sum(t.weight_gbps for t in ts)
-            upk = [(maps[k][a], maps[k][b]) for a, b in _hops(up[d])]
-            for t in ts:
-                hops = list(mapped[k][id(t)])
-                for m_i in range(n):
-                    if m_i != k:
-                        hops.extend(upk)
-                        hops.extend(downs[m_i][d])
-                        hops.extend(mapped[m_i][id(t)])
-                hops = tuple(hops)
-                tree = Tree(maps[k][d], _round(x * t.weight_gbps / wsum), hops, hops)
-                set_shape(tree, ("rsag", fp, n, d, t.edges))  # the same for root position d of every node
-                trees.append(tree)
-    rate = _round(sum(t.weight_gbps for t in trees))
+    forest = tuple((d, t.weight_gbps, tuple(t.edges)) for d, ts in per_root.items() for t in ts)
+    trees = _composed_rsag(topology, devices, struct, forest, up, float(x))
+    rate = _round(sum(p[0] for p in trees.pieces))
     b_rs, b_ag = sharded_bounds(struct)
     bound = 1.0 / (1.0 / b_rs + 1.0 / b_ag)
     gap = 100.0 * (1.0 - rate / bound) if bound > 0 else 0.0
@@ -462,4 +602,4 @@ def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_
             f"{n} nodes through "
             f"each GPU's network route; all-reduce rate {rate:.3f} GB/s, {gap:.2f}% below 1/(1/B_rs + 1/B_ag) = "
             f"{bound:.3f} GB/s (cut bounds {b_rs:.3f}, {b_ag:.3f} on one node with the other nodes contracted)",)
-    return Plan("allreduce", None, tuple(devices), tuple(trees), rate, _round(max(bound, rate)), "rsag", note)
+    return Plan("allreduce", None, tuple(devices), trees, rate, _round(max(bound, rate)), "rsag", note)
