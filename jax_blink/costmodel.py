@@ -161,8 +161,8 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
     (the exact tree packing, three phases, and "rsag"), each planned on one node and composed
     (:class:`~jax_blink.planner.model.ComposedTrees`, built on use); the flat-packing, ring and NCCL
     candidates, planned over all GPUs at once, are left out there. A forced ``algorithm`` keeps its
-    family: "trees" (packings), "ring" (the LP ring packing), "hierarchical". ``max_trees`` given: ``plan(max_trees=...)`` only
-    (an explicit choice, like a forced algorithm). Candidates that cannot be built on these
+    family: "trees" (packings), "ring" (the LP ring packing), "hierarchical". ``max_trees`` given:
+    ``plan(max_trees=...)`` only (an explicit choice, like a forced algorithm). Candidates that cannot be built on these
     devices (PlanError) are left out; duplicates are dropped. Raises PlanError when the
     bandwidth-optimal plan itself fails (bad devices, root, unreachable GPUs).
     """
