@@ -51,7 +51,7 @@ import numpy as np
 
 from . import collectives
 from .errors import PlanError, ScheduleError
-from .planner import dbtree, facade, rings, store, threephase
+from .planner import dbtree, facade, rings, store, symmetric, threephase
 from .planner.model import cached, plan_cache
 from .schedule import DEFAULT_MAX_TOTAL_CHUNKS, DEFAULT_STEP_LATENCY_S, Schedule, _depth, build_schedule
 from .simulate import CHUNK_BUDGET, DEFAULT_LATENCY_US, flow_time, link_level_messages, simulate
@@ -422,9 +422,14 @@ def process_phases(topology, collective: str, nbytes: float, *, devices=None,
               "reducescatter": ("reducescatter",)}[collective]
     local = 0.0
     if L > 1:
+        # identical nodes: node 0 alone, as "rsag" plans it (not the whole cluster, whose NICs give
+        # detours through the network and other nodes' switches), so its packings are shared
+        struct = symmetric.node_structure(topology, devices)
+        view = topology if struct is None else symmetric.node_topology(struct)
+        node = node if struct is None else list(struct.groups[0])
         for phase in phases:
             # the node's share: an all-reduce's local phases run on the full operand; an all-gather's on
             # the gathered output; a reduce-scatter's on the input
-            p = facade.plan(topology, phase, devices=node, root=node[0] if phase == "broadcast" else None)
-            local += simulated_time(p, nbytes, topology, latency_us)
+            p = facade.plan(view, phase, devices=node, root=node[0] if phase == "broadcast" else None)
+            local += simulated_time(p, nbytes, view, latency_us)
     return ProcessPhases(local, network, P, L, nic)

@@ -88,18 +88,29 @@ def _edge_sig(d):
     return (round(float(d["bandwidth_gbps"]), 9), d.get("kind"), d.get("links"))
 
 
-def _map_node(g, comp0, comp_k, pos0, posk, net):
+def _node_edges(g, nodes: set, net) -> list:
+    """(u, v, signature) of the links among ``nodes`` and between them and the network node ``net``
+    (networkx's adjacency dicts directly: this runs over every node of a 1,024-GPU cluster, where
+    the edge views cost several times more)."""
+    succ = g._succ
+    out = [(u, v, _edge_sig(d)) for u in nodes for v, d in succ[u].items() if v in nodes or v == net]
+    out += [(net, v, _edge_sig(succ[net][v])) for v in nodes if v in succ[net]]
+    return out
+
+
+def _map_node(g, comp0, comp_k, pos0, posk, net, e0=None):
     """{node-0 id: node-k id} for an isomorphism of the two nodes that keeps GPU positions, or None.
-    Fast path: multi_node's "n<k>-" switch names; else networkx's VF2 with GPUs pinned by position."""
+    Fast path: multi_node's "n<k>-" switch names; else networkx's VF2 with GPUs pinned by position.
+    ``e0``: :func:`_node_edges` of node 0 (computed when None)."""
     inv0 = {p: n for n, p in pos0.items()}
     m = {inv0[p]: n for n, p in posk.items()}
     m[net] = net
-    sw_k = {n for n in comp_k if not isinstance(n, int)}
     by_rest = {}
-    for s in sw_k:
-        hit = _NODE_PREFIX.match(str(s))
-        if hit:
-            by_rest[hit.group(2)] = s
+    for s in comp_k:
+        if not isinstance(s, int):
+            hit = _NODE_PREFIX.match(str(s))
+            if hit:
+                by_rest[hit.group(2)] = s
     fast = dict(m)
     for s in comp0:
         if isinstance(s, int):
@@ -111,19 +122,26 @@ def _map_node(g, comp0, comp_k, pos0, posk, net):
         fast[s] = by_rest[hit.group(2)]
     nodes0 = set(comp0) | {net}
     nodes_k = set(comp_k) | {net}
+    if e0 is None:
+        e0 = _node_edges(g, set(comp0), net)
+    kinds = g._node
 
     def valid(mp):
         if len(set(mp.values())) != len(mp) or set(mp.values()) != nodes_k:
             return False
-        for n in nodes0:
-            if n != net and _label(g, n, pos0) != _label(g, mp[n], posk):
+        for n in comp0:
+            a, b = kinds[n]["kind"], kinds[mp[n]]["kind"]
+            if a != b or (a == "gpu" and pos0[n] != posk[mp[n]]):
                 return False
-        e0 = [(u, v) for u, v in g.edges(nodes0) if v in nodes0] + [(u, v) for u, v in g.in_edges(net) if u in nodes0]
-        ek = sum(1 for u, v in g.edges(nodes_k) if v in nodes_k) + sum(1 for u, _ in g.in_edges(net) if u in nodes_k)
-        if len(e0) != ek:
+        ek = _node_edges(g, set(comp_k), net)
+        if len(e0) != len(ek):
             return False
-        return all(g.has_edge(mp[u], mp[v]) and _edge_sig(g.edges[u, v]) == _edge_sig(g.edges[mp[u], mp[v]])
-                   for u, v in e0)
+        succ = g._succ
+        for u, v, sig in e0:
+            d = succ[mp[u]].get(mp[v])
+            if d is None or _edge_sig(d) != sig:
+                return False
+        return True
 
     if fast is not None and valid(fast):
         return fast
@@ -152,12 +170,26 @@ def _node_structure(topology, devices):
     nets = [n for n, k in kinds if k == "network"]
     if len(nets) != 1:
         return None
-    job = topology.subset(devices).graph
+    # every GPU: the whole graph, not a copy (subset's dead-end pruning only matters for some GPUs)
+    job = topology.graph if len(devices) == len(topology.gpus) else topology.subset(devices).graph
     if nets[0] not in job:
         return None
     net = nets[0]
-    h = job.subgraph([n for n in job if n != net]).to_undirected(as_view=True)
-    comps = list(nx.connected_components(h))
+    comps, seen = [], {net}
+    succ, pred = job._succ, job._pred  # plain dicts: a breadth-first pass, not a networkx view's
+    for s in job:
+        if s in seen:
+            continue
+        seen.add(s)
+        comp, queue = {s}, [s]
+        while queue:
+            u = queue.pop()
+            for v in (*succ[u], *pred[u]):
+                if v not in seen:
+                    seen.add(v)
+                    comp.add(v)
+                    queue.append(v)
+        comps.append(comp)
     dev_pos = {d: i for i, d in enumerate(devices)}
     comps = [c for c in comps if any(isinstance(n, int) for n in c)]
     if len(comps) < 2 or any(job.nodes[n]["kind"] == "network" for c in comps for n in c):
@@ -168,8 +200,9 @@ def _node_structure(topology, devices):
         return None
     pos = [{d: i for i, d in enumerate(gs)} for gs in groups]
     maps = []
+    e0 = _node_edges(job, set(comps[0]), net)
     for k, comp in enumerate(comps):
-        m = _map_node(job, comps[0], comp, pos[0], pos[k], net)
+        m = _map_node(job, comps[0], comp, pos[0], pos[k], net, e0)
         if m is None:
             return None
         maps.append(m)
@@ -184,6 +217,20 @@ def _node_structure(topology, devices):
     for u, v, d in sub.edges(data=True):
         t.graph.add_edge(x_id if u == net else u, x_id if v == net else v, **d)
     return NodeStructure(tuple(groups), net, tuple(maps), t, x_id)
+
+
+_NODES = plan_cache()
+
+
+def node_topology(struct: NodeStructure) -> Topology:
+    """Node 0 of ``struct`` alone (its GPUs, switches and links; no NICs' network), as a Topology: what
+    one node's own collectives run on, the same for every cluster size (cached per template). Its
+    GPU and switch ids are node 0's ids in the cluster topology."""
+    def make():
+        t = Topology(f"{struct.template.name}0")
+        t.graph = nx.DiGraph(struct.template.graph.subgraph([v for v in struct.template.graph if v != struct.x_id]))
+        return t.subset(struct.groups[0])
+    return cached(_NODES, struct.template.fingerprint(), make)
 
 
 # ------------------------------------------------------------------------------ the symmetric LP
@@ -562,9 +609,7 @@ def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure) -> P
     """
     n, g = struct.n_nodes, len(struct.groups[0])
     devs0 = struct.groups[0]
-    node = Topology(f"{topology.name}:node0")  # node 0 without the network: the same for every cluster size
-    node.graph = nx.DiGraph(struct.template.graph.subgraph([v for v in struct.template.graph if v != struct.x_id]))
-    node = node.subset(devs0)
+    node = node_topology(struct)  # node 0 without the network: the same for every cluster size
     per_root = collections.defaultdict(list)
     if g == 1:  # one GPU per node: no intra-node phase
         local = Plan("allgather", None, devs0, (Tree(devs0[0], 1.0, ()),), 1.0, 1.0, "trivial")
