@@ -14,6 +14,12 @@ request's collective and devices, every hop is a link of the topology, every tre
 all devices from its root, and its link loads are within capacity. Anything else (a torn write, a
 file of another version, an edited plan) is ignored and the plan is planned again and written over
 it (atomically: a temporary file, then a rename, so concurrent processes read a whole file or none).
+
+A composed plan (:class:`~jax_blink.planner.model.ComposedTrees`: identical nodes, planned on one node)
+is written as its rule, O(N) in size instead of the O(N^2) hops of its trees, and checked by the
+rule's decoder (:func:`~jax_blink.planner.model.register_composition`) on one node: every route a path of
+the node's links, every column a spanning forest, every link of every node within capacity; its
+trees are built on use.
 """
 
 from __future__ import annotations

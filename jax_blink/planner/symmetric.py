@@ -29,7 +29,10 @@ centred at node k (at most columns + N - 1 trees per such group), so every node 
 the averaged load: the plan meets the LP bound, and the bound (the LP dual) is the exact optimum of
 the flat packing over all GPUs on the route model of one node (``tests/test_symmetric.py`` checks it
 against the flat LP certificate at 2-4 nodes). Cost: an LP over one node's links, pricing on G + 1
-vertices, whatever N is; building the plan is N trees per group over all GPUs.
+vertices, whatever N is. The plan keeps the composition (:class:`~jax_blink.planner.model.ComposedTrees`:
+the columns, their weights and the node maps); its O(N) trees of N G GPUs, O(N^2) hops in all, are
+built when something iterates them (a schedule, the link-level simulator, JSON). The flow-level cost
+model needs one tree per column, the disk cache the columns and weights (checked on one node).
 """
 
 from __future__ import annotations
