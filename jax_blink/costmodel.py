@@ -431,5 +431,5 @@ def process_phases(topology, collective: str, nbytes: float, *, devices=None,
             # the node's share: an all-reduce's local phases run on the full operand; an all-gather's on
             # the gathered output; a reduce-scatter's on the input
             p = facade.plan(view, phase, devices=node, root=node[0] if phase == "broadcast" else None)
-            local += simulated_time(p, nbytes, view, latency_us)
+            local += simulated_time(p, nbytes, view, latency_us, resolve_cost("auto", topology))  # as across nodes
     return ProcessPhases(local, network, P, L, nic)
