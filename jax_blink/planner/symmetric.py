@@ -195,7 +195,7 @@ def _node_structure(topology, devices):
         comps.append(comp)
     dev_pos = {d: i for i, d in enumerate(devices)}
     comps = [c for c in comps if any(isinstance(n, int) for n in c)]
-    if len(comps) < 2 or any(job.nodes[n]["kind"] == "network" for c in comps for n in c):
+    if len(comps) < 2:  # (the network node is in none: the search starts with it seen)
         return None
     comps.sort(key=lambda c: min(dev_pos[n] for n in c if isinstance(n, int)))
     groups = [tuple(sorted(n for n in c if isinstance(n, int))) for c in comps]
