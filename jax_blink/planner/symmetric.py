@@ -69,6 +69,8 @@ class NodeStructure:
       template: node 0's job graph plus X as a ``Topology`` in which X is GPU ``x_id`` (so routes
         GPU -> X come from :class:`~jax_blink.planner.routes.RouteTable`).
       x_id: the integer id X has in ``template``.
+      fingerprint: the cluster topology's fingerprint (the structure's cache key; composed plans'
+        identity, computed once: a pass over every link of the cluster).
     """
 
     groups: tuple
@@ -76,6 +78,7 @@ class NodeStructure:
     maps: tuple
     template: Topology
     x_id: int
+    fingerprint: str = ""
 
     @property
     def n_nodes(self) -> int:
@@ -165,16 +168,17 @@ def node_structure(topology: Topology, devices) -> NodeStructure | None:
     network node. Cached by (topology fingerprint, devices)."""
     devices = tuple(devices)
     key = (topology.fingerprint(), devices)
-    return cached(_STRUCTURES, key, lambda: _node_structure(topology, devices))
+    return cached(_STRUCTURES, key, lambda: _node_structure(topology, devices, key[0]))
 
 
-def _node_structure(topology, devices):
+def _node_structure(topology, devices, fingerprint):
     kinds = topology.graph.nodes(data="kind")
     nets = [n for n, k in kinds if k == "network"]
     if len(nets) != 1:
         return None
     # every GPU: the whole graph, not a copy (subset's dead-end pruning only matters for some GPUs)
-    job = topology.graph if len(devices) == len(topology.gpus) else topology.subset(devices).graph
+    gpus = topology.gpus
+    job = topology.graph if len(devices) == len(gpus) else topology.subset(devices).graph
     if nets[0] not in job:
         return None
     net = nets[0]
@@ -209,7 +213,7 @@ def _node_structure(topology, devices):
         if m is None:
             return None
         maps.append(m)
-    x_id = max(topology.gpus) + 1
+    x_id = max(gpus) + 1
     t = Topology(f"{topology.name}:node")
     sub = job.subgraph(set(comps[0]) | {net})
     for n, d in sub.nodes(data=True):
@@ -219,7 +223,7 @@ def _node_structure(topology, devices):
             t.graph.add_node(n, **d)
     for u, v, d in sub.edges(data=True):
         t.graph.add_edge(x_id if u == net else u, x_id if v == net else v, **d)
-    return NodeStructure(tuple(groups), net, tuple(maps), t, x_id)
+    return NodeStructure(tuple(groups), net, tuple(maps), t, x_id, fingerprint)
 
 
 _NODES = plan_cache()
@@ -372,7 +376,7 @@ def _composed(topology, devices, struct: NodeStructure, cols, weights) -> Compos
             "weights": [float(x) for x in weights]}
     shapes = [("symmetric", fp, n, c.intra, c.attach) for c in cols]  # the same for every centre node
     info = [(wt, maps[k][cols[j].center], shapes[j]) for j, k, wt in pieces]
-    key = (topology.fingerprint(), tuple(devices), tuple((c.intra, c.attach) for c in cols), tuple(pieces))
+    key = (struct.fingerprint, tuple(devices), tuple((c.intra, c.attach) for c in cols), tuple(pieces))
     return ComposedTrees("symmetric", spec, info, make, key)
 
 
@@ -563,7 +567,7 @@ def _composed_rsag(topology, devices, struct: NodeStructure, forest, up, x: floa
              ("rsag", fp, n, forest[i][0], forest[i][2])) for k, i in pieces]  # one shape per root position
     spec = {"forest": [[d, w, [list(h) for h in e]] for d, w, e in forest],
             "up": [[d, list(r)] for d, r in up.items()], "x": x}
-    key = (topology.fingerprint(), tuple(devices), tuple(forest), tuple(sorted(up.items(), key=lambda kv: kv[0])), x)
+    key = (struct.fingerprint, tuple(devices), tuple(forest), tuple(sorted(up.items(), key=lambda kv: kv[0])), x)
     return ComposedTrees("rsag", spec, info, make, key)
 
 
