@@ -1,6 +1,8 @@
 """All-reduce over identical nodes planned by symmetry (jax_blink/planner/symmetric.py): the structure,
 the exact bound against the flat LP certificate, valid executable plans, the rsag cut bounds."""
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -102,6 +104,7 @@ def test_composed_trees_are_built_on_use():
         flat = p.__class__(**{**p.__dict__, "trees": built})
         assert flow_time(flat, 1 << 20, topo) == pytest.approx(t, rel=1e-12)
         assert flat == p and hash(p) == hash(p) and p.trees == built
+        assert pickle.loads(pickle.dumps(p)) == p  # pickles with its trees built (a plain tuple)
 
 
 def test_one_gpu_per_node():
