@@ -14,7 +14,9 @@ with 8, the pcie-2socket PCIe box with 2) and node count N, all GPUs of all node
   (a fresh temporary ``JAX_BLINK_CACHE_DIR``; median of ``--reps`` loads after ``clear_caches()``).
 
 ``--link N``: for configurations up to N GPUs, also the link-level simulator's time of the choice
-(``simulate(method="link")``) next to its flow-level prediction (slow: seconds per 256 MiB case).
+(``simulate(method="link")``) next to its flow-level prediction, and the choice's link-level time over
+the link-level fastest of ``candidate_plans`` (1.0000: auto picked the link-level choice; slow:
+seconds per 256 MiB case).
 
 Run: python benchmarks/scale.py [--nodes 2 4 8 16 32 64 128] [--types dgx1v:1 dgx1v:4 dgx-h100:8
 pcie-2socket:2] [--reps 3] [--cache] [--link 64]
@@ -68,6 +70,9 @@ def row(node: str, nics: int, n: int, reps: int, cache: bool, link_max: int) -> 
         out[name + "_pred"] = jax_blink.costmodel.simulated_time(p, nb, topo)
         if len(topo.gpus) <= link_max:
             out[name + "_link"] = simulate(p, nb, topology=topo, method="link").time_s
+            # the link-level fastest of auto's candidates: the choice should be it (or as fast)
+            out[name + "_best"] = min(jax_blink.costmodel.simulated_time(c, nb, topo, cost="link")
+                                      for c in jax_blink.costmodel.candidate_plans(topo, "allreduce"))
         if cache:
             with tempfile.TemporaryDirectory() as d:
                 os.environ.update(JAX_BLINK_PLAN_CACHE="1", JAX_BLINK_CACHE_DIR=d)
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
     if a.cache:
         cols += ["load 64K", "load 256M"]
     if a.link:
-        cols += ["64K pred/link us", "256M pred/link ms"]
+        cols += ["64K pred/link us", "256M pred/link ms", "choice/link-best 64K", "256M"]
     for c in cols:
         table.add_column(c, justify="right")
     for node, nics in types:
@@ -126,6 +131,7 @@ def main(argv=None) -> int:
             if a.link:
                 cells += [f"{r['64K_pred'] * 1e6:.1f}/{r['64K_link'] * 1e6:.1f}" if "64K_link" in r else "-",
                           f"{r['256M_pred'] * 1e3:.2f}/{r['256M_link'] * 1e3:.2f}" if "256M_link" in r else "-"]
+                cells += [f"{r[k + '_link'] / r[k + '_best']:.4f}" if k + "_link" in r else "-" for k in SIZES]
             table.add_row(*cells)
             print(" | ".join(cells), file=sys.stderr, flush=True)  # each row as it is measured
     console.print(table)

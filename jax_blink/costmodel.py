@@ -51,20 +51,24 @@ import numpy as np
 
 from . import collectives
 from .errors import PlanError, ScheduleError
-from .planner import dbtree, facade, rings, store, threephase
+from .planner import dbtree, facade, rings, store, symmetric, threephase
 from .planner.model import cached, plan_cache
 from .schedule import DEFAULT_MAX_TOTAL_CHUNKS, DEFAULT_STEP_LATENCY_S, Schedule, _depth, build_schedule
-from .simulate import CHUNK_BUDGET, DEFAULT_LATENCY_US, flow_time, simulate
+from .simulate import CHUNK_BUDGET, DEFAULT_LATENCY_US, flow_time, link_level_messages, simulate
 from .simulate import DEFAULT_MAX_CHUNKS as SIM_MAX_CHUNKS
 
 #: ``plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
 CANDIDATE_MAX_TREES = (None, 4, 2, 1)
-#: Identical nodes: "rsag" is a candidate while N^2 (N trees of N GPUs) stays within this many tree
-#: edges (up to 512 GPUs); above, building it costs more than the rest of plan(nbytes=) together.
-STRUCTURED_RSAG_MAX_EDGES = 512 * 512
+#: ``cost="auto"`` across nodes: candidates within this fraction of the fastest by the flow-level
+#: closed form are ranked again by the link-level simulator (its fill estimate is off by up to ~16%
+#: at 64 KiB against the link-level model, tests/test_flow_model.py), when that simulates at most
+#: LINK_RANK_MAX_MESSAGES messages (about 0.1 s on one core: 32 GPUs at 64 KiB - 1 MiB).
+LINK_RANK_MARGIN = 0.25
+LINK_RANK_MAX_MESSAGES = 12_000
 #: The cost model's default predictor, "auto": "flow" (:func:`jax_blink.simulate.flow_time`, the
 #: closed form, cost independent of chunks and links) on topologies with a network (several nodes),
-#: "link" (the link-level event model) inside one node, where it takes milliseconds.
+#: with the close candidates ranked again link-level where affordable (:func:`ranked`), "link" (the
+#: link-level event model) inside one node, where it takes milliseconds.
 DEFAULT_COST = "auto"
 
 _CHOICES: collections.OrderedDict = plan_cache()
@@ -154,11 +158,11 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
     NCCL's double binary tree and the reduce-scatter + all-gather forests ("rsag"), and Blink's
     three phases when ``devices`` span several nodes. All-reduce over identical nodes
     (:func:`jax_blink.planner.facade.structure`): the plans of :mod:`jax_blink.planner.symmetric` only
-    (the exact tree packing, three phases, and "rsag" up to STRUCTURED_RSAG_MAX_EDGES), each planned on
-    one node; the flat-packing, ring and NCCL candidates, planned over all GPUs at once, are left out
-    there. A forced ``algorithm`` keeps its family: "trees" (packings),
-    "ring" (the LP ring packing), "hierarchical". ``max_trees`` given: ``plan(max_trees=...)`` only
-    (an explicit choice, like a forced algorithm). Candidates that cannot be built on these
+    (the exact tree packing, three phases, and "rsag"), each planned on one node and composed
+    (:class:`~jax_blink.planner.model.ComposedTrees`, built on use); the flat-packing, ring and NCCL
+    candidates, planned over all GPUs at once, are left out there. A forced ``algorithm`` keeps its
+    family: "trees" (packings), "ring" (the LP ring packing), "hierarchical". ``max_trees`` given:
+    ``plan(max_trees=...)`` only (an explicit choice, like a forced algorithm). Candidates that cannot be built on these
     devices (PlanError) are left out; duplicates are dropped. Raises PlanError when the
     bandwidth-optimal plan itself fails (bad devices, root, unreachable GPUs).
     """
@@ -176,8 +180,7 @@ def candidate_plans(topology, collective: str, *, devices=None, root=None, algor
             makers.append(lambda: facade.plan(topology, collective, devices=devices, algorithm="trees"))
         if algorithm == "auto":
             makers.append(lambda: facade.plan(topology, collective, devices=devices, algorithm="hierarchical"))
-            if len(devices) ** 2 <= STRUCTURED_RSAG_MAX_EDGES:
-                makers.append(lambda: facade.plan(topology, collective, devices=devices, algorithm="rsag"))
+            makers.append(lambda: facade.plan(topology, collective, devices=devices, algorithm="rsag"))
         return _dedupe(first, makers)
     if algorithm in ("auto", "trees"):
         opt = facade.plan(topology, collective, devices=devices, root=root, algorithm="trees")
@@ -241,14 +244,34 @@ def simulated_time(plan, nbytes: float, topology, latency_us: float = DEFAULT_LA
                                                 method="link").time_s, _CACHE_SIZE)
 
 
-def fastest(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US, cost: str = DEFAULT_COST):
-    """(plan, seconds) with the least :func:`simulated_time` among ``plans`` (earlier wins ties).
-    Raises PlanError for no plans."""
+def ranked(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US, cost: str = DEFAULT_COST):
+    """[(plan, seconds)] of ``plans`` by predicted time (earlier wins ties) and the predictor used,
+    "flow" or "link". ``cost`` "flow" / "link": :func:`simulated_time` by that model. "auto": inside one
+    node the link-level model; across nodes the flow-level closed form, then the candidates within
+    LINK_RANK_MARGIN of the fastest by it are ranked again by the link-level model when that costs at
+    most LINK_RANK_MAX_MESSAGES simulated messages (:func:`jax_blink.simulate.link_level_messages`):
+    where the closed form's pipeline-fill estimate can misorder close candidates (mid sizes, many
+    trees; tests/test_flow_model.py), the link-level simulator decides wherever it is affordable."""
     plans = list(plans)
     if not plans:
         raise PlanError("fastest needs at least one plan (e.g. from candidate_plans)")
-    timed = [(p, simulated_time(p, nbytes, topology, latency_us, cost)) for p in plans]
-    return min(timed, key=lambda pt: pt[1])
+    model = resolve_cost(cost, topology)
+    timed = [(p, simulated_time(p, nbytes, topology, latency_us, model)) for p in plans]
+    if cost == "auto" and model == "flow" and len(plans) > 1:
+        best = min(t for _, t in timed)
+        close = [p for p, t in timed if t <= best * (1 + LINK_RANK_MARGIN)]
+        if len(close) > 1 and sum(link_level_messages(p, nbytes, topology, latency_us=latency_us)
+                                  for p in close) <= LINK_RANK_MAX_MESSAGES:
+            timed = [(p, simulated_time(p, nbytes, topology, latency_us, "link")) for p in close]
+            model = "link"
+    order = sorted(range(len(timed)), key=lambda i: (timed[i][1], i))
+    return [timed[i] for i in order], model
+
+
+def fastest(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US, cost: str = DEFAULT_COST):
+    """(plan, seconds) with the least predicted time among ``plans`` (earlier wins ties; :func:`ranked`).
+    Raises PlanError for no plans."""
+    return ranked(plans, nbytes, topology, latency_us, cost)[0][0]
 
 
 def choose_plan(topology, collective: str, nbytes: float, *, devices=None, root=None,
@@ -274,17 +297,19 @@ def choose_plan(topology, collective: str, nbytes: float, *, devices=None, root=
 
 
 def _choose_plan(topology, plans, nbytes, latency_us, algorithm="auto", cost=DEFAULT_COST):
-    best, t = fastest(plans, nbytes, topology, latency_us, cost)
+    order, model = ranked(plans, nbytes, topology, latency_us, cost)
+    best, t = order[0]
     if len(plans) == 1:
         return best
-    others = sorted((simulated_time(p, nbytes, topology, latency_us, cost), i) for i, p in enumerate(plans)
-                    if p is not best)
-    second = plans[others[0][1]]
     who = "auto" if algorithm == "auto" else f"algorithm={algorithm!r}"
-    model = "flow-level closed form" if resolve_cost(cost, topology) == "flow" else "link-level simulator"
-    note = (f"{who}: chosen for {nbytes:.0f} B per GPU by the cost model ({model}): "
-            f"{t * 1e6:.1f} us, the least of {len(plans)} candidates (next: {second.shape()}, "
-            f"{others[0][0] * 1e6:.1f} us)")
+    how = "flow-level closed form" if model == "flow" else "link-level simulator"
+    if model == "link" and resolve_cost(cost, topology) == "flow":
+        how = (f"link-level simulator over the {len(order)} candidates within {LINK_RANK_MARGIN:.0%} of the "
+               f"fastest by the flow-level closed form")
+    nxt = (f"next: {order[1][0].shape()}, {order[1][1] * 1e6:.1f} us" if len(order) > 1
+           else "the others slower by the closed form")
+    note = (f"{who}: chosen for {nbytes:.0f} B per GPU by the cost model ({how}): "
+            f"{t * 1e6:.1f} us, the least of {len(plans)} candidates ({nxt})")
     notes = (note,)
     if best.collective in ("allreduce", "broadcast", "reduce", "allgather", "reducescatter"):
         phases = process_phases(topology, best.collective, nbytes, devices=best.devices, latency_us=latency_us)
@@ -397,9 +422,14 @@ def process_phases(topology, collective: str, nbytes: float, *, devices=None,
               "reducescatter": ("reducescatter",)}[collective]
     local = 0.0
     if L > 1:
+        # identical nodes: node 0 alone, as "rsag" plans it (not the whole cluster, whose NICs give
+        # detours through the network and other nodes' switches), so its packings are shared
+        struct = symmetric.node_structure(topology, devices)
+        view = topology if struct is None else symmetric.node_topology(struct)
+        node = node if struct is None else list(struct.groups[0])
         for phase in phases:
             # the node's share: an all-reduce's local phases run on the full operand; an all-gather's on
             # the gathered output; a reduce-scatter's on the input
-            p = facade.plan(topology, phase, devices=node, root=node[0] if phase == "broadcast" else None)
-            local += simulated_time(p, nbytes, topology, latency_us)
+            p = facade.plan(view, phase, devices=node, root=node[0] if phase == "broadcast" else None)
+            local += simulated_time(p, nbytes, view, latency_us, resolve_cost("auto", topology))  # as across nodes
     return ProcessPhases(local, network, P, L, nic)

@@ -38,7 +38,8 @@ def plan(topology: Topology | str | os.PathLike, collective: str = "allreduce", 
       algorithm: "auto" (the fastest: with ``nbytes``, the least predicted time at that size over
         trees, fewer trees, rings, NCCL's rings and double binary tree, three phases, by
         :func:`jax_blink.costmodel.choose_plan`: the link-level simulator inside one node, the
-        flow-level closed form across nodes, where identical nodes are planned on one node; without,
+        flow-level closed form across nodes (the close candidates ranked again link-level where that is
+        cheap), where identical nodes are planned on one node; without,
         the highest rate, i.e. the large-operand limit, trees or the ring packing; the reason in
         ``notes``), or force one:
         "trees" (exact packing over all devices), "ring" (all-reduce, all-gather, reduce-scatter),

@@ -50,7 +50,7 @@ from typing import Any
 
 from . import collectives as _collectives
 from .errors import BlinkError, PlanError, ScheduleError
-from .planner.model import tree_shape
+from .planner.model import ComposedTrees, plan_cache, tree_shape
 from .planner.routes import route
 from .schedule import COPY, REDUCE, Schedule, choose_chunks
 
@@ -548,7 +548,7 @@ def _walk(hops, root, links, relays=()):
     return max(v[0] for v in vals), [v[1:] for v in vals], slow
 
 
-_FLOW_TREES: dict = {}
+_FLOW_TREES = plan_cache()  # emptied by clear_caches(), as the plans are
 
 
 def _frontier(points) -> list:
@@ -614,45 +614,65 @@ def flow_time(plan, nbytes: float, topology, *, latency_us: float = DEFAULT_LATE
     ``tests/test_flow_model.py``. Host staging (GPUs without peer access) is not modelled: plans
     with such sends should use ``method="link"``.
     """
+    return max((tt for tt, _ in _flow_trees(plan, nbytes, topology, latency_us, max_chunks)), default=0.0)
+
+
+def _flow_trees(plan, nbytes, topology, latency_us, max_chunks) -> list:
+    """[(T_t seconds, chunks k_t)] per tree of positive weight (:func:`flow_time`); [] when nothing moves."""
     devices = list(plan.devices)
-    trees = [t for t in plan.trees if t.weight_gbps > 0]
+    if isinstance(plan.trees, ComposedTrees):  # weights, roots and shapes without building the trees
+        composed = plan.trees
+        trees = [(w, r, i) for i, (w, r, _) in enumerate(composed.pieces) if w > 0]
+    else:
+        composed = None
+        trees = [(t.weight_gbps, t.root, t) for t in plan.trees if t.weight_gbps > 0]
     if len(devices) <= 1 or not trees:
-        return 0.0
+        return []
     row = _collectives.get(plan.collective)
     g = topology.graph
     links = {(u, v): (d["bandwidth_gbps"], 1.0 / d["bandwidth_gbps"], _KIND_RANK.get(d["kind"], -1))
              for u, v, d in g.edges(data=True)}
     symmetric = all(links.get((v, u)) == x for (u, v), x in links.items())
-    wsum = sum(t.weight_gbps for t in trees)
+    wsum = sum(w for w, _, _ in trees)
     per_root: dict = {}
-    for t in trees:
-        per_root[t.root] = per_root.get(t.root, 0.0) + t.weight_gbps
+    for w, r, _ in trees:
+        per_root[r] = per_root.get(r, 0.0) + w
     latency_s = latency_us * 1e-6
     mc = max(1, min(max_chunks, CHUNK_BUDGET // len(trees)))
-    worst = 0.0
-    for t in trees:
-        d, paths, slow = _tree_metrics(t, links, row.reduces, row.broadcasts, symmetric)
-        seg = nbytes / len(devices) * t.weight_gbps / per_root[t.root] if row.sharded else nbytes * t.weight_gbps / wsum
-        k = choose_chunks(seg, d, t.weight_gbps, step_latency_s=max(latency_s, 1e-7), max_chunks=mc)
+    out = []
+    for w, r, t in trees:
+        if composed is not None:  # one tree built per shape
+            hit = _FLOW_TREES.get((composed.pieces[t][2], row.reduces, row.broadcasts, symmetric))
+            d, paths, slow = hit[1] if hit is not None else _tree_metrics(
+                composed.sample(t), links, row.reduces, row.broadcasts, symmetric)
+        else:
+            d, paths, slow = _tree_metrics(t, links, row.reduces, row.broadcasts, symmetric)
+        seg = nbytes / len(devices) * w / per_root[r] if row.sharded else nbytes * w / wsum
+        k = choose_chunks(seg, d, w, step_latency_s=max(latency_s, 1e-7), max_chunks=mc)
         c = seg / k / 1e9
         # deepest path of each phase: chunk store-and-forward over its hops plus its sends' latencies
         fill = sum(max(c * inv + proto + sends * latency_s for inv, proto, sends in ps) for ps in paths)
-        tt = seg / (t.weight_gbps * 1e9) + max(fill - c / slow, 0.0)
-        worst = max(worst, tt)
-    return worst
+        tt = seg / (w * 1e9) + max(fill - c / slow, 0.0)
+        out.append((tt, k))
+    return out
 
 
-def link_level_messages(plan, nbytes: float, *, latency_us: float = DEFAULT_LATENCY_US,
+def link_level_messages(plan, nbytes: float, topology=None, *, latency_us: float = DEFAULT_LATENCY_US,
                         max_chunks: int = DEFAULT_MAX_CHUNKS) -> int:
-    """An upper estimate of the messages the link-level model would simulate for ``plan``:
-    chunks per tree (at most ``max_chunks``, about CHUNK_BUDGET over all trees) x GPU-level edges
-    (reduce and broadcast). Cheap: no routes are parsed."""
-    trees = [t for t in plan.trees if t.weight_gbps > 0]
+    """The messages (chunk sends over one GPU-level tree edge) the link-level model simulates for
+    ``plan``: chunks per tree x GPU-level edges x phases (reduce, broadcast). With ``topology``, the
+    chunk counts are the model's own (:func:`jax_blink.schedule.choose_chunks`, from the flow model's
+    tree depths: cheap, one tree per shape); without, an upper estimate (``max_chunks``, about
+    CHUNK_BUDGET over all trees). No routes are parsed."""
+    trees = [t for t in plan.trees if t.weight_gbps > 0] if topology is None else None
+    row = _collectives.get(plan.collective)
+    per_edge = (len(plan.devices) - 1) * (int(row.reduces) + int(row.broadcasts))
+    if topology is not None:
+        return sum(k for _, k in _flow_trees(plan, nbytes, topology, latency_us, max_chunks)) * per_edge
     if not trees:
         return 0
-    row = _collectives.get(plan.collective)
     mc = max(1, min(max_chunks, CHUNK_BUDGET // len(trees)))
-    return len(trees) * mc * (len(plan.devices) - 1) * (int(row.reduces) + int(row.broadcasts))
+    return len(trees) * mc * per_edge
 
 
 def _flow_result(plan, nbytes, topology, latency_us, max_chunks) -> SimResult:

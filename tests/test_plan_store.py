@@ -64,23 +64,33 @@ def _rewrite(path, edit_header=None, edit_plan=None):
 
 
 def _overload(d):
+    if "composed" in d:  # every column 10 times heavier, rate to match: only the load check catches it
+        d["composed"]["spec"]["weights"] = [10 * w for w in d["composed"]["spec"]["weights"]]
+        d["rate_gbps"] *= 10
+        return d
     d["trees"][0]["weight_gbps"] *= 10
     d["rate_gbps"] = sum(t["weight_gbps"] for t in d["trees"])
     return d
 
 
 def _detach(d):
+    if "composed" in d:  # a column's last intra-node edge dropped: its forest misses a GPU
+        d["composed"]["spec"]["columns"][0][0].pop()
+        return d
     d["trees"][0]["edges"] = d["trees"][0]["edges"][:-3]
     return d
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "stale", "checksum", "overloaded", "not a tree",
                                     "other devices"])
-def test_bad_entries_are_ignored_and_rewritten(disk, damage):
+@pytest.mark.parametrize("topo", [TOPO, "dgx1v"], ids=["composed", "flat"])
+def test_bad_entries_are_ignored_and_rewritten(disk, damage, topo):
     plans, calls = disk
-    p = jax_blink.plan(TOPO, "allreduce", algorithm="trees")
+    topo = jax_blink.load_topology(topo) if isinstance(topo, str) else topo
+    p = jax_blink.plan(topo, "allreduce", algorithm="trees")
     (path,) = _entry(plans)
     good = path.read_bytes()
+    assert (b'"composed"' in good) == (topo is TOPO)  # identical nodes: the compact form
     if damage == "truncated":
         path.write_bytes(good[: len(good) // 2])
     elif damage == "garbage":
@@ -88,7 +98,7 @@ def test_bad_entries_are_ignored_and_rewritten(disk, damage):
     elif damage == "stale":
         _rewrite(path, edit_header=lambda h: h["key"].update(version="0" * 16))
     elif damage == "checksum":
-        path.write_bytes(good.replace(b'"weight_gbps": ', b'"weight_gbps": 1', 1))
+        path.write_bytes(good.replace(b'"rate_gbps": ', b'"rate_gbps": 1', 1))
     elif damage == "overloaded":
         _rewrite(path, edit_plan=_overload)
     elif damage == "not a tree":
@@ -96,10 +106,24 @@ def test_bad_entries_are_ignored_and_rewritten(disk, damage):
     else:
         _rewrite(path, edit_plan=lambda d: {**d, "devices": d["devices"][::-1]})
     jax_blink.clear_caches()
-    q = jax_blink.plan(TOPO, "allreduce", algorithm="trees")
+    q = jax_blink.plan(topo, "allreduce", algorithm="trees")
     assert len(calls) == 2  # planned again
     assert q == p
     assert path.read_bytes() == good  # and rewritten
+
+
+def test_composed_entry_is_small_and_loads_the_same_trees(disk):
+    """A composed plan's entry is its rule (one node's columns and weights), not its O(N^2) hops; the
+    loaded plan builds the same trees as the planned one."""
+    plans, calls = disk
+    topo = multi_node("dgx1v", 16, 12.5, 4)
+    p = jax_blink.plan(topo, "allreduce", algorithm="hierarchical")
+    (path,) = _entry(plans)
+    assert path.stat().st_size * 50 < len(p.to_json())  # 4 KB against 845 KB of trees (36,864 hops)
+    jax_blink.clear_caches()
+    q = jax_blink.plan(topo, "allreduce", algorithm="hierarchical")
+    assert len(calls) == 1 and q.trees._trees is None
+    assert tuple(q.trees) == tuple(p.trees) and q.to_json() == p.to_json()
 
 
 def test_cache_off_and_unwritable_dir(disk, monkeypatch, tmp_path):

@@ -1,6 +1,8 @@
 """All-reduce over identical nodes planned by symmetry (jax_blink/planner/symmetric.py): the structure,
 the exact bound against the flat LP certificate, valid executable plans, the rsag cut bounds."""
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -83,11 +85,26 @@ def test_sharded_bounds_match_the_flat_cut_bounds():
     assert rs == pytest.approx(bounds.reducescatter_bound(topo, topo.gpus), rel=1e-9)
 
 
-def test_rsag_plan_size_limit():
-    topo = multi_node("dgx1v", 2, 12.5, 1)
-    st = symmetric.node_structure(topo, tuple(topo.gpus))
-    with pytest.raises(jax_blink.PlanError, match="tree edges"):
-        symmetric.symmetric_rsag_plan(topo, tuple(topo.gpus), st, max_gpu_edges=10)
+def test_composed_trees_are_built_on_use():
+    """A composed plan's trees are built when iterated (not to plan or rank it); its flow-level time from
+    one tree per shape equals the time over the built trees; the built trees are the plan's."""
+    from jax_blink.planner.model import ComposedTrees
+    from jax_blink.simulate import flow_time
+
+    topo = multi_node("dgx1v", 3, 12.5, 2)
+    for alg in ("trees", "hierarchical", "rsag"):
+        jax_blink.clear_caches()
+        p = jax_blink.plan(topo, "allreduce", algorithm=alg)
+        assert isinstance(p.trees, ComposedTrees) and p.trees._trees is None
+        t = flow_time(p, 1 << 20, topo)
+        assert p.trees._trees is None and len(p.trees) == len(p.trees.pieces) > 3
+        built = tuple(p.trees)
+        assert [(x.weight_gbps, x.root) for x in built] == [q[:2] for q in p.trees.pieces]
+        jax_blink.clear_caches()  # flow metrics from the built trees, each walked
+        flat = p.__class__(**{**p.__dict__, "trees": built})
+        assert flow_time(flat, 1 << 20, topo) == pytest.approx(t, rel=1e-12)
+        assert flat == p and hash(p) == hash(p) and p.trees == built
+        assert pickle.loads(pickle.dumps(p)) == p  # pickles with its trees built (a plain tuple)
 
 
 def test_one_gpu_per_node():

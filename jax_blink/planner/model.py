@@ -8,6 +8,7 @@ A plan is a set of weighted trees over the job's GPUs whose edges may relay thro
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import json
 import math
@@ -62,6 +63,92 @@ def tree_shape(tree):
     """The shape key :func:`set_shape` recorded for ``tree``, or None."""
     hit = _SHAPES.get(id(tree))
     return hit[1] if hit is not None and hit[0] is tree else None
+
+
+class ComposedTrees(collections.abc.Sequence):
+    """A plan's trees given by a composition rule (:mod:`jax_blink.planner.symmetric`: one node's plan
+    and the network's, composed over N identical nodes), built on first use.
+
+    A composed plan over N nodes has O(N) trees of N G GPUs each, O(N^2) hops in all; planning,
+    ranking (the flow-level cost model) and the disk cache need only the rule, so the trees are
+    built when something iterates them (the simulator, a schedule, JSON), once, and kept.
+
+    Attributes:
+      kind: the rule's name, as :func:`register_composition` knows it ("symmetric", "rsag").
+      spec: the rule's data as JSON-able values (what the disk cache writes; decoded and checked by
+        the rule's decoder).
+      pieces: one (weight GB/s, root GPU, shape key) per tree, in the trees' order; trees of one shape
+        are equal up to relabelling the nodes (:func:`set_shape`).
+      make: ``make(i)`` builds tree i alone (O(N G) hops).
+
+    Sequence of :class:`Tree` (len, index, iterate); equal (and hash) by (kind, key) among composed
+    trees, by their trees against a tuple. Pickles as a plain tuple of trees.
+    """
+
+    __slots__ = ("kind", "spec", "pieces", "_key", "_hash", "_make", "_trees")
+
+    def __init__(self, kind: str, spec, pieces, make, key):
+        self.kind, self.spec, self.pieces = kind, spec, tuple(pieces)
+        self._make, self._key, self._trees = make, key, None
+        self._hash = hash((kind, key))
+
+    def materialize(self) -> tuple:
+        """The trees as a tuple (built once)."""
+        if self._trees is None:
+            trees = tuple(self._make(i) for i in range(len(self.pieces)))
+            for t, (_, _, shape) in zip(trees, self.pieces):
+                set_shape(t, shape)
+            self._trees = trees
+        return self._trees
+
+    def sample(self, i: int) -> Tree:
+        """Tree i (from the built tuple when built, else built alone; its shape recorded)."""
+        t = self._trees[i] if self._trees is not None else self._make(i)
+        set_shape(t, self.pieces[i][2])
+        return t
+
+    def __len__(self):
+        return len(self.pieces)
+
+    def __getitem__(self, i):
+        return self.materialize()[i]
+
+    def __iter__(self):
+        return iter(self.materialize())
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        if isinstance(other, ComposedTrees):
+            return self._hash == other._hash and self.kind == other.kind and self._key == other._key
+        if isinstance(other, tuple):
+            return self.materialize() == other
+        return NotImplemented
+
+    def __reduce__(self):
+        return (tuple, (self.materialize(),))
+
+    def __repr__(self):
+        return f"ComposedTrees({self.kind!r}, {len(self.pieces)} trees)"
+
+
+_COMPOSITIONS: dict = {}
+
+
+def register_composition(kind: str, decode) -> None:
+    """Register ``decode(topology, devices, spec) -> ComposedTrees`` for :attr:`ComposedTrees.kind`
+    ``kind`` (the disk cache rebuilds composed plans with it; it raises PlanError on a spec that is
+    not a valid plan of ``devices`` on ``topology``)."""
+    _COMPOSITIONS[kind] = decode
+
+
+def decode_composition(kind: str, topology, devices, spec) -> ComposedTrees:
+    """Composed trees from a spec written by :attr:`ComposedTrees.spec` (PlanError when ``kind`` is
+    unknown or the spec invalid)."""
+    if kind not in _COMPOSITIONS:
+        raise PlanError(f"unknown plan composition {kind!r}; known: {sorted(_COMPOSITIONS)}")
+    return _COMPOSITIONS[kind](topology, tuple(devices), spec)
 
 
 def clear_on_reset(fn):

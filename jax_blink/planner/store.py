@@ -14,11 +14,18 @@ request's collective and devices, every hop is a link of the topology, every tre
 all devices from its root, and its link loads are within capacity. Anything else (a torn write, a
 file of another version, an edited plan) is ignored and the plan is planned again and written over
 it (atomically: a temporary file, then a rename, so concurrent processes read a whole file or none).
+
+A composed plan (:class:`~jax_blink.planner.model.ComposedTrees`: identical nodes, planned on one node)
+is written as its rule, O(N) in size instead of the O(N^2) hops of its trees, and checked by the
+rule's decoder (:func:`~jax_blink.planner.model.register_composition`) on one node: every route a path of
+the node's links, every column a spanning forest, every link of every node within capacity; its
+trees are built on use.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hashlib
 import json
@@ -28,7 +35,7 @@ import pathlib
 
 from ..errors import PlanError
 from ..topology.probe import cache_dir
-from .model import Plan
+from .model import ComposedTrees, Plan, decode_composition
 
 ENV_PLAN_CACHE = "JAX_BLINK_PLAN_CACHE"
 _LOG = logging.getLogger(__name__)
@@ -117,6 +124,37 @@ def _check_tree(hops, root, devs: set, relays: set) -> None:
         done.update(path)
 
 
+def _encode(plan: Plan) -> dict:
+    """The entry's plan: :meth:`Plan.to_dict`, or for a composed plan (:class:`ComposedTrees`) its
+    fields without trees and the composition's spec (O(N) instead of the trees' O(N^2) hops)."""
+    if isinstance(plan.trees, ComposedTrees):
+        d = dataclasses.replace(plan, trees=()).to_dict()
+        del d["trees"]
+        d["composed"] = {"kind": plan.trees.kind, "spec": plan.trees.spec}
+        return d
+    return plan.to_dict()
+
+
+def _decode(d, topology, collective: str, devices) -> Plan:
+    """The checked plan of an entry's dict (:func:`_encode`): PlanError (or a lookup / type error on a
+    malformed dict) unless valid: a composed plan's spec is checked by its decoder on one node
+    (:func:`jax_blink.planner.model.decode_composition`), its rate against the pieces' weights; any
+    other plan by :func:`check_plan`."""
+    if not isinstance(d, dict) or "composed" not in d:
+        plan = Plan.from_dict(d)
+        check_plan(plan, topology, collective, devices)
+        return plan
+    plan = Plan.from_dict({**d, "trees": []})
+    if plan.collective != collective or tuple(plan.devices) != tuple(devices):
+        raise PlanError(f"cached plan is for {plan.collective} over {list(plan.devices)}, not {collective} over "
+                        f"{list(devices)}")
+    trees = decode_composition(d["composed"]["kind"], topology, devices, d["composed"]["spec"])
+    total = sum(p[0] for p in trees.pieces)
+    if abs(total - plan.rate_gbps) > 1e-6 * max(1.0, total):
+        raise PlanError(f"cached plan: rate {plan.rate_gbps} GB/s is not the sum of its weights {total}")
+    return dataclasses.replace(plan, trees=trees)
+
+
 def load(key: dict, topology, collective: str, devices) -> Plan | None:
     """The cached plan of ``key``, or None when absent or not valid (module docstring; the reason is
     logged at DEBUG)."""
@@ -129,12 +167,10 @@ def load(key: dict, topology, collective: str, devices) -> Plan | None:
             raise ValueError("another version or request")
         if hashlib.sha256(text).hexdigest() != data["sha256"]:
             raise ValueError("checksum mismatch")
-        plan = Plan.from_json(text.decode())
-        check_plan(plan, topology, collective, devices)
-        return plan
+        return _decode(json.loads(text), topology, collective, devices)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanError) as err:
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, PlanError) as err:
         _LOG.debug("ignoring plan cache entry %s: %s", path, err)
         return None
 
@@ -143,7 +179,7 @@ def store(key: dict, plan: Plan) -> None:
     """Write ``plan`` as the entry of ``key`` (atomic rename; an unwritable directory is logged and
     skipped: the cache is an optimisation)."""
     path = entry_path(key)
-    text = plan.to_json().encode()
+    text = json.dumps(_encode(plan)).encode()
     head = json.dumps({"key": _key(key), "sha256": hashlib.sha256(text).hexdigest()}).encode()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,10 @@ centred at node k (at most columns + N - 1 trees per such group), so every node 
 the averaged load: the plan meets the LP bound, and the bound (the LP dual) is the exact optimum of
 the flat packing over all GPUs on the route model of one node (``tests/test_symmetric.py`` checks it
 against the flat LP certificate at 2-4 nodes). Cost: an LP over one node's links, pricing on G + 1
-vertices, whatever N is; building the plan is N trees per group over all GPUs.
+vertices, whatever N is. The plan keeps the composition (:class:`~jax_blink.planner.model.ComposedTrees`:
+the columns, their weights and the node maps); its O(N) trees of N G GPUs, O(N^2) hops in all, are
+built when something iterates them (a schedule, the link-level simulator, JSON). The flow-level cost
+model needs one tree per column, the disk cache the columns and weights (checked on one node).
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ from ..errors import PlanError
 from ..topology.model import Topology, _key
 from .bounds import sharded_cut
 from .colgen import column_generation
-from .model import Plan, Tree, _hops, _round, cached, plan_cache, set_shape
+from .model import ComposedTrees, Plan, Tree, _hops, _round, cached, plan_cache, register_composition
 from .routes import Column, RouteTable, _spanning_parents, pricer
+from .store import _check_tree
 from .trees import flat_plan
 
 _STRUCTURES = plan_cache()
@@ -65,6 +69,8 @@ class NodeStructure:
       template: node 0's job graph plus X as a ``Topology`` in which X is GPU ``x_id`` (so routes
         GPU -> X come from :class:`~jax_blink.planner.routes.RouteTable`).
       x_id: the integer id X has in ``template``.
+      fingerprint: the cluster topology's fingerprint (the structure's cache key; composed plans'
+        identity, computed once: a pass over every link of the cluster).
     """
 
     groups: tuple
@@ -72,6 +78,7 @@ class NodeStructure:
     maps: tuple
     template: Topology
     x_id: int
+    fingerprint: str = ""
 
     @property
     def n_nodes(self) -> int:
@@ -87,18 +94,29 @@ def _edge_sig(d):
     return (round(float(d["bandwidth_gbps"]), 9), d.get("kind"), d.get("links"))
 
 
-def _map_node(g, comp0, comp_k, pos0, posk, net):
+def _node_edges(g, nodes: set, net) -> list:
+    """(u, v, signature) of the links among ``nodes`` and between them and the network node ``net``
+    (networkx's adjacency dicts directly: this runs over every node of a 1,024-GPU cluster, where
+    the edge views cost several times more)."""
+    succ = g._succ
+    out = [(u, v, _edge_sig(d)) for u in nodes for v, d in succ[u].items() if v in nodes or v == net]
+    out += [(net, v, _edge_sig(succ[net][v])) for v in nodes if v in succ[net]]
+    return out
+
+
+def _map_node(g, comp0, comp_k, pos0, posk, net, e0=None):
     """{node-0 id: node-k id} for an isomorphism of the two nodes that keeps GPU positions, or None.
-    Fast path: multi_node's "n<k>-" switch names; else networkx's VF2 with GPUs pinned by position."""
+    Fast path: multi_node's "n<k>-" switch names; else networkx's VF2 with GPUs pinned by position.
+    ``e0``: :func:`_node_edges` of node 0 (computed when None)."""
     inv0 = {p: n for n, p in pos0.items()}
     m = {inv0[p]: n for n, p in posk.items()}
     m[net] = net
-    sw_k = {n for n in comp_k if not isinstance(n, int)}
     by_rest = {}
-    for s in sw_k:
-        hit = _NODE_PREFIX.match(str(s))
-        if hit:
-            by_rest[hit.group(2)] = s
+    for s in comp_k:
+        if not isinstance(s, int):
+            hit = _NODE_PREFIX.match(str(s))
+            if hit:
+                by_rest[hit.group(2)] = s
     fast = dict(m)
     for s in comp0:
         if isinstance(s, int):
@@ -110,19 +128,26 @@ def _map_node(g, comp0, comp_k, pos0, posk, net):
         fast[s] = by_rest[hit.group(2)]
     nodes0 = set(comp0) | {net}
     nodes_k = set(comp_k) | {net}
+    if e0 is None:
+        e0 = _node_edges(g, set(comp0), net)
+    kinds = g._node
 
     def valid(mp):
         if len(set(mp.values())) != len(mp) or set(mp.values()) != nodes_k:
             return False
-        for n in nodes0:
-            if n != net and _label(g, n, pos0) != _label(g, mp[n], posk):
+        for n in comp0:
+            a, b = kinds[n]["kind"], kinds[mp[n]]["kind"]
+            if a != b or (a == "gpu" and pos0[n] != posk[mp[n]]):
                 return False
-        e0 = [(u, v) for u, v in g.edges(nodes0) if v in nodes0] + [(u, v) for u, v in g.in_edges(net) if u in nodes0]
-        ek = sum(1 for u, v in g.edges(nodes_k) if v in nodes_k) + sum(1 for u, _ in g.in_edges(net) if u in nodes_k)
-        if len(e0) != ek:
+        ek = _node_edges(g, set(comp_k), net)
+        if len(e0) != len(ek):
             return False
-        return all(g.has_edge(mp[u], mp[v]) and _edge_sig(g.edges[u, v]) == _edge_sig(g.edges[mp[u], mp[v]])
-                   for u, v in e0)
+        succ = g._succ
+        for u, v, sig in e0:
+            d = succ[mp[u]].get(mp[v])
+            if d is None or _edge_sig(d) != sig:
+                return False
+        return True
 
     if fast is not None and valid(fast):
         return fast
@@ -143,23 +168,38 @@ def node_structure(topology: Topology, devices) -> NodeStructure | None:
     network node. Cached by (topology fingerprint, devices)."""
     devices = tuple(devices)
     key = (topology.fingerprint(), devices)
-    return cached(_STRUCTURES, key, lambda: _node_structure(topology, devices))
+    return cached(_STRUCTURES, key, lambda: _node_structure(topology, devices, key[0]))
 
 
-def _node_structure(topology, devices):
+def _node_structure(topology, devices, fingerprint):
     kinds = topology.graph.nodes(data="kind")
     nets = [n for n, k in kinds if k == "network"]
     if len(nets) != 1:
         return None
-    job = topology.subset(devices).graph
+    # every GPU: the whole graph, not a copy (subset's dead-end pruning only matters for some GPUs)
+    gpus = topology.gpus
+    job = topology.graph if len(devices) == len(gpus) else topology.subset(devices).graph
     if nets[0] not in job:
         return None
     net = nets[0]
-    h = job.subgraph([n for n in job if n != net]).to_undirected(as_view=True)
-    comps = list(nx.connected_components(h))
+    comps, seen = [], {net}
+    succ, pred = job._succ, job._pred  # plain dicts: a breadth-first pass, not a networkx view's
+    for s in job:
+        if s in seen:
+            continue
+        seen.add(s)
+        comp, queue = {s}, [s]
+        while queue:
+            u = queue.pop()
+            for v in (*succ[u], *pred[u]):
+                if v not in seen:
+                    seen.add(v)
+                    comp.add(v)
+                    queue.append(v)
+        comps.append(comp)
     dev_pos = {d: i for i, d in enumerate(devices)}
     comps = [c for c in comps if any(isinstance(n, int) for n in c)]
-    if len(comps) < 2 or any(job.nodes[n]["kind"] == "network" for c in comps for n in c):
+    if len(comps) < 2:  # (the network node is in none: the search starts with it seen)
         return None
     comps.sort(key=lambda c: min(dev_pos[n] for n in c if isinstance(n, int)))
     groups = [tuple(sorted(n for n in c if isinstance(n, int))) for c in comps]
@@ -167,12 +207,13 @@ def _node_structure(topology, devices):
         return None
     pos = [{d: i for i, d in enumerate(gs)} for gs in groups]
     maps = []
+    e0 = _node_edges(job, set(comps[0]), net)
     for k, comp in enumerate(comps):
-        m = _map_node(job, comps[0], comp, pos[0], pos[k], net)
+        m = _map_node(job, comps[0], comp, pos[0], pos[k], net, e0)
         if m is None:
             return None
         maps.append(m)
-    x_id = max(topology.gpus) + 1
+    x_id = max(gpus) + 1
     t = Topology(f"{topology.name}:node")
     sub = job.subgraph(set(comps[0]) | {net})
     for n, d in sub.nodes(data=True):
@@ -182,7 +223,21 @@ def _node_structure(topology, devices):
             t.graph.add_node(n, **d)
     for u, v, d in sub.edges(data=True):
         t.graph.add_edge(x_id if u == net else u, x_id if v == net else v, **d)
-    return NodeStructure(tuple(groups), net, tuple(maps), t, x_id)
+    return NodeStructure(tuple(groups), net, tuple(maps), t, x_id, fingerprint)
+
+
+_NODES = plan_cache()
+
+
+def node_topology(struct: NodeStructure) -> Topology:
+    """Node 0 of ``struct`` alone (its GPUs, switches and links; no NICs' network), as a Topology: what
+    one node's own collectives run on, the same for every cluster size (cached per template). Its
+    GPU and switch ids are node 0's ids in the cluster topology."""
+    def make():
+        t = Topology(f"{struct.template.name}0")
+        t.graph = nx.DiGraph(struct.template.graph.subgraph([v for v in struct.template.graph if v != struct.x_id]))
+        return t.subset(struct.groups[0])
+    return cached(_NODES, struct.template.fingerprint(), make)
 
 
 # ------------------------------------------------------------------------------ the symmetric LP
@@ -256,19 +311,15 @@ def _mapped(route, m) -> tuple:
     return tuple(m[v] for v in route)
 
 
-def _expand(struct: NodeStructure, cols, weights, x_id):
-    """Trees over all GPUs from the symmetric columns: per (centre route, component count) group,
-    the columns end to end, cut into N equal pieces centred at nodes 0..N-1."""
-    n = struct.n_nodes
-    net = struct.network
-    fp = struct.template.fingerprint()
-    maps = [{**m, x_id: net} for m in struct.maps]
+def _pieces(n: int, cols, weights) -> list:
+    """[(column, centre node, weight)]: per (centre route, component count) group, the columns end to
+    end, cut into N equal pieces centred at nodes 0..N-1 (at most columns + N - 1 per group)."""
     groups = collections.OrderedDict()
     for j, col in enumerate(cols):
         if weights[j] <= 1e-12:
             continue
         groups.setdefault((col.attach[0], len(col.attach)), []).append(j)
-    pieces = []  # (column, centre node, weight)
+    pieces = []
     for js in groups.values():
         total = float(sum(weights[j] for j in js))
         edges = np.cumsum([0.0] + [float(weights[j]) for j in js])
@@ -277,13 +328,24 @@ def _expand(struct: NodeStructure, cols, weights, x_id):
             for i, j in enumerate(js):
                 a, b = max(lo, edges[i]), min(hi, edges[i + 1])
                 if b - a > 1e-12:
-                    pieces.append((j, k, b - a))
-    # per column: each component's intra hops (oriented away from its attach GPU), mapped per node once
-    built = {}
-    trees = []
-    for j, k, wt in pieces:
-        col = cols[j]
+                    pieces.append((j, k, _round(b - a)))
+    return pieces
+
+
+def _composed(topology, devices, struct: NodeStructure, cols, weights) -> ComposedTrees:
+    """The trees over all GPUs of the symmetric columns (:func:`_pieces`), as :class:`ComposedTrees`:
+    a piece (column j, centre node k) is the star of column j's components in every node, centred
+    at j's centre GPU of node k, its cross edges through that GPU's network route."""
+    n = struct.n_nodes
+    fp = struct.template.fingerprint()
+    maps = [{**m, struct.x_id: struct.network} for m in struct.maps]
+    pieces = _pieces(n, cols, weights)
+    pieces.sort(key=lambda p: (-p[2], _key(maps[p[1]][cols[p[0]].center])))
+    built = {}  # per column: each component's intra hops (oriented away from its attach GPU), per node
+
+    def column(j):
         if j not in built:
+            col = cols[j]
             comp_of = {b: b for b, _ in col.attach}
             per = {b: [] for b, _ in col.attach}
             for u, v, r in col.intra:  # breadth-first from the attach GPUs: parents come first
@@ -291,7 +353,12 @@ def _expand(struct: NodeStructure, cols, weights, x_id):
                 per[comp_of[u]].extend(_hops(r))
             built[j] = ([{b: [(m[x], m[y]) for x, y in per[b]] for b, _ in col.attach} for m in maps],
                         [{b: [(m[x], m[y]) for x, y in _hops(r[::-1])] for b, r in col.attach} for m in maps])
-        intra, down = built[j]
+        return built[j]
+
+    def make(i):
+        j, k, wt = pieces[i]
+        col = cols[j]
+        intra, down = column(j)
         star, up_route = col.attach[0]
         up = [(maps[k][x], maps[k][y]) for x, y in _hops(up_route)]
         hops = list(intra[k][star])
@@ -302,10 +369,78 @@ def _expand(struct: NodeStructure, cols, weights, x_id):
                 hops.extend(up)
                 hops.extend(down[m_i][b])
                 hops.extend(intra[m_i][b])
-        tree = Tree(maps[k][star], _round(wt), tuple(hops))
-        set_shape(tree, ("symmetric", fp, n, col.intra, col.attach))  # same for every centre node
-        trees.append(tree)
-    return trees
+        return Tree(maps[k][star], wt, tuple(hops))
+
+    spec = {"columns": [[[list(e[:2]) + [list(e[2])] for e in c.intra], [[b, list(r)] for b, r in c.attach]]
+                        for c in cols],
+            "weights": [float(x) for x in weights]}
+    shapes = [("symmetric", fp, n, c.intra, c.attach) for c in cols]  # the same for every centre node
+    info = [(wt, maps[k][cols[j].center], shapes[j]) for j, k, wt in pieces]
+    key = (struct.fingerprint, tuple(devices), tuple((c.intra, c.attach) for c in cols), tuple(pieces))
+    return ComposedTrees("symmetric", spec, info, make, key)
+
+
+def _route_ok(tg, route, a, b) -> bool:
+    """``route`` runs a -> b over links of ``tg`` through switches only (no GPU inside)."""
+    return (len(route) >= 2 and route[0] == a and route[-1] == b and all(tg.has_edge(x, y) for x, y in _hops(route))
+            and not any(isinstance(v, int) for v in route[1:-1]))
+
+
+def _decode_symmetric(topology, devices, spec) -> ComposedTrees:
+    """:class:`ComposedTrees` of a "symmetric" spec (the disk cache), checked: every route a path of
+    the node's links, every column a spanning forest of one node's GPUs with one network route per
+    component, and every link of every node loaded within capacity (computed on one node per centre:
+    the composition's load on node m is the columns' usage plus, for pieces centred at m, the
+    centre route's (N c - 2) extra uses). Raises PlanError otherwise."""
+    struct = node_structure(topology, devices)
+    if struct is None:
+        raise PlanError("symmetric plan entry: the devices are not identical nodes on this topology")
+    tg, x, devs0 = struct.template.graph, struct.x_id, set(struct.groups[0])
+    n = struct.n_nodes
+    cols = []
+    for intra, attach in spec["columns"]:
+        intra = tuple((u, v, tuple(r)) for u, v, r in intra)
+        attach = tuple((b, tuple(r)) for b, r in attach)
+        comp = {}
+        for b, r in attach:
+            if b not in devs0 or b in comp or not _route_ok(tg, r, b, x):
+                raise PlanError(f"symmetric plan entry: bad network route {r} of GPU {b}")
+            comp[b] = b
+        for u, v, r in intra:
+            if u not in comp or v not in devs0 or v in comp or not _route_ok(tg, r, u, v):
+                raise PlanError(f"symmetric plan entry: bad intra-node edge {u}->{v} over {r}")
+            comp[v] = comp[u]
+        if set(comp) != devs0 or not attach:
+            raise PlanError("symmetric plan entry: a column does not span the node's GPUs")
+        cols.append(_SymColumn(intra, attach, attach[0][0]))
+    weights = np.asarray(spec["weights"], dtype=float)
+    if weights.shape != (len(cols),) or not np.all(np.isfinite(weights)) or np.any(weights < 0):
+        raise PlanError("symmetric plan entry: weights must be one finite number >= 0 per column")
+    links = {e: i for i, e in enumerate(tg.edges)}
+    cap = np.array([tg.edges[e]["bandwidth_gbps"] for e in links])
+    base, star = np.zeros((len(cols), len(links))), np.zeros((len(cols), len(links)))
+    for j, c in enumerate(cols):
+        for route, row in [(r, base) for *_, r in c.intra] + [(r, base) for _, r in c.attach] \
+                + [(c.attach[0][1], star)]:
+            for a, b in _hops(route):
+                row[j, links[a, b]] += 1
+                row[j, links[b, a]] += 1
+    pieces = _pieces(n, cols, weights)
+    total = np.zeros(len(cols))
+    extra = np.zeros((n, len(cols)))
+    for j, k, wt in pieces:
+        total[j] += wt
+        extra[k, j] += wt * (n * len(cols[j].attach) - 2)
+    load = total @ base + extra @ star
+    over = np.argwhere(load > cap * (1 + 1e-6) + 1e-9)
+    if len(over):
+        m, i = over[0]
+        raise PlanError(f"symmetric plan entry loads link {list(links)[i]} of node {m} with {load[m, i]:.3f} GB/s "
+                        f"> its {cap[i]} GB/s")
+    return _composed(topology, devices, struct, cols, weights)
+
+
+register_composition("symmetric", _decode_symmetric)
 
 
 def symmetric_plan(topology: Topology, devices, struct: NodeStructure, *, leader: str = "any",
@@ -324,9 +459,8 @@ def symmetric_plan(topology: Topology, devices, struct: NodeStructure, *, leader
     other or the network.
     """
     cols, w, rate, dual, _ = _solve(struct, leader)
-    trees = _expand(struct, cols, w, struct.x_id)
-    trees.sort(key=lambda t: (-t.weight_gbps, _key(t.root)))
-    total = _round(sum(t.weight_gbps for t in trees))
+    trees = _composed(topology, devices, struct, cols, w)
+    total = _round(sum(p[0] for p in trees.pieces))
     n, g = struct.n_nodes, len(struct.groups[0])
     what = (f"symmetric decomposition: {n} identical nodes of {g} GPUs around network {struct.network!r}; one LP "
             f"over one node's {len(struct.template.graph.edges)} links (usage averaged over the nodes), "
@@ -337,10 +471,10 @@ def symmetric_plan(topology: Topology, devices, struct: NodeStructure, *, leader
         notes = (f"three phases (Blink s. 5) by symmetry: reduce inside each node onto its leader, cross-node "
                  f"star among the leaders, broadcast inside; {total:.3f} GB/s, {gap:.2f}% below the exact flat "
                  f"bound {flat:.3f} GB/s (three-phase LP optimum {rate:.3f}, dual {dual:.3f})", what)
-        return Plan("allreduce", None, tuple(devices), tuple(trees), total, _round(flat), "hierarchical", notes)
+        return Plan("allreduce", None, tuple(devices), trees, total, _round(flat), "hierarchical", notes)
     notes = (f"tree packing by symmetry: {total:.3f} GB/s of the exact bound {dual:.3f} GB/s (the flat LP's "
              f"optimum: symmetric LP dual)", what)
-    return Plan("allreduce", None, tuple(devices), tuple(trees), total, _round(max(dual, total)), "trees", notes)
+    return Plan("allreduce", None, tuple(devices), trees, total, _round(max(dual, total)), "trees", notes)
 
 
 _BOUNDS = plan_cache()
@@ -373,7 +507,100 @@ def sharded_bounds(struct: NodeStructure) -> tuple[float, float]:
     return rs, ag
 
 
-def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_gpu_edges: int | None = None) -> Plan:
+def _rsag_load(struct: NodeStructure, forest, up) -> dict:
+    """{template link: uses per unit of the root weight x} of the composed rsag plan on ANY one node
+    (the same on every node by symmetry): n times each position's one-node forest (shares of its
+    root's trees) plus (N - 1) uses of each position's network route each way, both directions."""
+    n = struct.n_nodes
+    wsum = collections.Counter()
+    for d, w, _ in forest:
+        wsum[d] += w
+    load = collections.Counter()
+    for d, w, edges in forest:
+        for h in edges:
+            load[h] += n * w / wsum[d]
+            load[h[::-1]] += n * w / wsum[d]
+    for d in wsum:
+        for h in _hops(up[d]):
+            load[h] += 2 * (n - 1)
+            load[h[::-1]] += 2 * (n - 1)
+    return load
+
+
+def _composed_rsag(topology, devices, struct: NodeStructure, forest, up, x: float) -> ComposedTrees:
+    """The rsag trees over all GPUs (:func:`symmetric_rsag_plan`) as :class:`ComposedTrees`: for node
+    k, root position d and one-node tree t of d (``forest``: (d, weight, hops) on node 0), t in node
+    k, then d's route up and down into every other node and t there; weight x * t's share of d."""
+    n = struct.n_nodes
+    maps = [{**m, struct.x_id: struct.network} for m in struct.maps]
+    fp = struct.template.fingerprint()
+    wsum = collections.Counter()
+    for d, w, _ in forest:
+        wsum[d] += w
+    pieces = [(k, i) for k in range(n) for i in range(len(forest))]
+    mapped, downs = {}, {}
+
+    def per_node(i, m):
+        if (i, m) not in mapped:
+            mapped[i, m] = [(maps[m][a], maps[m][b]) for a, b in forest[i][2]]
+        return mapped[i, m]
+
+    def down(d, m):
+        if (d, m) not in downs:
+            downs[d, m] = [(maps[m][a], maps[m][b]) for a, b in _hops(up[d][::-1])]
+        return downs[d, m]
+
+    def make(p):
+        k, i = pieces[p]
+        d, w, _ = forest[i]
+        hops = list(per_node(i, k))
+        upk = [(maps[k][a], maps[k][b]) for a, b in _hops(up[d])]
+        for m_i in range(n):
+            if m_i != k:
+                hops.extend(upk)
+                hops.extend(down(d, m_i))
+                hops.extend(per_node(i, m_i))
+        hops = tuple(hops)
+        return Tree(maps[k][d], _round(x * w / wsum[d]), hops, hops)
+
+    info = [(_round(x * forest[i][1] / wsum[forest[i][0]]), maps[k][forest[i][0]],
+             ("rsag", fp, n, forest[i][0], forest[i][2])) for k, i in pieces]  # one shape per root position
+    spec = {"forest": [[d, w, [list(h) for h in e]] for d, w, e in forest],
+            "up": [[d, list(r)] for d, r in up.items()], "x": x}
+    key = (struct.fingerprint, tuple(devices), tuple(forest), tuple(sorted(up.items(), key=lambda kv: kv[0])), x)
+    return ComposedTrees("rsag", spec, info, make, key)
+
+
+def _decode_rsag(topology, devices, spec) -> ComposedTrees:
+    """:class:`ComposedTrees` of an "rsag" spec (the disk cache), checked: each one-node tree spans
+    node 0's GPUs from its root over the node's links, each position's network route is a path of
+    links, and x times :func:`_rsag_load` is within every link's capacity. Raises PlanError otherwise."""
+    struct = node_structure(topology, devices)
+    if struct is None:
+        raise PlanError("rsag plan entry: the devices are not identical nodes on this topology")
+    tg, devs0 = struct.template.graph, set(struct.groups[0])
+    forest = tuple((d, float(w), tuple(tuple(h) for h in e)) for d, w, e in spec["forest"])
+    up = {d: tuple(r) for d, r in spec["up"]}
+    x = float(spec["x"])
+    if set(up) != devs0 or {d for d, _, _ in forest} != devs0 or not (0 < x < float("inf")):
+        raise PlanError("rsag plan entry: one network route and one or more trees per GPU of a node, x > 0")
+    for d, w, e in forest:
+        if not (0 < w < float("inf")) or any(not tg.has_edge(*h) or struct.x_id in h for h in e):
+            raise PlanError(f"rsag plan entry: tree of GPU {d} has a bad weight or a hop that is no node link")
+        _check_tree(e, d, devs0, set())
+    for d, r in up.items():
+        if not _route_ok(tg, r, d, struct.x_id):
+            raise PlanError(f"rsag plan entry: bad network route {r} of GPU {d}")
+    for h, v in _rsag_load(struct, forest, up).items():
+        if x * v > tg.edges[h]["bandwidth_gbps"] * (1 + 1e-6) + 1e-9:
+            raise PlanError(f"rsag plan entry loads link {h} with {x * v:.3f} GB/s > its capacity")
+    return _composed_rsag(topology, devices, struct, forest, up, x)
+
+
+register_composition("rsag", _decode_rsag)
+
+
+def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure) -> Plan:
     """All-reduce as reduce-scatter + all-gather forests over N identical nodes, composed from one node
     (ForestColl's forests, Zhao et al. 2024, composed by symmetry as SyCCL does).
 
@@ -383,17 +610,13 @@ def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_
     the same tree reversed. Every node then carries, per root weight x, n times its one-node forest
     plus (N - 1) uses of each position's NIC route each way, so x is the least capacity / load over
     ONE node's links (exact for the whole cluster by symmetry) and the rate N x. Certificate:
-    1 / (1 / B_rs + 1 / B_ag) of :func:`sharded_bounds`; the shortfall is in ``notes``.
-
-    ``max_gpu_edges``: raise PlanError when the plan would list more GPU-level tree edges (N trees
-    of N GPUs per one-node tree of a root: the plan's size grows as N^2). Raises PlanError when a GPU
+    1 / (1 / B_rs + 1 / B_ag) of :func:`sharded_bounds`; the shortfall is in ``notes``. The N G
+    trees of N G GPUs each are :class:`ComposedTrees` (built on use). Raises PlanError when a GPU
     cannot reach the network.
     """
     n, g = struct.n_nodes, len(struct.groups[0])
     devs0 = struct.groups[0]
-    node = Topology(f"{topology.name}:node0")  # node 0 without the network: the same for every cluster size
-    node.graph = nx.DiGraph(struct.template.graph.subgraph([v for v in struct.template.graph if v != struct.x_id]))
-    node = node.subset(devs0)
+    node = node_topology(struct)  # node 0 without the network: the same for every cluster size
     per_root = collections.defaultdict(list)
     if g == 1:  # one GPU per node: no intra-node phase
         local = Plan("allgather", None, devs0, (Tree(devs0[0], 1.0, ()),), 1.0, 1.0, "trivial")
@@ -407,18 +630,11 @@ def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_
         rs = table.routes.get((d, struct.x_id)) or []
         if not rs:
             raise PlanError(f"rsag over {n} nodes: GPU {d} of node {list(devs0)} has no route to the network")
-        up[d] = rs[0]
-    def rate_of(forest):
-        load = collections.Counter()
-        for d, ts in forest.items():
-            wsum = sum(t.weight_gbps for t in ts)
-            for t in ts:
-                for h in t.edges:
-                    load[h] += n * t.weight_gbps / wsum
-                    load[h[::-1]] += n * t.weight_gbps / wsum
-            for h in _hops(up[d]):
-                load[h] += 2 * (n - 1)
-                load[h[::-1]] += 2 * (n - 1)
+        up[d] = tuple(rs[0])
+
+    def rate_of(per):
+        forest = [(d, t.weight_gbps, t.edges) for d, ts in per.items() for t in ts]
+        load = _rsag_load(struct, forest, up)
         return min(struct.template.graph.edges[e]["bandwidth_gbps"] / v for e, v in load.items() if v > 0)
 
     # one tree per root (its heaviest) when the network binds anyway: fewer, longer-pipelined trees
@@ -427,33 +643,9 @@ def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_
     xh = rate_of(heavy)
     if xh >= x * (1 - 1e-9):
         per_root, x = heavy, xh
-    total_trees = n * sum(len(v) for v in per_root.values())
-    if max_gpu_edges is not None and total_trees * n * g > max_gpu_edges:
-        raise PlanError(f"rsag over {n} nodes: {total_trees} trees of {n * g} GPUs exceed {max_gpu_edges} tree edges "
-                        f"(the plan grows as N^2)")
-    net = struct.network
-    maps = [{**m, struct.x_id: net} for m in struct.maps]
-    fp = struct.template.fingerprint()
-    mine = [t for ts in per_root.values() for t in ts]
-    mapped = [{id(t): [(m[a], m[b]) for a, b in t.edges] for t in mine} for m in maps]
-    downs = [{d: [(m[a], m[b]) for a, b in _hops(up[d][::-1])] for d in per_root} for m in maps]
-    trees = []
-    for k in range(n):
-        for d, ts in per_root.items():
-            wsum = sum(t.weight_gbps for t in ts)
-            upk = [(maps[k][a], maps[k][b]) for a, b in _hops(up[d])]
-            for t in ts:
-                hops = list(mapped[k][id(t)])
-                for m_i in range(n):
-                    if m_i != k:
-                        hops.extend(upk)
-                        hops.extend(downs[m_i][d])
-                        hops.extend(mapped[m_i][id(t)])
-                hops = tuple(hops)
-                tree = Tree(maps[k][d], _round(x * t.weight_gbps / wsum), hops, hops)
-                set_shape(tree, ("rsag", fp, n, d, t.edges))  # the same for root position d of every node
-                trees.append(tree)
-    rate = _round(sum(t.weight_gbps for t in trees))
+    forest = tuple((d, t.weight_gbps, tuple(t.edges)) for d, ts in per_root.items() for t in ts)
+    trees = _composed_rsag(topology, devices, struct, forest, up, float(x))
+    rate = _round(sum(p[0] for p in trees.pieces))
     b_rs, b_ag = sharded_bounds(struct)
     bound = 1.0 / (1.0 / b_rs + 1.0 / b_ag)
     gap = 100.0 * (1.0 - rate / bound) if bound > 0 else 0.0
@@ -462,4 +654,4 @@ def symmetric_rsag_plan(topology: Topology, devices, struct: NodeStructure, max_
             f"{n} nodes through "
             f"each GPU's network route; all-reduce rate {rate:.3f} GB/s, {gap:.2f}% below 1/(1/B_rs + 1/B_ag) = "
             f"{bound:.3f} GB/s (cut bounds {b_rs:.3f}, {b_ag:.3f} on one node with the other nodes contracted)",)
-    return Plan("allreduce", None, tuple(devices), tuple(trees), rate, _round(max(bound, rate)), "rsag", note)
+    return Plan("allreduce", None, tuple(devices), trees, rate, _round(max(bound, rate)), "rsag", note)
