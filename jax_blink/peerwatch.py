@@ -2,7 +2,9 @@
 
 With ``JAX_BLINK_WATCH=1`` every jax_blink call site whose groups span several ``jax.distributed``
 processes is bracketed by two host callbacks (``jax.experimental.io_callback``) tied to the
-collective's data (``lax.optimization_barrier`` before, its result after):
+collective's data (before: every operand depends on the check's result, :func:`_tie`; after: the
+callback reads the collective's result). The hierarchical lowering is bracketed per phase between
+processes (:func:`phase_guard`), so the message names the phase its peers wait in:
 
 - before: the first local device of this process to reach generation ``g`` of the call site
   publishes ``jax_blink/watch/<site>/<g>/<process>`` in the job's key-value store and waits until
