@@ -321,7 +321,11 @@ def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mes
     sub = ctx.replace(name_stack=ctx.name_stack.extend(name))
     from . import peerwatch
     with loc:
-        if processes > 1 and peerwatch.enabled():
+        if processes > 1 and peerwatch.enabled() and rec.watches_phases:
+            with _lowering.guarding_phases(peerwatch.phase_guard(mesh=mesh, groups=first.groups,
+                                                                site=f"{name} at {source}")):
+                outs = rec.rule(sub, xs, recording)
+        elif processes > 1 and peerwatch.enabled():
             outs = peerwatch.watched(rec.rule, sub, xs, recording, mesh=mesh, groups=first.groups,
                                      site=f"{name} at {source}")
         else:

@@ -2,7 +2,9 @@
 
 With ``JAX_BLINK_WATCH=1`` every jax_blink call site whose groups span several ``jax.distributed``
 processes is bracketed by two host callbacks (``jax.experimental.io_callback``) tied to the
-collective's data (``lax.optimization_barrier`` before, its result after):
+collective's data (before: every operand depends on the check's result, :func:`_tie`; after: the
+callback reads the collective's result). The hierarchical lowering is bracketed per phase between
+processes (:func:`phase_guard`), so the message names the phase its peers wait in:
 
 - before: the first local device of this process to reach generation ``g`` of the call site
   publishes ``jax_blink/watch/<site>/<g>/<process>`` in the job's key-value store and waits until
@@ -183,10 +185,23 @@ def _ordinal(ctx) -> int:
     return n
 
 
-def watched(rule, ctx, xs, request_for, *, mesh, groups, site: str):
-    """``rule(ctx, xs, request_for)`` bracketed by the arrival check and the completion record
-    (module docstring); the rule's results unchanged. Without processes to wait for (every group
-    inside this process) the rule alone."""
+def _tie(t, v):
+    """``v`` made to depend on the arrival check's result ``t`` (an int32 0 at run time): its first
+    element passes through a select on ``t``. XLA:CPU drops ``optimization_barrier`` before
+    scheduling, so a barrier alone let XLA's own all-reduce start before the check (seen with one
+    device per process, where the check then never fired before gloo's timeout). Costs one in-place
+    element update (a copy of ``v`` where ``v`` is a parameter that is not donated)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    flat = v.reshape(-1)
+    head = jnp.where(t == 0, flat[:1], jnp.zeros_like(flat[:1]))
+    return lax.dynamic_update_slice(flat, head, (0,)).reshape(v.shape)
+
+
+def _bracket(ctx, s: _Site, xs, avals_in, avals_out, fn):
+    """``fn(xs)`` (a list of ir.Values in, a list out) between ``s``'s arrival check, which every
+    operand depends on, and its completion record, which depends on the first result."""
     import jax
     from jax import lax
     from jax.experimental import io_callback
@@ -194,21 +209,17 @@ def watched(rule, ctx, xs, request_for, *, mesh, groups, site: str):
     from ._jax_compat import core, mlir
     from .lowering import ppermute
 
-    s = _Site(f"{site} (watched call {_ordinal(ctx)} of its program)", mesh, groups,
-              jax.process_index())
-    if not s.needed:
-        return rule(ctx, xs, request_for)
     token = jax.ShapeDtypeStruct((), np.int32)
-    plain_in = [core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in]
+    plain_in = [core.ShapedArray(a.shape, a.dtype) for a in avals_in]
 
     def before(*vs):
         t = io_callback(s.arrive, token, ppermute._position_p.bind(), ordered=False)
-        return list(lax.optimization_barrier((t, *vs))[1:])
+        return [_tie(t, v) for v in vs]
 
     xs = mlir.lower_fun(before, multiple_results=True)(
         ctx.replace(primitive=None, avals_in=plain_in, avals_out=plain_in), *xs)
-    outs = rule(ctx, list(xs), request_for)
-    plain_out = [core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_out]
+    outs = fn(list(xs))
+    plain_out = [core.ShapedArray(a.shape, a.dtype) for a in avals_out]
 
     def after(*vs):
         t = io_callback(s.finish, token, ppermute._position_p.bind(), vs[0].reshape(-1)[:1], ordered=False)
@@ -216,3 +227,33 @@ def watched(rule, ctx, xs, request_for, *, mesh, groups, site: str):
 
     return list(mlir.lower_fun(after, multiple_results=True)(
         ctx.replace(primitive=None, avals_in=plain_out, avals_out=plain_out), *outs))
+
+
+def watched(rule, ctx, xs, request_for, *, mesh, groups, site: str):
+    """``rule(ctx, xs, request_for)`` bracketed by the arrival check and the completion record
+    (module docstring); the rule's results unchanged. Without processes to wait for (every group
+    inside this process) the rule alone."""
+    import jax
+
+    s = _Site(f"{site} (watched call {_ordinal(ctx)} of its program)", mesh, groups, jax.process_index())
+    if not s.needed:
+        return rule(ctx, xs, request_for)
+    return _bracket(ctx, s, xs, ctx.avals_in, ctx.avals_out, lambda vs: rule(ctx, vs, request_for))
+
+
+def phase_guard(*, mesh, groups, site: str):
+    """The guard for a rule that runs its phases between processes through
+    ``lowering.network_phase`` (the hierarchical lowering): each such phase gets its own arrival
+    check and completion record, labelled ``<site> phase <phase>``, so a peer that waits names the
+    phase it waits in (the intra-process phases wait on no other process; the native executor names
+    a missing local device itself)."""
+    import jax
+
+    me = jax.process_index()
+
+    def guard(ctx, xs, avals_in, avals_out, phase, fn):
+        s = _Site(f"{site} phase {phase} (watched call {_ordinal(ctx)} of its program)", mesh, groups, me)
+        if not s.needed:
+            return fn(xs)
+        return _bracket(ctx, s, xs, avals_in, avals_out, fn)
+    return guard

@@ -8,8 +8,9 @@ Modes:
          ``--mode pmap`` against lax.pmean in lockstep.
   kill:  runs jax_blink.psum in a loop; the last process SIGKILLs itself after a few steps; the
          others must be aborted by jax.distributed's heartbeat (the test checks how and when).
-  stall: with JAX_BLINK_WATCH=1, two steps of jax_blink.psum; the last process stalls (sleeps
-         instead of calling) at step 1; the others print ``RESULT`` with the error they get.
+  stall: with JAX_BLINK_WATCH=1, two steps of two jax_blink.psum call sites (over the process axis
+         of a processes x local devices grid, and over both axes); the last process stalls (sleeps
+         instead of calling) at step 1; the others print ``RESULT`` with the error each site gives.
 """
 
 import argparse
@@ -172,27 +173,36 @@ if a.mode == "check":
              first_loss=r.step_losses[0], last_loss=r.step_losses[-1], test_accuracy=r.test_accuracy)
     emit(case="done", seconds=time.time() - t0)
 elif a.mode == "stall":
-    mesh = Mesh(devs, ("i",))
-    # impl="ppermute": the tree schedule (with one device per process impl="auto" now takes XLA's
-    # all-reduce, under which the watch does not yet fire in time: a known gap, see README)
-    f = jax.jit(jax.shard_map(lambda x: jax_blink.psum(x, "i", topology=cluster.topology, impl="ppermute",
-                                                         device_map=cluster.device_map),
-                              mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
-    x = jax.make_array_from_callback((N, 8), NamedSharding(mesh, P("i")),
-                                     lambda idx: np.ones((N, 8), np.float32)[idx])
+    # impl="auto" on a grid of processes x local devices: over "node" (one device per process) auto
+    # takes XLA's all-reduce alone; over both axes, the hierarchical lowering's three phases. The
+    # watch must name the stalled process at either (its phase (b), the one that waits on processes).
+    grid = Mesh(devs.reshape(nproc, G), ("node", "local"))
+    spec = P(("node", "local"))
+
+    def site(axes, shape):
+        f = jax.jit(jax.shard_map(lambda x: jax_blink.psum(x, axes, topology=cluster.topology, impl=a.impl,
+                                                             device_map=cluster.device_map),
+                                  mesh=grid, in_specs=spec, out_specs=spec, check_vma=False))
+        x = jax.make_array_from_callback((N * shape[0], *shape[1:]), NamedSharding(grid, spec),
+                                         lambda idx: np.ones((N * shape[0], *shape[1:]), np.float32)[idx])
+        return f, x
+    sites = {"node": site("node", (3, 37)), "both": site(("node", "local"), (3, 37))}
     t0 = time.time()
     for step in range(2):
         if step == 1 and me == nproc - 1:
             time.sleep(float(os.environ["STALL_S"]))  # stalls: never calls step 1
             emit(case="stalled", seconds=time.time() - t0)
             break
-        try:
-            y = f(x)
-            y.block_until_ready()
-            emit(case=f"step{step}", value=float(np.asarray(y.addressable_shards[0].data)[0, 0]))
-        except Exception as e:  # noqa: BLE001 - the watch's error, reported to the test
-            emit(case="error", step=step, seconds=time.time() - t0, message=str(e))
-            break
+        for name, (f, x) in sites.items():
+            try:
+                if step == 0:
+                    emit(case=f"lowered_{name}", hlo_all_reduce=f.lower(x).compile().as_text().count("all-reduce("))
+                t1 = time.time()
+                y = f(x)
+                y.block_until_ready()
+                emit(case=f"step{step}_{name}", value=float(np.asarray(y.addressable_shards[0].data)[0, 0]))
+            except Exception as e:  # noqa: BLE001 - the watch's error, reported to the test
+                emit(case=f"error_{name}", step=step, seconds=time.time() - t1, message=str(e))
 else:
     mesh = Mesh(devs, ("i",))
     f = jax.jit(jax.shard_map(lambda x: jax_blink.psum(x, "i", impl=a.impl, topology=cluster.topology,

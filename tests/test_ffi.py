@@ -114,6 +114,47 @@ def test_executor_shard_forms(collective):
     assert np.stack(outs).tobytes() == expect.tobytes()
 
 
+@pytest.mark.parametrize("collective", ["allgather", "reducescatter"])
+def test_executor_block_order(collective):
+    """The hierarchical lowering's block order: rank r's block of the schedule is P sub-blocks that
+    sit interleaved in rank order in the full buffer (virtual block k -> buffer block order[k], here
+    the (local rank, process) -> (process, local rank) transpose of 4 local ranks x 3 processes). The
+    executor places (all-gather) or reads (reduce-scatter) them there itself: equal to the NumPy
+    transpose of the plain shard-form result, bitwise; a bad order is refused, naming it."""
+    from jax_blink.primitives import _shared_memory_stars
+    L, Pn, m = 4, 3, 1_001  # blocks of odd length: tiles end unaligned
+    sched = build_schedule(_shared_memory_stars(plan(Topology.host(L), collective)), L * Pn * m, chunk_elems=900)
+    order = [qi * L + i for i in range(L) for qi in range(Pn)]  # virtual k = i * P + qi -> buffer block
+    rng = np.random.default_rng(6)
+    full = [rng.standard_normal(L * Pn * m).astype(np.float32) for _ in range(L)]
+    def to_buffer(v):  # virtual (i, qi) blocks -> the buffer's (qi, i) order
+        return v.reshape(L, Pn, m).transpose(1, 0, 2).reshape(-1)
+    if collective == "allgather":
+        ins = [full[r][r * Pn * m:(r + 1) * Pn * m].copy() for r in range(L)]
+        outs = [np.full(L * Pn * m, 7, np.float32) for _ in range(L)]
+        want = np.stack([to_buffer(np.concatenate(ins)) for _ in range(L)])
+    else:
+        ins = [to_buffer(v) for v in full]  # the caller's buffer in rank order
+        outs = [np.full(Pn * m, 7, np.float32) for _ in range(L)]
+        total = np.sum(np.stack(full).astype(np.float64), axis=0)
+        want = np.stack([total[r * Pn * m:(r + 1) * Pn * m] for r in range(L)])
+    err = cpu.simulate(sched.to_array(), table_for(L), list(range(L)), ins, outs, ["float32"] * L, 5000, 33,
+                       block_order=order)
+    assert err == ""
+    got = np.stack(outs)
+    if collective == "allgather":
+        assert got.tobytes() == want.tobytes()
+    else:  # the star sums in the executor's order: float32 rounding, not bitwise vs float64
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-5)
+        plain = [np.full(Pn * m, 7, np.float32) for _ in range(L)]
+        assert cpu.simulate(sched.to_array(), table_for(L), list(range(L)), full, plain, ["float32"] * L, 5000,
+                            34) == ""
+        assert got.tobytes() == np.stack(plain).tobytes()  # the same sums as the plain order: bitwise
+    bad = cpu.simulate(sched.to_array(), table_for(L), list(range(L)), ins, [o.copy() for o in outs],
+                       ["float32"] * L, 5000, 35, block_order=[0] * len(order))
+    assert "the block order is not a permutation of 0..11" in bad, bad
+
+
 def test_reduce_scatter_shard_output_needs_owner_writes():
     """A reduce-scatter schedule that keeps partial sums at other ranks (a packing with relaying
     ranks) cannot return the shard alone: every device reports why, nothing is written."""

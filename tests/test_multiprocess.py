@@ -251,27 +251,34 @@ def test_killed_process_makes_the_others_fail_fast():
 
 @pytest.mark.slow
 def test_stalled_process_is_named_with_its_host_devices_and_last_call_site():
-    """JAX_BLINK_WATCH=1: process 1 stalls at step 1 (sleeps, never calls); process 0's call fails after
-    the 4 s timeout, long before the stall ends, naming process 1, its host, devices and last call site."""
+    """JAX_BLINK_WATCH=1, impl="auto", 2 processes x 2 devices: process 1 stalls at step 1 (sleeps, never
+    calls). Process 0's two call sites each fail after the 4 s timeout, long before the stall ends,
+    naming process 1, its host, devices and last call site, and the phase that waits: over the process
+    axis (one device per process) auto runs XLA's all-reduce alone, over both axes the three phases."""
     import socket
 
-    env = {**_env(), "JAX_BLINK_WATCH": "1", "JAX_BLINK_TIMEOUT_S": "4", "STALL_S": "15"}
+    env = {**_env(), "JAX_BLINK_WATCH": "1", "JAX_BLINK_TIMEOUT_S": "4", "STALL_S": "16"}
     try:
-        res = launch.launch([WORKER, "stall"], 2, 1, timeout_s=120, env=env)
+        res = launch.launch([WORKER, "stall"], 2, 2, timeout_s=150, env=env)
     except launch.LaunchError as e:
         raise AssertionError("\n".join(f"process {p.process_id}: {p.stdout[-3000:]}\n{p.stderr[-3000:]}"
                                         for p in e.result.processes)) from e
     first, second = _results(res)
-    assert first["step0"]["value"] == second["step0"]["value"] == 2.0
-    err = first["error"]
-    assert err["step"] == 1 and err["seconds"] < 15, err  # failed while process 1 still stalled
-    msg = err["message"]
-    assert "jax_blink: collective timed out after 4 s at jax_blink.psum[allreduce float32 32B" in msg, msg
-    assert "multiprocess_worker.py" in msg and "(generation 1): 1 process(es) never arrived: " in msg, msg
-    assert re.search(rf"process 1 \(host {re.escape(socket.gethostname())}, devices \[\d+\]\): last completed "
-                     r"jax_blink call site: jax_blink\.psum\[allreduce float32 32B .*\(generation 0\)", msg), msg
-    assert re.search(r"Arrived: process 0 \(host .*, devices \[\d+\]\)", msg), msg
-    assert "stalled" in second and "error" not in second
+    host = re.escape(socket.gethostname())
+    for name, nodes in (("node", 2.0), ("both", 4.0)):
+        assert first[f"step0_{name}"]["value"] == second[f"step0_{name}"]["value"] == nodes
+        assert first[f"lowered_{name}"]["hlo_all_reduce"] >= 1, first  # XLA's all-reduce between processes
+        err = first[f"error_{name}"]
+        assert err["step"] == 1 and err["seconds"] < 12, err  # failed while process 1 still stalled
+        msg = err["message"]
+        assert "jax_blink: collective timed out after 4 s at jax_blink.psum[allreduce float32 444B" in msg, msg
+        assert " hierarchical] at " in msg and "multiprocess_worker.py" in msg, msg
+        assert "phase (b) XLA all-reduce between processes" in msg, msg
+        assert "(generation 1): 1 process(es) never arrived: " in msg, msg
+        assert re.search(rf"process 1 \(host {host}, devices \[\d+(, \d+)*\]\): last completed jax_blink call "
+                         r"site: jax_blink\.psum\[allreduce float32 444B .*\(generation 0\)", msg), msg
+        assert re.search(r"Arrived: process 0 \(host .*, devices \[\d+, \d+\]\)", msg), msg
+    assert "stalled" in second and not any(k.startswith("error") for k in second), second
 
 
 @pytest.mark.slow

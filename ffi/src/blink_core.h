@@ -148,6 +148,10 @@ struct Leaf {
   // virtual full buffer; the plan writes a rank's output only inside the shard it owns
   // (ExecPlan::owner_writes_only), so no other output address is used.
   bool out_shard = false;
+  // False where `out` is an address formed for the schedule's bookkeeping, not memory of this rank
+  // (a block of a reduce-scatter's shard result that the rank does not own, BlockOrderLeaves):
+  // the executor never writes there, nor advises the kernel about it.
+  bool out_memory = true;
 };
 
 struct Arrival {

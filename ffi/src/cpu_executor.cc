@@ -277,7 +277,7 @@ void ExecuteOnCpu(std::shared_ptr<Meeting> meeting, int64_t caller_rank) {
     for (const Leaf& leaf : a.leaves) {
       job->in.back().push_back(static_cast<const char*>(leaf.in));
       job->out.back().push_back(static_cast<char*>(leaf.out));
-      if (!huge || leaf.out == leaf.in) continue;
+      if (!huge || leaf.out == leaf.in || !leaf.out_memory) continue;
       if (leaf.out_shard) {  // only the rank's shard is memory
         const int64_t shard = leaf.nelems / m.plan->schedule.nranks;
         AdviseHugePages(static_cast<char*>(leaf.out) + a.rank * shard * esize, shard * esize);

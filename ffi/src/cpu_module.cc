@@ -76,13 +76,55 @@ std::string ShardBuffers(const ExecPlan& plan, int64_t rank, const std::vector<i
   return "";
 }
 
+// The hierarchical lowering's block order (jax_blink/lowering/hierarchical.py): the one leaf's
+// full-size side (all-gather: the result; reduce-scatter: the operand) holds nblocks equal blocks in
+// rank order, while the schedule runs over the phases' (local rank, process) order: virtual block k
+// is the buffer's block order[k]. The leaf is cut into nblocks leaves whose full-side pointers are
+// permuted (the shard side, and both sides of an in-place call, stay as the schedule sees them), so
+// the blocks land in rank order with no reorder copy after the call. Runs after ShardBuffers (both
+// pointers then address a full virtual buffer). An order of one block changes nothing. "" or the error.
+std::string BlockOrderLeaves(ffi::Span<const int64_t> order, int64_t nranks, const std::vector<int64_t>& in_counts,
+                             const std::vector<int64_t>& out_counts, size_t esize, std::vector<Leaf>* leaves) {
+  const int64_t nblocks = static_cast<int64_t>(order.size());
+  if (nblocks <= 1) return "";
+  if (leaves->size() != 1)
+    return "a block order needs one operand, got " + std::to_string(leaves->size());
+  const Leaf whole = (*leaves)[0];
+  const int64_t n = whole.nelems;
+  if (n % nblocks != 0 || nblocks % nranks != 0)
+    return "a block order of " + std::to_string(nblocks) + " blocks needs an element count (" + std::to_string(n) +
+           ") it divides and a multiple of the group's " + std::to_string(nranks) + " ranks";
+  std::vector<bool> seen(static_cast<size_t>(nblocks), false);
+  for (int64_t k = 0; k < nblocks; ++k) {
+    const int64_t b = order[k];
+    if (b < 0 || b >= nblocks || seen[static_cast<size_t>(b)])
+      return "the block order is not a permutation of 0.." + std::to_string(nblocks - 1);
+    seen[static_cast<size_t>(b)] = true;
+  }
+  const bool in_full = in_counts[0] == n, out_full = out_counts[0] == n;
+  const bool in_place = whole.in == whole.out;
+  const int64_t bm = n / nblocks;
+  const ptrdiff_t bbytes = static_cast<ptrdiff_t>(bm * static_cast<int64_t>(esize));
+  leaves->clear();
+  for (int64_t k = 0; k < nblocks; ++k) {
+    Leaf l;
+    l.nelems = bm;
+    const ptrdiff_t own = k * bbytes, placed = order[k] * bbytes;
+    l.in = static_cast<const char*>(whole.in) + (in_full && !in_place ? placed : own);
+    l.out = static_cast<char*>(whole.out) + (out_full && !in_place ? placed : own);
+    l.out_memory = out_full;  // a shard result: only the rank's own blocks are memory
+    leaves->push_back(l);
+  }
+  return "";
+}
+
 // One device's call over a bucket of leaves (operands i and results i of one dtype, same shapes;
 // XLA may alias result i to operand i). Registers the buffers at the meeting and returns a future; the
 // last arrival runs the schedule over the leaves' virtual concatenation for everyone (cpu_executor.cc)
 // and completes every future. No thread waits.
 ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
                          ffi::Span<const int64_t> schedule, ffi::Span<const int64_t> device_table,
-                         int64_t call_site, int64_t timeout_ms) {
+                         int64_t call_site, int64_t timeout_ms, ffi::Span<const int64_t> block_order) {
   std::vector<Leaf> leaves;
   std::optional<Dtype> dt;
   // A malformed call: reported to the peers below, once the generation is known.
@@ -120,6 +162,9 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args
   if (!e) return cannot_join("it is not in the collective's device table");
   err = ShardBuffers(*info->plans[e->group], e->rank, in_counts, out_counts, DtypeSize(*dt), &leaves);
   if (!err.empty()) return cannot_join(err);
+  err = BlockOrderLeaves(block_order, info->plans[e->group]->schedule.nranks, in_counts, out_counts, DtypeSize(*dt),
+                         &leaves);
+  if (!err.empty()) return cannot_join(err);
   ffi::Promise promise;
   ffi::Future future(promise);
   Arrival a;
@@ -152,7 +197,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkCpu, BlinkCpuImpl,
                                   .Attr<ffi::Span<const int64_t>>("schedule")
                                   .Attr<ffi::Span<const int64_t>>("device_table")
                                   .Attr<int64_t>("call_site")
-                                  .Attr<int64_t>("timeout_ms"));
+                                  .Attr<int64_t>("timeout_ms")
+                                  .Attr<ffi::Span<const int64_t>>("block_order"));
 
 namespace {
 
@@ -161,7 +207,8 @@ namespace {
 // dtypes[i] names the numpy dtype of inputs[i] (so mismatches can be exercised).
 std::string Simulate(I64Array schedule, I64Array device_table, std::vector<int64_t> devices,
                      std::vector<AnyArray> inputs, std::vector<AnyArray> outputs, std::vector<std::string> dtypes,
-                     int64_t timeout_ms, int64_t call_site, std::vector<int64_t> leaf_sizes, bool in_place) {
+                     int64_t timeout_ms, int64_t call_site, std::vector<int64_t> leaf_sizes, bool in_place,
+                     std::vector<int64_t> block_order) {
   static std::atomic<int64_t> run_counter{1 << 30};
   const int64_t run = run_counter++;
   std::shared_ptr<const CallSiteInfo> info;
@@ -195,9 +242,12 @@ std::string Simulate(I64Array schedule, I64Array device_table, std::vector<int64
       const size_t es = DtypeSize(*dt);
       const int64_t n_in = static_cast<int64_t>(inputs[i].size()), n_out = static_cast<int64_t>(outputs[i].size());
       a.nelems = std::max(n_in, n_out);
-      if (n_in != n_out) {  // a shard form (one leaf): as the XLA handler takes it (ShardBuffers)
-        a.leaves.push_back(Leaf{inputs[i].data(), outputs[i].data(), a.nelems});
+      if (n_in != n_out || block_order.size() > 1) {  // one leaf, as the XLA handler takes it
+        a.leaves.push_back(Leaf{inputs[i].data(), in_place ? inputs[i].data() : outputs[i].data(), a.nelems});
         std::string why = ShardBuffers(*info->plans[e->group], e->rank, {n_in}, {n_out}, es, &a.leaves);
+        if (why.empty())
+          why = BlockOrderLeaves(ffi::Span<const int64_t>(block_order.data(), block_order.size()),
+                                 info->plans[e->group]->schedule.nranks, {n_in}, {n_out}, es, &a.leaves);
         if (!why.empty()) {
           std::lock_guard<std::mutex> l(mu);
           errors[i] = why;
@@ -283,9 +333,11 @@ NB_MODULE(_cpu, m) {
   m.def("simulate", &jax_blink::Simulate, nb::arg("schedule"), nb::arg("device_table"), nb::arg("devices"),
         nb::arg("inputs"), nb::arg("outputs"), nb::arg("dtypes"), nb::arg("timeout_ms"), nb::arg("call_site"),
         nb::arg("leaf_sizes") = std::vector<int64_t>{}, nb::arg("in_place") = false,
+        nb::arg("block_order") = std::vector<int64_t>{},
         "Test entry: run one meeting with the given devices arriving from separate threads (each device's "
         "array cut into leaves of leaf_sizes elements; in_place: results alias the inputs). An input or "
-        "output 1/nranks the size of the other is a shard form (all-gather input, reduce-scatter output).");
+        "output 1/nranks the size of the other is a shard form (all-gather input, reduce-scatter output). "
+        "block_order: the full-size side's blocks (BlockOrderLeaves; one leaf).");
   m.def("env_int", [](const std::string& name, int lo, int hi, int fallback) {
           return jax_blink::EnvInt(name.c_str(), lo, hi, fallback); },
         nb::arg("name"), nb::arg("lo"), nb::arg("hi"), nb::arg("fallback"),

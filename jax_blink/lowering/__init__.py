@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -57,6 +58,9 @@ class Lowering:
         (the CUDA interpreter: one kernel per call, a flag hop per chunk step): the schedule takes the
         chunk counts the link simulator gives the plan (``costmodel.lowering_schedule``), not the
         round model's, which bounds chunks for executors that pay per round or per call.
+      watches_phases: True when the rule runs its waits on other processes through
+        :func:`network_phase` (the hierarchical lowering), so a watch (``jax_blink.peerwatch``)
+        checks each such phase by name instead of the whole rule.
       description: a few words for users ("rounds of collective_permute").
       unavailable: None when usable here; else why not (native module missing, driver too old):
         :func:`find_lowering` skips such records, error messages quote the reason.
@@ -75,6 +79,7 @@ class Lowering:
     shard_output: bool = False
     auto_fits: Callable | None = None
     chunks_as_simulated: bool = False
+    watches_phases: bool = False
     description: str = ""
     unavailable: str | None = None
 
@@ -142,6 +147,32 @@ class LoweringRequest:
     bounds_gbps: tuple = ()
     topology: object = None
     root: int | None = None
+
+
+# The guard of the call site being lowered (set by jax_blink.callsites for a rule whose record
+# watches its phases): guard(ctx, xs, avals_in, avals_out, phase, fn) -> fn(xs) bracketed by the check.
+_guard = threading.local()
+
+
+@contextlib.contextmanager
+def guarding_phases(guard: Callable | None):
+    """Inside the block, :func:`network_phase` runs its phases through ``guard`` (None: directly)."""
+    before = getattr(_guard, "fn", None)
+    _guard.fn = guard
+    try:
+        yield
+    finally:
+        _guard.fn = before
+
+
+def network_phase(ctx, xs: list, avals_in: list, avals_out: list, phase: str, fn: Callable) -> list:
+    """``fn(xs) -> list`` of ir.Values: a phase that waits on other processes (an XLA collective
+    between them), named ``phase`` for the watch of the call site (:func:`guarding_phases`).
+    ``avals_in`` / ``avals_out``: the ShapedArrays of ``xs`` and of the results."""
+    guard = getattr(_guard, "fn", None)
+    if guard is None:
+        return fn(xs)
+    return guard(ctx, xs, avals_in, avals_out, phase, fn)
 
 
 def register(lowering: Lowering) -> None:

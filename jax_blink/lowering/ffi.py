@@ -219,7 +219,8 @@ def stream_attributes(stream: int) -> dict[str, str]:
     return {"_xla_stream_annotation": str(int(stream)), "inlineable": "false"}
 
 
-def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool, table=None, stream: int = 0):
+def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool, table=None, stream: int = 0,
+          block_order=None):
     avals = ctx.avals_in
     sharded = collectives.get(request.collective).sharded
     table = np.asarray(request.device_table, np.int64).reshape(-1) if table is None else table
@@ -232,6 +233,8 @@ def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool, table=Non
     attrs = dict(schedule=schedule_attribute(request), device_table=table,
                  call_site=np.int64(call_site_id(request, avals, _ordinal(ctx))),
                  timeout_ms=np.int64(timeout_ms(request.timeout_ms)))
+    if target == CPU_TARGET:  # one block: the buffer as the schedule sees it (cpu_module.cc, BlockOrderLeaves)
+        attrs["block_order"] = np.asarray([0] if block_order is None else block_order, np.int64)
 
     def emit(args):
         return list(lower(ctx, *args, **attrs))
@@ -242,7 +245,7 @@ def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool, table=Non
     return call_in_function(ctx, xs, emit, f"{target}_call", stream_attributes(stream))
 
 
-def _cpu_rule(ctx, xs, request_for):
+def _cpu_rule(ctx, xs, request_for, block_order=None):
     """One custom call for the whole bucket: operand i -> result i, one schedule over the leaves'
     virtual concatenation. Results are aliased to operands so that the collective works in place
     (no fresh output pages) where an operand dies at the call; where it is still used, XLA copies it
@@ -251,11 +254,13 @@ def _cpu_rule(ctx, xs, request_for):
     full buffer as result (the record's ``shard_input``): the executor copies the shard straight into
     place; a reduce-scatter may return only the rank's shard (the record's ``shard_output``): the
     executor sums it straight into the result, with no full-size result buffer (fresh pages) and no
-    slice copy after the call."""
+    slice copy after the call. ``block_order`` (one operand; the hierarchical lowering): virtual
+    block k of the schedule is block ``block_order[k]`` of the full-size buffer (the all-gather's
+    result, the reduce-scatter's operand), so the blocks land in rank order without a copy."""
     check_cpu_env()
     request = request_for(sum(max(math.prod(a.shape), math.prod(b.shape))
                               for a, b in zip(ctx.avals_in, ctx.avals_out)))
-    return _call(CPU_TARGET, ctx, xs, request, _ALIAS)
+    return _call(CPU_TARGET, ctx, xs, request, _ALIAS, block_order=block_order)
 
 
 def _cuda_rule(ctx, xs, request_for):

@@ -11,9 +11,13 @@ member of the group inside its process, in rank order):
   replica group per partition; gloo on CPU, NCCL on GPU, scheduled by XLA like its own
   collectives); (c) the native executor all-gathers the partitions back.
 - all-gather: (b) XLA ``all-gather`` of the shard over the devices of one local position, then (c)
-  a native all-gather of those ``P`` shards inside the process, then the blocks are put in rank
-  order. reduce-scatter: the transpose: blocks to (local rank, process) order, (a) native
-  reduce-scatter inside the process, (b) XLA ``reduce-scatter`` over one local position.
+  a native all-gather of those ``P`` shards inside the process, whose schedule runs over the blocks
+  in (local rank, process) order while the CPU executor writes each block at its place in rank
+  order (its ``block_order``: no reorder copy). reduce-scatter: the transpose: (a) native
+  reduce-scatter inside the process, reading the blocks in (local rank, process) order from the
+  rank-ordered operand, (b) XLA ``reduce-scatter`` over one local position. Where the executor
+  cannot order the blocks itself (the CUDA executor; groups whose ranks lie over the processes in
+  different orders), one XLA copy (``jnp.take``) reorders them.
 - broadcast: (a) native broadcast inside each process from the root's local rank; (b) XLA
   ``all-reduce`` of each partition as unsigned integers with zeros from every process but the
   root's (so the root's bits arrive exactly, -0.0 and NaN payloads included); (c) native all-gather.
@@ -49,7 +53,7 @@ from jax import lax
 
 from .._jax_compat import SPMDAxisContext, core, hlo, ir, mlir
 from ..errors import BlinkError
-from . import Lowering, LoweringRequest, Site, find_lowering, register
+from . import Lowering, LoweringRequest, Site, find_lowering, network_phase, register
 from . import ffi as _ffi
 from .ppermute import _position_p
 
@@ -224,6 +228,13 @@ def _funs(ctx, f, ins, avals_in, avals_out):
         ctx.replace(primitive=None, avals_in=list(avals_in), avals_out=list(avals_out)), *ins))
 
 
+def _between(ctx, op: str, x, aval_in, aval_out, fn):
+    """Phase (b): ``fn(x)``, XLA's collective ``op`` between the processes, as a named network phase
+    (``lowering.network_phase``: the watch checks that every process arrives here)."""
+    return network_phase(ctx, [x], [aval_in], [aval_out], f"(b) XLA {op} between processes",
+                         lambda vs: [fn(vs[0])])[0]
+
+
 def _me():
     return _position_p.bind()
 
@@ -247,8 +258,14 @@ def _local_rank_table(layout: Layout, ndevices: int) -> np.ndarray:
     return t
 
 
-def _native_reduce_scatter(ctx, x, dtype, L, m, request_for, local_rank):
-    """Native reduce-scatter of the flat [L*m] ``x`` over the process's part of each group -> [m]."""
+def _ordered(block_order) -> dict:
+    """The native rule's keyword for a block order (CPU executor only; None: none needed)."""
+    return {} if block_order is None else {"block_order": block_order}
+
+
+def _native_reduce_scatter(ctx, x, dtype, L, m, request_for, local_rank, block_order=None):
+    """Native reduce-scatter of the flat [L*m] ``x`` over the process's part of each group -> [m].
+    ``block_order``: the blocks of ``x`` the schedule reads as its virtual blocks (lowering.ffi)."""
     if L == 1:
         return x
     rec = _native(ctx)
@@ -257,15 +274,16 @@ def _native_reduce_scatter(ctx, x, dtype, L, m, request_for, local_rank):
     def req(n):
         return request_for(n, "reducescatter", by_process=True, impl_="ffi")
     if rec.shard_output:
-        out, = rec.rule(ctx.replace(avals_in=[full], avals_out=[shard]), [x], req)
+        out, = rec.rule(ctx.replace(avals_in=[full], avals_out=[shard]), [x], req, **_ordered(block_order))
         return out
     out, = rec.rule(ctx.replace(avals_in=[full], avals_out=[full]), [x], req)
     return _fun(ctx, lambda v: lax.dynamic_slice(v, (jnp.asarray(local_rank)[_me()] * m,), (m,)),
                 [out], [full], shard)
 
 
-def _native_all_gather(ctx, x, dtype, L, m, request_for, local_rank):
-    """Native all-gather of the [m] ``x`` over the process's part of each group -> [L*m]."""
+def _native_all_gather(ctx, x, dtype, L, m, request_for, local_rank, block_order=None):
+    """Native all-gather of the [m] ``x`` over the process's part of each group -> [L*m].
+    ``block_order``: where the schedule's virtual blocks land in the result (lowering.ffi)."""
     if L == 1:
         return x
     rec = _native(ctx)
@@ -274,7 +292,7 @@ def _native_all_gather(ctx, x, dtype, L, m, request_for, local_rank):
     def req(n):
         return request_for(n, "allgather", by_process=True, impl_="ffi")
     if rec.shard_input:
-        out, = rec.rule(ctx.replace(avals_in=[shard], avals_out=[full]), [x], req)
+        out, = rec.rule(ctx.replace(avals_in=[shard], avals_out=[full]), [x], req, **_ordered(block_order))
         return out
     placed = _fun(ctx, lambda v: lax.dynamic_update_slice(jnp.zeros((L * m,), v.dtype), v,
                                                            (jnp.asarray(local_rank)[_me()] * m,)),
@@ -343,7 +361,7 @@ def hierarchical_lowering(ctx, xs, request_for):
     if collective in ("allreduce", "reduce"):
         mine = _native_reduce_scatter(ctx, flat, dtype, L, m, request_for, local_rank)
         if P > 1:
-            mine = all_reduce(ctx, mine, layout.network)
+            mine = _between(ctx, "all-reduce", mine, part, part, lambda v: all_reduce(ctx, v, layout.network))
     elif collective == "broadcast":
         root = _root_rank(request)
         _, root_q, root_i = _root_place(layout, request, root)
@@ -414,7 +432,7 @@ def _broadcast_network(ctx, mine, dtype, m, layout, root_q, process_of):
         f = lax.bitcast_convert_type(u, real)
         return lax.complex(f[:m], f[m:]) if cplx else f
     bits = _fun(ctx, to_bits, [mine], [part], upart)
-    got = all_reduce(ctx, bits, layout.network)
+    got = _between(ctx, "all-reduce (broadcast bits)", bits, upart, upart, lambda v: all_reduce(ctx, v, layout.network))
     return _fun(ctx, from_bits, [got], [upart], part)
 
 
@@ -448,16 +466,32 @@ def _group_of(request: LoweringRequest, ndevices: int) -> list:
     return out
 
 
+def _executor_order(ctx, order_rows, L) -> np.ndarray | None:
+    """The block order the native executor applies itself (one row for every group, the CPU
+    executor, a shard-form call): then no XLA reorder copy is needed. None otherwise."""
+    rows = np.asarray(order_rows)
+    if L == 1 or not (rows == rows[0]).all() or (rows[0] == np.arange(rows.shape[1])).all():
+        return None
+    rec = _native(ctx)
+    if rec.platform != "cpu" or not (rec.shard_input and rec.shard_output):
+        return None
+    return rows[0].astype(np.int64)
+
+
 def _all_gather_phases(ctx, x, aval_in, aval_out, layout, request, request_for, local_rank):
     P, L = layout.P, layout.L
     dtype = aval_in.dtype
     m = math.prod(aval_in.shape)
     v = mlir.reshape(ctx, x, _plain((m,), dtype))
-    if P > 1:
-        v = all_gather(ctx, v, layout.network, P)  # [P*m]: process order
-    v = _native_all_gather(ctx, v, dtype, L, P * m, request_for, local_rank)  # [L*P*m]: (i, qi)
-    v = _reorder(ctx, v, layout.block_order(request), P * L, m, dtype, inverse=False,
-                 group_of=_group_of(request, ctx.module_context.axis_context.mesh.size))
+    if P > 1:  # [P*m]: process order
+        v = _between(ctx, "all-gather", v, _plain((m,), dtype), _plain((P * m,), dtype),
+                     lambda u: all_gather(ctx, u, layout.network, P))
+    order = layout.block_order(request)
+    placed = _executor_order(ctx, order, L)  # the executor writes the blocks in rank order itself
+    v = _native_all_gather(ctx, v, dtype, L, P * m, request_for, local_rank, placed)  # [L*P*m]: (i, qi)
+    if placed is None:
+        v = _reorder(ctx, v, order, P * L, m, dtype, inverse=False,
+                     group_of=_group_of(request, ctx.module_context.axis_context.mesh.size))
     return mlir.reshape(ctx, v, _plain(aval_out.shape, dtype))
 
 
@@ -467,11 +501,15 @@ def _reduce_scatter_phases(ctx, x, aval_in, aval_out, layout, request, request_f
     n = math.prod(aval_in.shape)
     m = n // (P * L)
     v = mlir.reshape(ctx, x, _plain((n,), dtype))
-    v = _reorder(ctx, v, layout.block_order(request), P * L, m, dtype, inverse=True,
-                 group_of=_group_of(request, ctx.module_context.axis_context.mesh.size))  # (i, qi) order
-    v = _native_reduce_scatter(ctx, v, dtype, L, P * m, request_for, local_rank)  # [P*m]
+    order = layout.block_order(request)
+    placed = _executor_order(ctx, order, L)  # the executor reads the blocks in (i, qi) order itself
+    if placed is None:
+        v = _reorder(ctx, v, order, P * L, m, dtype, inverse=True,
+                     group_of=_group_of(request, ctx.module_context.axis_context.mesh.size))  # (i, qi) order
+    v = _native_reduce_scatter(ctx, v, dtype, L, P * m, request_for, local_rank, placed)  # [P*m]
     if P > 1:
-        v = reduce_scatter(ctx, v, layout.network, P)
+        v = _between(ctx, "reduce-scatter", v, _plain((P * m,), dtype), _plain((m,), dtype),
+                     lambda u: reduce_scatter(ctx, u, layout.network, P))
     return mlir.reshape(ctx, v, _plain(aval_out.shape, dtype))
 
 
@@ -482,7 +520,7 @@ for _platform in ("cpu", "cuda"):
     _why = _ffi.UNAVAILABLE.get(_platform)
     register(Lowering(NAME, _platform, hierarchical_lowering, step_latency_s=5e-6, round_synchronous=False,
                       multi_process=True, auto_priority=0, auto_allowed=_ffi.native_auto_allowed, auto_fits=fits,
-                      shard_input=True, shard_output=True,
+                      shard_input=True, shard_output=True, watches_phases=True,
                       description="native trees inside each process, XLA's collective between processes",
                       unavailable=None if _why is None else f"its intra-process phases need the native executor: "
                                                             f"{_why}"))
