@@ -50,6 +50,10 @@ def _axes(axis_name) -> tuple:
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     if any(isinstance(a, int) for a in axes):
         raise TypeError(f"jax_blink collectives take named axes only, got positional axis in {axes}")
+    repeated = sorted({str(a) for a in axes if axes.count(a) > 1})
+    if repeated:
+        raise ValueError(f"jax_blink collectives take each axis once, got {axes} (repeated: {', '.join(repeated)}); "
+                         "name every mesh axis of the group once")
     return axes
 
 

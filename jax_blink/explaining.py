@@ -174,9 +174,14 @@ class Report:
         return out
 
     def print(self, console=None) -> None:
-        """Print the tables to ``console`` (default: a rich Console on stdout)."""
+        """Print the tables to ``console`` (default: a rich Console on stdout, at the terminal's width, or
+        200 columns when stdout is not a terminal, e.g. a log file, where rich would assume 80)."""
+        import os
+        import sys
+
         from rich.console import Console
-        console = console or Console()
+        if console is None:
+            console = Console() if sys.stdout.isatty() or os.environ.get("COLUMNS") else Console(width=200)
         for r in self.tables():
             console.print(r)
 

@@ -136,6 +136,9 @@ def test_positional_axis_and_unbound_axis():
         traced(lambda x: jax_blink.psum(x, 0))
     with pytest.raises(NameError, match="unbound axis name: e"):
         traced(lambda x: jax_blink.psum(x, "e"))
+    for f in (jax_blink.psum, jax_blink.all_gather):
+        with pytest.raises(ValueError, match=r"each axis once.*repeated: d"):
+            traced(lambda x, f=f: f(x, ("d", "d")))
 
 
 # ------------------------------------------------------------------ the other public functions

@@ -132,6 +132,10 @@ def test_env_overrides_the_gate(fake_cuda_ffi, monkeypatch):
     assert choose_lowering("auto", ["cuda"]).name == "ffi"
     monkeypatch.setenv("JAX_BLINK_CUDA_NATIVE", "0")
     assert choose_lowering("auto", ["cuda"]).name == "ppermute"
+    for junk in ("true", "yes", "2"):  # refused, not taken as unset
+        monkeypatch.setenv("JAX_BLINK_CUDA_NATIVE", junk)
+        with pytest.raises(BlinkError, match=f"JAX_BLINK_CUDA_NATIVE must be 0 .* or 1 .*got '{junk}'"):
+            choose_lowering("auto", ["cuda"])
 
 
 def test_selftest_without_gpus_says_so_in_one_line():

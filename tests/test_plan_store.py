@@ -131,6 +131,10 @@ def test_cache_off_and_unwritable_dir(disk, monkeypatch, tmp_path):
     monkeypatch.setenv("JAX_BLINK_PLAN_CACHE", "0")
     jax_blink.plan(TOPO, "allreduce", algorithm="trees")
     assert not plans.exists()
+    monkeypatch.setenv("JAX_BLINK_PLAN_CACHE", "yes")
+    jax_blink.clear_caches()
+    with pytest.raises(jax_blink.PlanError, match="JAX_BLINK_PLAN_CACHE must be 0 .* or 1 .*got 'yes'"):
+        jax_blink.plan(TOPO, "allreduce", algorithm="trees")
     monkeypatch.setenv("JAX_BLINK_PLAN_CACHE", "1")
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -15,6 +15,11 @@ def _load(name: str):
     try:
         return importlib.import_module(f"{__name__}.{name}"), None
     except ImportError as e:  # not built (e.g. sdist without a compiler) or built for another Python
+        if name == "_cuda" and isinstance(e, ModuleNotFoundError):
+            # skipped on purpose where the build found no NVIDIA driver (JAX_BLINK_CUDA=AUTO)
+            return None, ("jax_blink's CUDA module is not built: the default build (JAX_BLINK_CUDA=AUTO) makes it "
+                          "only where an NVIDIA driver and a CUDA compiler are found; on a GPU machine reinstall "
+                          "there, or build it anyway with `JAX_BLINK_CUDA=ON pip install -e .` (docs/cuda.md)")
         return None, (f"jax_blink native module {name!r} is not available ({e}); reinstall with "
                       "`pip install -e .` (needs a C++17 compiler and CMake >= 3.24)")
 

@@ -311,6 +311,9 @@ def native_auto_allowed(platform: str) -> bool:
     (GPU names, driver version, module build id; see ``jax_blink.lowering.selftest_record``), or when
     ``JAX_BLINK_CUDA_NATIVE=1``; ``JAX_BLINK_CUDA_NATIVE=0`` always says no. The first refusal is
     reported once (a warning naming the command that enables it).
+
+    Raises:
+      BlinkError: ``JAX_BLINK_CUDA_NATIVE`` is set to anything but 0 or 1.
     """
     if platform != "cuda":
         return True
@@ -319,6 +322,10 @@ def native_auto_allowed(platform: str) -> bool:
     env = os.environ.get(ENV_NATIVE, "").strip()
     if env in ("0", "1"):
         return env == "1"
+    if env:
+        raise BlinkError(f"{ENV_NATIVE} must be 0 (never use the native CUDA executor under impl='auto') or 1 "
+                         f"(use it without a recorded self-test), got {os.environ[ENV_NATIVE]!r}; unset it to "
+                         "follow the self-test record")
     if selftest_record.has_passed():
         return True
     if platform not in _said:

@@ -58,8 +58,16 @@ def planner_version() -> str:
 
 
 def enabled() -> bool:
-    """Whether plans are cached on disk (``$JAX_BLINK_PLAN_CACHE`` is not "0")."""
-    return os.environ.get(ENV_PLAN_CACHE, "1") != "0"
+    """Whether plans are cached on disk: ``$JAX_BLINK_PLAN_CACHE`` unset, empty or "1" (on), "0" (off).
+
+    Raises:
+      PlanError: ``$JAX_BLINK_PLAN_CACHE`` is set to anything else.
+    """
+    text = os.environ.get(ENV_PLAN_CACHE, "").strip()
+    if text not in ("", "0", "1"):
+        raise PlanError(f"{ENV_PLAN_CACHE} must be 0 (plan every time) or 1 (cache plans on disk, the default), "
+                        f"got {os.environ[ENV_PLAN_CACHE]!r}; unset it for the default")
+    return text != "0"
 
 
 def entry_path(key: dict):
