@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -33,9 +35,9 @@ struct HostMem {
   static int64_t Tid() { return 0; }
   static int64_t Threads() { return 1; }
   static void Sync() {}
-  static void Pause(uint32_t spins) {  // yield, then sleep more and more (many threads share few cores)
-    if (spins < 8192) std::this_thread::yield();
-    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+  static void Pause(uint32_t spins) {  // yield, then sleep (hundreds of threads may share two cores)
+    if (spins < 256) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(spins < 4096 ? 20 : 200));
   }
   static void Jitter() {
     if (!t_rng) return;
@@ -100,14 +102,23 @@ std::string RunInterpOnHost(const InterpPlan& p, const std::vector<const void*>&
     ptrs.staging = reinterpret_cast<char*>(staging.data());
     const interp::View v = p.view();
     std::vector<std::thread> threads;
-    std::vector<uint64_t> seeds;
+    // Start gate: every block thread blocks (no spinning) until all exist, then starts its clock.
+    // Without it the threads created first spin while the creator, starved by them, is still
+    // starting the last ranks' blocks (minutes under qemu on 2 cores: a false "never arrived").
+    std::mutex gate_mu;
+    std::condition_variable gate_cv;
+    bool gate_open = false;
     for (int32_t r = 0; r < n; ++r) {
       if (r == opt.absent_rank) continue;
       const int32_t blocks = std::max(1, p.blocks_used[r]);
       for (int32_t b = 0; b < blocks; ++b) {
         const uint64_t seed = opt.seed ? rng() : 0;
         const int64_t late = r == opt.late_rank ? opt.late_ms : 0;
-        threads.emplace_back([&v, &ptrs, r, b, call, seed, late, &opt] {
+        threads.emplace_back([&v, &ptrs, r, b, call, seed, late, &opt, &gate_mu, &gate_cv, &gate_open] {
+          {
+            std::unique_lock<std::mutex> lk(gate_mu);
+            gate_cv.wait(lk, [&] { return gate_open; });
+          }
           std::unique_ptr<std::mt19937_64> g;
           if (seed) {
             g = std::make_unique<std::mt19937_64>(seed);
@@ -122,6 +133,11 @@ std::string RunInterpOnHost(const InterpPlan& p, const std::vector<const void*>&
       }
     }
     nthreads = static_cast<int64_t>(threads.size());
+    {
+      std::lock_guard<std::mutex> lk(gate_mu);
+      gate_open = true;
+    }
+    gate_cv.notify_all();
     for (auto& t : threads) t.join();
     res->error = InterpErrorMessage(records, static_cast<uint64_t>(call), opt.timeout_ms);
     if (!res->error.empty()) break;
