@@ -98,7 +98,8 @@ def _impl(impl) -> str:
 def _check_dtype(dtype, api) -> None:
     if np.dtype(dtype) not in _SUPPORTED:
         raise TypeError(f"{api} does not support dtype {np.dtype(dtype).name}; supported: bool, int8..int64, "
-                        "uint8..uint64, float16, bfloat16, float32, float64, complex64, complex128")
+                        "uint8..uint64, float16, bfloat16, float32, float64, complex64, complex128 (cast a "
+                        "float8 or int4 operand to bfloat16 / int8 first and back after, or use jax.lax for it)")
 
 
 def _prepare(x, axes, api):

@@ -320,7 +320,7 @@ def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mes
     loc = ir.Location.name(f"{ctx.name_stack}/{name}" if ctx.name_stack.stack else name, childLoc=frame)
     sub = ctx.replace(name_stack=ctx.name_stack.extend(name))
     from . import peerwatch
-    with loc:
+    with loc, _lowering.naming_site(f"{name} at {source}" if source else name):
         if processes > 1 and peerwatch.enabled() and rec.watches_phases:
             with _lowering.guarding_phases(peerwatch.phase_guard(mesh=mesh, groups=first.groups,
                                                                 site=f"{name} at {source}")):

@@ -20,13 +20,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .errors import TopologyError
+from .errors import TopologyError, warn_user
 from .planner.model import clear_on_reset
 from .topology import Topology, default_gpu_id
 
@@ -236,8 +235,8 @@ def effective_algorithm(key: PlanKey, topology: Topology, collective: str, gpu_i
         return key.algorithm
     if (key.algorithm, collective, why) not in _WARNED:
         _WARNED.add((key.algorithm, collective, why))
-        warnings.warn(f"{ENV_ALGORITHM}={key.algorithm}: {why}; planning {collective} with 'auto' "
-                      f"(pass algorithm= to a call to require it)", RuntimeWarning, stacklevel=2)
+        warn_user(f"{ENV_ALGORITHM}={key.algorithm}: {why}; planning {collective} with 'auto' "
+                  f"(pass algorithm= to a call to require it)")
     return "auto"
 
 

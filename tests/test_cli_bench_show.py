@@ -6,7 +6,7 @@ import re
 import pytest
 
 from jax_blink.cli import main
-from jax_blink.cli.bench_cmd import parse_devices, parse_sizes
+from jax_blink.cli.bench_cmd import human_time, parse_devices, parse_sizes
 from jax_blink.errors import BlinkError
 from jax_blink.planning import plan
 from jax_blink.topology.presets import preset
@@ -22,6 +22,11 @@ def test_parse_sizes():
                      ("", "empty"), (",".join(str(i) for i in range(1, 71)), "more than")]:
         with pytest.raises(BlinkError, match=msg):
             parse_sizes(bad)
+
+
+def test_human_time_keeps_small_bounds_readable():
+    """A 4-byte bound on a 100 GB/s link is 40 ns: it must not print as "0.0 us"."""
+    assert [human_time(t) for t in (4e-8, 2.5e-6, 3.25e-3, 2.0)] == ["40.0 ns", "2.5 us", "3.25 ms", "2.000 s"]
 
 
 def test_bench_table(capsys):

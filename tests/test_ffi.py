@@ -7,6 +7,7 @@ timeout naming it, mismatched dtype/size, malformed schedules), a call site insi
 that the CUDA module compiles where nvcc exists.
 """
 
+import inspect
 import os
 import pathlib
 import re
@@ -215,14 +216,18 @@ def test_malformed_schedules_are_rejected():
 
 
 def test_timeout_inside_jax_names_the_absent_device(monkeypatch):
-    """A device made absent (test hook JAX_BLINK_TEST_ABSENT_DEVICE) -> the call fails within the bound."""
+    """A device made absent (test hook JAX_BLINK_TEST_ABSENT_DEVICE) -> the call fails within the bound,
+    naming the device and the call site's source line."""
     monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", "2")
     monkeypatch.setenv("JAX_BLINK_TEST_ABSENT_DEVICE", "5")
+    line = inspect.currentframe().f_lineno + 1
     f = jax.pmap(lambda v: jax_blink.psum(v, "i", impl="ffi"), axis_name="i")
     t0 = time.monotonic()
-    with pytest.raises(Exception, match=r"timed out after 2 s: device\(s\) 5 \(rank 5\) never arrived"):
+    with pytest.raises(Exception, match=r"timed out after 2 s: device\(s\) 5 \(rank 5\) never arrived") as e:
         jax.block_until_ready(f(np.ones((8, 37), np.float32)))
     assert time.monotonic() - t0 < 2 + 15
+    assert "call site jax_blink.psum[allreduce float32 148B " in str(e.value), str(e.value)
+    assert f" ffi] at {__file__}:{line} (" in str(e.value), str(e.value)
 
 
 def test_psum_inside_scan_permuted_mesh():

@@ -238,8 +238,9 @@ def test_env_algorithm_is_a_preference_where_it_applies(monkeypatch):
         def bc(v):
             return jax_blink.broadcast(v, "i", root=2, topology="dgx1v")
         why = "does not apply to broadcast" if env == "ring" else "on one node"
-        with pytest.warns(RuntimeWarning, match=f"JAX_BLINK_ALGORITHM={env}: .*{why}.*planning broadcast"):
+        with pytest.warns(RuntimeWarning, match=f"JAX_BLINK_ALGORITHM={env}: .*{why}.*planning broadcast") as w:
             got = jax.jit(jax.shard_map(bc, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))(x)
+        assert [r.filename for r in w] == [__file__], [(r.filename, r.lineno) for r in w]  # the user's line
         np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(np.asarray(x)[2:3], x.shape))
         def ps(v):
             return jax_blink.psum(v, "i", topology="dgx1v")

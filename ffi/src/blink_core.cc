@@ -597,8 +597,12 @@ class Registry {
         os << (first ? "" : ", ") << devs[r] << " (rank " << r << ")";
         first = false;
       }
-    os << " never arrived (group " << key.group << ", call site " << key.call_site << ", generation "
-       << key.generation << "); arrived: ";
+    std::string where;
+    for (const auto& a : m.arrivals)
+      if (a.device >= 0 && !a.where.empty()) where = a.where;
+    os << " never arrived (group " << key.group << ", call site ";
+    if (!where.empty()) os << where << ", id ";
+    os << key.call_site << ", generation " << key.generation << "); arrived: ";
     first = true;
     for (size_t r = 0; r < m.arrivals.size(); ++r)
       if (m.arrivals[r].device >= 0) {

@@ -159,6 +159,7 @@ struct Arrival {
   Dtype dtype = Dtype::kF32;
   int64_t nelems = 0;         // total over the leaves
   std::vector<Leaf> leaves;   // every participant brings the same leaf sizes, in the same order
+  std::string where;                              // the call site's label and source line ("" unknown)
   void* backend = nullptr;                        // backend data (CUDA: stream, events)
   std::function<void(const std::string&)> done;   // "" on success, else the error message
 };

@@ -124,7 +124,8 @@ std::string BlockOrderLeaves(ffi::Span<const int64_t> order, int64_t nranks, con
 // and completes every future. No thread waits.
 ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
                          ffi::Span<const int64_t> schedule, ffi::Span<const int64_t> device_table,
-                         int64_t call_site, int64_t timeout_ms, ffi::Span<const int64_t> block_order) {
+                         int64_t call_site, int64_t timeout_ms, ffi::Span<const int64_t> block_order,
+                         std::string_view where) {
   std::vector<Leaf> leaves;
   std::optional<Dtype> dt;
   // A malformed call: reported to the peers below, once the generation is known.
@@ -173,6 +174,7 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args
   a.dtype = *dt;
   a.nelems = nelems;
   a.leaves = std::move(leaves);
+  a.where = std::string(where);
   a.done = [promise](const std::string& msg) mutable {
     if (msg.empty()) promise.SetAvailable();
     else promise.SetError(ffi::Error(ErrorClassOf(msg) == 2   ? ffi::ErrorCode::kDeadlineExceeded
@@ -198,7 +200,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkCpu, BlinkCpuImpl,
                                   .Attr<ffi::Span<const int64_t>>("device_table")
                                   .Attr<int64_t>("call_site")
                                   .Attr<int64_t>("timeout_ms")
-                                  .Attr<ffi::Span<const int64_t>>("block_order"));
+                                  .Attr<ffi::Span<const int64_t>>("block_order")
+                                  .Attr<std::string_view>("where"));
 
 namespace {
 

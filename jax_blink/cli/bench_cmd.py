@@ -100,7 +100,9 @@ def human_bytes(n: float) -> str:
 
 
 def human_time(s: float) -> str:
-    """Seconds in us/ms/s."""
+    """Seconds in ns/us/ms/s (a bound of a few bytes on fast links is below 0.1 us)."""
+    if s < 1e-6:
+        return f"{s * 1e9:.1f} ns"
     if s < 1e-3:
         return f"{s * 1e6:.1f} us"
     if s < 1:

@@ -165,6 +165,26 @@ def guarding_phases(guard: Callable | None):
         _guard.fn = before
 
 
+_site = threading.local()
+
+
+@contextlib.contextmanager
+def naming_site(text: str):
+    """Inside the block, :func:`site_text` is ``text`` (the call site's label and source line, which
+    the native executors put in their timeout messages)."""
+    before = getattr(_site, "text", "")
+    _site.text = text
+    try:
+        yield
+    finally:
+        _site.text = before
+
+
+def site_text() -> str:
+    """The call site being lowered, as :func:`naming_site` set it ("" outside one)."""
+    return getattr(_site, "text", "")
+
+
 def network_phase(ctx, xs: list, avals_in: list, avals_out: list, phase: str, fn: Callable) -> list:
     """``fn(xs) -> list`` of ir.Values: a phase that waits on other processes (an XLA collective
     between them), named ``phase`` for the watch of the call site (:func:`guarding_phases`).

@@ -41,8 +41,8 @@ import numpy as np
 
 from .. import _native, collectives
 from .._jax_compat import call_in_function, ir
-from ..errors import BlinkError
-from . import Lowering, LoweringRequest, register, selftest_record
+from ..errors import BlinkError, warn_user
+from . import Lowering, LoweringRequest, register, selftest_record, site_text
 
 CPU_TARGET = "jax_blink_cpu"
 CUDA_TARGET = "jax_blink_cuda"
@@ -235,6 +235,7 @@ def _call(target: str, ctx, xs, request: LoweringRequest, alias: bool, table=Non
                  timeout_ms=np.int64(timeout_ms(request.timeout_ms)))
     if target == CPU_TARGET:  # one block: the buffer as the schedule sees it (cpu_module.cc, BlockOrderLeaves)
         attrs["block_order"] = np.asarray([0] if block_order is None else block_order, np.int64)
+        attrs["where"] = site_text() or "(outside jax_blink's call sites)"  # named by timeouts
 
     def emit(args):
         return list(lower(ctx, *args, **attrs))
@@ -330,10 +331,9 @@ def native_auto_allowed(platform: str) -> bool:
         return True
     if platform not in _said:
         _said.add(platform)
-        import warnings
-        warnings.warn("jax_blink: impl='auto' uses the portable ppermute lowering on GPUs until the native CUDA "
-                      "executor has passed its self-test on this machine: run `jax-blink selftest` once (or set "
-                      f"{ENV_NATIVE}=1 to trust it, or pass impl='ffi')", stacklevel=3)
+        warn_user("jax_blink: impl='auto' uses the portable ppermute lowering on GPUs until the native CUDA "
+                  "executor has passed its self-test on this machine: run `jax-blink selftest` once (or set "
+                  f"{ENV_NATIVE}=1 to trust it, or pass impl='ffi')", UserWarning)
     return False
 
 
