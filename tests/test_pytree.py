@@ -191,7 +191,7 @@ def test_one_custom_call_per_dtype_no_concatenate_and_aliasing():
     calls = [line for line in text.splitlines() if "custom_call @jax_blink_cpu" in line]
     # float32 (w, b, big, nested[0]), int32 (count + flag as int32), bfloat16: three buckets, three calls
     assert len(calls) == 3, calls
-    assert "concatenate" not in text and "stablehlo.slice" not in text
+    assert "stablehlo.concatenate" not in text and "stablehlo.slice" not in text
     assert all("output_operand_aliases" in c for c in calls)  # operands computed here are aliased
     assert_tree_equal(f(x), smap(lambda t: unsqueeze(lax.psum(jax.tree.map(lambda v: v * 2, squeeze(t)), "i")),
                                  mesh, False)(x))
