@@ -155,7 +155,8 @@ class Topology:
     @property
     def gpus(self) -> list[int]:
         """Sorted GPU ids."""
-        return sorted(n for n, k in self.graph.nodes(data="kind") if k == "gpu")
+        # networkx's node dict directly: the data view costs several times more on 10^3 GPUs
+        return sorted([n for n, d in self.graph._node.items() if d.get("kind") == "gpu"])
 
     @property
     def switches(self) -> list[str]:
@@ -192,7 +193,9 @@ class Topology:
         except TypeError:
             raise TopologyError(f"devices must be a list of GPU ids or a string like '0,1' or '0-3', got "
                                 f"{type(devices).__name__} {devices!r}") from None
-        odd = [d for d in devices if isinstance(d, bool) or not isinstance(d, numbers.Integral)]
+        # plain ints first: the abstract-class check costs a microsecond per GPU of a 1,024-GPU job
+        odd = [d for d in devices
+               if type(d) is not int and (isinstance(d, bool) or not isinstance(d, numbers.Integral))]
         if odd:
             raise TopologyError(f"devices must be integer GPU ids, got {odd!r} in {devices!r}")
         gpus = set(self.gpus)
