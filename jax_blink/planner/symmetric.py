@@ -412,11 +412,11 @@ def _pieces(n: int, cols, weights) -> list:
     return pieces
 
 
-def _composed(topology, devices, struct: NodeStructure, cols, weights, pieces=None) -> ComposedTrees:
+def _composed(topology, devices, struct: NodeStructure, cols, weights, pieces=None, enc=None) -> ComposedTrees:
     """The trees over all GPUs of the symmetric columns (:func:`_pieces`, or ``pieces`` when the caller
     has them), as :class:`ComposedTrees`: a piece (column j, centre node k) is the star of column j's
     components in every node, centred at j's centre GPU of node k, its cross edges through that GPU's
-    network route."""
+    network route. ``enc``: :func:`encode_structure` of ``struct`` when the caller has it (a load)."""
     n = struct.n_nodes
     fp = struct.fingerprint  # the cluster's (computed once; a fresh template's digest costs a to_dict)
     maps = [{**m, struct.x_id: struct.network} for m in struct.maps]
@@ -454,7 +454,7 @@ def _composed(topology, devices, struct: NodeStructure, cols, weights, pieces=No
 
     spec = {"columns": [[[list(e[:2]) + [list(e[2])] for e in c.intra], [[b, list(r)] for b, r in c.attach]]
                         for c in cols],
-            "weights": [float(x) for x in weights], "structure": encode_structure(struct)}
+            "weights": [float(x) for x in weights], "structure": enc or encode_structure(struct)}
     shapes = [("symmetric", fp, n, c.intra, c.attach) for c in cols]  # the same for every centre node
     info = [(wt, maps[k][cols[j].center], shapes[j]) for j, k, wt in pieces]
     key = (struct.fingerprint, tuple(devices), tuple((c.intra, c.attach) for c in cols), tuple(pieces))
@@ -519,7 +519,7 @@ def _decode_symmetric(topology, devices, spec, fingerprint=None) -> ComposedTree
         m, i = over[0]
         raise PlanError(f"symmetric plan entry loads link {list(links)[i]} of node {m} with {load[m, i]:.3f} GB/s "
                         f"> its {cap[i]} GB/s")
-    return _composed(topology, devices, struct, cols, weights, pieces)
+    return _composed(topology, devices, struct, cols, weights, pieces, spec.get("structure"))
 
 
 register_composition("symmetric", _decode_symmetric)
@@ -609,10 +609,11 @@ def _rsag_load(struct: NodeStructure, forest, up) -> dict:
     return load
 
 
-def _composed_rsag(topology, devices, struct: NodeStructure, forest, up, x: float) -> ComposedTrees:
+def _composed_rsag(topology, devices, struct: NodeStructure, forest, up, x: float, enc=None) -> ComposedTrees:
     """The rsag trees over all GPUs (:func:`symmetric_rsag_plan`) as :class:`ComposedTrees`: for node
     k, root position d and one-node tree t of d (``forest``: (d, weight, hops) on node 0), t in node
-    k, then d's route up and down into every other node and t there; weight x * t's share of d."""
+    k, then d's route up and down into every other node and t there; weight x * t's share of d.
+    ``enc``: :func:`encode_structure` of ``struct`` when the caller has it (a load)."""
     n = struct.n_nodes
     maps = [{**m, struct.x_id: struct.network} for m in struct.maps]
     fp = struct.fingerprint  # the cluster's (computed once; a fresh template's digest costs a to_dict)
@@ -648,7 +649,7 @@ def _composed_rsag(topology, devices, struct: NodeStructure, forest, up, x: floa
     info = [(_round(x * forest[i][1] / wsum[forest[i][0]]), maps[k][forest[i][0]],
              ("rsag", fp, n, forest[i][0], forest[i][2])) for k, i in pieces]  # one shape per root position
     spec = {"forest": [[d, w, [list(h) for h in e]] for d, w, e in forest],
-            "up": [[d, list(r)] for d, r in up.items()], "x": x, "structure": encode_structure(struct)}
+            "up": [[d, list(r)] for d, r in up.items()], "x": x, "structure": enc or encode_structure(struct)}
     key = (struct.fingerprint, tuple(devices), tuple(forest), tuple(sorted(up.items(), key=lambda kv: kv[0])), x)
     return ComposedTrees("rsag", spec, info, make, key)
 
@@ -677,7 +678,7 @@ def _decode_rsag(topology, devices, spec, fingerprint=None) -> ComposedTrees:
     for h, v in _rsag_load(struct, forest, up).items():
         if x * v > tg.edges[h]["bandwidth_gbps"] * (1 + 1e-6) + 1e-9:
             raise PlanError(f"rsag plan entry loads link {h} with {x * v:.3f} GB/s > its capacity")
-    return _composed_rsag(topology, devices, struct, forest, up, x)
+    return _composed_rsag(topology, devices, struct, forest, up, x, spec.get("structure"))
 
 
 register_composition("rsag", _decode_rsag)
