@@ -11,7 +11,8 @@ with 8, the pcie-2socket PCIe box with 2) and node count N, all GPUs of all node
   symmetric LP's dual; "hierarchical" reports against that same bound, so its gap is the cost of
   one leader per node; "rsag" against 1 / (1/B_rs + 1/B_ag) of the cut bounds) and tree counts;
 - the choice at each size and, with ``--cache``, the time to load that choice from the disk cache
-  (a fresh temporary ``JAX_BLINK_CACHE_DIR``; median of ``--reps`` loads after ``clear_caches()``).
+  (a fresh temporary ``JAX_BLINK_CACHE_DIR``; median of ``--reps`` loads after ``clear_caches()``),
+  wall and CPU time of the process (on a shared machine the CPU time is what the load costs).
 
 ``--link N``: for configurations up to N GPUs, also the link-level simulator's time of the choice
 (``simulate(method="link")``) next to its flow-level prediction, and the choice's link-level time over
@@ -44,15 +45,18 @@ NIC_GBPS = 12.5
 SIZES = {"64K": 64 << 10, "256M": 256 << 20}
 
 
-def timed(fn, reps: int):
-    """(median seconds over ``reps`` uncached calls, last result)."""
-    ts, out = [], None
+def timed(fn, reps: int, cpu: bool = False):
+    """(median seconds over ``reps`` uncached calls, last result); with ``cpu``, also the median CPU
+    seconds of the process (``time.process_time``: what the call itself cost, less the waits of a
+    loaded machine)."""
+    ts, cs, out = [], [], None
     for _ in range(reps):
         jax_blink.clear_caches()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), out
+        cs.append(time.process_time() - c0)
+    return (statistics.median(ts), out, statistics.median(cs)) if cpu else (statistics.median(ts), out)
 
 
 def ratio(p) -> str:
@@ -79,7 +83,8 @@ def row(node: str, nics: int, n: int, reps: int, cache: bool, link_max: int) -> 
                 try:
                     jax_blink.clear_caches()
                     jax_blink.plan(topo, "allreduce", nbytes=nb)  # plans and writes the entry
-                    out[name + "_load"] = timed(lambda b=nb: jax_blink.plan(topo, "allreduce", nbytes=b), reps)[0]
+                    t, _, c = timed(lambda b=nb: jax_blink.plan(topo, "allreduce", nbytes=b), reps, cpu=True)
+                    out[name + "_load"], out[name + "_load_cpu"] = t, c
                 finally:
                     os.environ["JAX_BLINK_PLAN_CACHE"] = "0"
     return out
@@ -110,7 +115,7 @@ def main(argv=None) -> int:
     cols = ["node type", "nodes x GPUs", "trees", "rate/bound", "hierarchical", "rate/bound", "rsag", "rate/bound",
             "plan(64K)", "choice 64K", "plan(256M)", "choice 256M", "256M rate/bound"]
     if a.cache:
-        cols += ["load 64K", "load 256M"]
+        cols += ["load 64K", "load 256M", "load CPU 64K / 256M"]
     if a.link:
         cols += ["64K pred/link us", "256M pred/link ms", "choice/link-best 64K", "256M"]
     for c in cols:
@@ -127,7 +132,8 @@ def main(argv=None) -> int:
                 cells += [f"{t:.3f}", f"{p.algorithm} ({len(p.trees)})"]
             cells.append(ratio(r["256M"][1]))
             if a.cache:
-                cells += [f"{r['64K_load'] * 1e3:.1f} ms", f"{r['256M_load'] * 1e3:.1f} ms"]
+                cells += [f"{r['64K_load'] * 1e3:.1f} ms", f"{r['256M_load'] * 1e3:.1f} ms",
+                          f"{r['64K_load_cpu'] * 1e3:.1f} / {r['256M_load_cpu'] * 1e3:.1f} ms"]
             if a.link:
                 cells += [f"{r['64K_pred'] * 1e6:.1f}/{r['64K_link'] * 1e6:.1f}" if "64K_link" in r else "-",
                           f"{r['256M_pred'] * 1e3:.2f}/{r['256M_link'] * 1e3:.2f}" if "256M_link" in r else "-"]

@@ -141,3 +141,44 @@ def test_cache_off_and_unwritable_dir(disk, monkeypatch, tmp_path):
     monkeypatch.setenv("JAX_BLINK_CACHE_DIR", str(blocker))  # not a directory: the write fails quietly
     jax_blink.clear_caches()
     assert jax_blink.plan(TOPO, "allreduce", algorithm="trees").rate_gbps > 0
+
+
+def _restructure(how):
+    def edit(d):
+        rows = d["composed"]["spec"]["structure"]["nodes"]
+        if how == "switches swapped":  # node 1's PCIe switches 0 and 2 exchanged: its routes are no links
+            i, j = rows[1].index("n1-pcie-switch-0"), rows[1].index("n1-pcie-switch-2")
+            rows[1][i], rows[1][j] = rows[1][j], rows[1][i]
+        elif how == "gpus swapped":
+            rows[1][0], rows[1][1] = rows[1][1], rows[1][0]
+        elif how == "shared id":  # node 1 "owns" node 0's CPU: its links would carry two nodes' load
+            rows[1][-1] = rows[0][-1]
+        else:
+            del rows[1]
+        return d
+    return edit
+
+
+@pytest.mark.parametrize("how", ["switches swapped", "gpus swapped", "shared id", "node missing"])
+def test_composed_entry_node_structure_is_checked(disk, how):
+    """The entry keeps the node structure (each node's ids) so a load skips the per-node isomorphism
+    test; an edited structure (with a consistent checksum) is caught, ignored and rewritten."""
+    plans, calls = disk
+    p = jax_blink.plan(TOPO, "allreduce", algorithm="trees")
+    (path,) = _entry(plans)
+    good = path.read_bytes()
+    _rewrite(path, edit_plan=_restructure(how))
+    jax_blink.clear_caches()
+    assert jax_blink.plan(TOPO, "allreduce", algorithm="trees") == p and len(calls) == 2
+    assert path.read_bytes() == good
+
+
+def test_composed_entry_without_structure_computes_it(disk):
+    """An entry without the stored structure (ids JSON cannot carry) is checked on the computed one."""
+    plans, calls = disk
+    p = jax_blink.plan(TOPO, "allreduce", algorithm="rsag")
+    (path,) = _entry(plans)
+    _rewrite(path, edit_plan=lambda d: {**d, "composed": {**d["composed"], "spec": {
+        **d["composed"]["spec"], "structure": None}}})
+    jax_blink.clear_caches()
+    assert jax_blink.plan(TOPO, "allreduce", algorithm="rsag") == p and len(calls) == 1

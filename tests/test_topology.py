@@ -169,6 +169,36 @@ def test_fingerprint_stable_and_sensitive():
     assert len({preset(n).fingerprint() for n in PRESETS}) == len(PRESETS)
 
 
+def test_fingerprint_follows_every_change_to_the_graph():
+    """The kept digest is reused only while the graph is unchanged (its change count): any edit through
+    networkx, in place on a link's or node's attributes included, gives a new digest; undoing it the old."""
+    import pickle
+
+    import networkx as nx
+
+    t = preset("dgx1v")
+    f0 = t.fingerprint()
+    edits = [lambda g: g.edges[0, 1].__setitem__("bandwidth_gbps", 1.0), lambda g: g.edges[0, 1].update(links=7),
+             lambda g: nx.set_edge_attributes(g, {(0, 1): 2.0}, "bandwidth_gbps"), lambda g: g.remove_edge(0, 1),
+             lambda g: g.add_edge(0, 5, bandwidth_gbps=1.0, kind="pcie", links=1),
+             lambda g: g.nodes[0].__setitem__("no_p2p", [1]), lambda g: g.nodes[0]["no_p2p"].append(2)]
+    for edit in edits:
+        before = t.fingerprint()
+        edit(t.graph)
+        assert t.fingerprint() != before
+    fresh = preset("dgx1v")
+    t.graph = fresh.graph  # a graph assigned: the digest of what is there now
+    assert t.fingerprint() == f0
+    copy = pickle.loads(pickle.dumps(t))
+    assert copy.fingerprint() == f0
+    copy.graph.edges[0, 1]["bandwidth_gbps"] = 3.0
+    assert copy.fingerprint() != f0 and t.fingerprint() == f0
+    t.graph = nx.DiGraph(fresh.graph)  # an ordinary DiGraph: snapshot compared each time
+    assert t.fingerprint() == f0
+    t.graph.edges[0, 1]["bandwidth_gbps"] = 3.0
+    assert t.fingerprint() != f0
+
+
 # ----------------------------------------------------------------------------- discovery
 class FakeNVML:
     """The slice of the pynvml API that discovery uses, describing a made-up machine."""

@@ -137,18 +137,21 @@ _COMPOSITIONS: dict = {}
 
 
 def register_composition(kind: str, decode) -> None:
-    """Register ``decode(topology, devices, spec) -> ComposedTrees`` for :attr:`ComposedTrees.kind`
-    ``kind`` (the disk cache rebuilds composed plans with it; it raises PlanError on a spec that is
-    not a valid plan of ``devices`` on ``topology``)."""
+    """Register ``decode(topology, devices, spec, fingerprint) -> ComposedTrees`` for
+    :attr:`ComposedTrees.kind` ``kind`` (the disk cache rebuilds composed plans with it; it raises
+    PlanError on a spec that is not a valid plan of ``devices`` on ``topology``; ``fingerprint`` is
+    ``topology.fingerprint()``, or None for the decoder to compute it)."""
     _COMPOSITIONS[kind] = decode
 
 
-def decode_composition(kind: str, topology, devices, spec) -> ComposedTrees:
+def decode_composition(kind: str, topology, devices, spec, fingerprint: str | None = None) -> ComposedTrees:
     """Composed trees from a spec written by :attr:`ComposedTrees.spec` (PlanError when ``kind`` is
-    unknown or the spec invalid)."""
+    unknown or the spec invalid); ``fingerprint``: the topology's, when the caller has it."""
     if kind not in _COMPOSITIONS:
         raise PlanError(f"unknown plan composition {kind!r}; known: {sorted(_COMPOSITIONS)}")
-    return _COMPOSITIONS[kind](topology, tuple(devices), spec)
+    if not isinstance(spec, dict):
+        raise PlanError(f"plan composition {kind!r}: the spec must be an object, got {type(spec).__name__}")
+    return _COMPOSITIONS[kind](topology, tuple(devices), spec, fingerprint)
 
 
 def clear_on_reset(fn):

@@ -19,7 +19,11 @@ A composed plan (:class:`~jax_blink.planner.model.ComposedTrees`: identical node
 is written as its rule, O(N) in size instead of the O(N^2) hops of its trees, and checked by the
 rule's decoder (:func:`~jax_blink.planner.model.register_composition`) on one node: every route a path of
 the node's links, every column a spanning forest, every link of every node within capacity; its
-trees are built on use.
+trees are built on use. The entry also keeps the node structure (each node's GPU and switch ids, so a
+load skips the per-node isomorphism test, a pass over every link of the cluster), checked in O(ids +
+nodes x the plan's hops): ids of node 0's kinds, no id in two nodes, the nodes' GPUs the devices,
+every hop the trees use a link of every node (:func:`~jax_blink.planner.symmetric.stored_structure`).
+The topology fingerprint is computed once per load (the request key holds it).
 """
 
 from __future__ import annotations
@@ -143,7 +147,7 @@ def _encode(plan: Plan) -> dict:
     return plan.to_dict()
 
 
-def _decode(d, topology, collective: str, devices) -> Plan:
+def _decode(d, topology, collective: str, devices, fingerprint: str | None = None) -> Plan:
     """The checked plan of an entry's dict (:func:`_encode`): PlanError (or a lookup / type error on a
     malformed dict) unless valid: a composed plan's spec is checked by its decoder on one node
     (:func:`jax_blink.planner.model.decode_composition`), its rate against the pieces' weights; any
@@ -156,7 +160,7 @@ def _decode(d, topology, collective: str, devices) -> Plan:
     if plan.collective != collective or tuple(plan.devices) != tuple(devices):
         raise PlanError(f"cached plan is for {plan.collective} over {list(plan.devices)}, not {collective} over "
                         f"{list(devices)}")
-    trees = decode_composition(d["composed"]["kind"], topology, devices, d["composed"]["spec"])
+    trees = decode_composition(d["composed"]["kind"], topology, devices, d["composed"]["spec"], fingerprint)
     total = sum(p[0] for p in trees.pieces)
     if abs(total - plan.rate_gbps) > 1e-6 * max(1.0, total):
         raise PlanError(f"cached plan: rate {plan.rate_gbps} GB/s is not the sum of its weights {total}")
@@ -175,7 +179,9 @@ def load(key: dict, topology, collective: str, devices) -> Plan | None:
             raise ValueError("another version or request")
         if hashlib.sha256(text).hexdigest() != data["sha256"]:
             raise ValueError("checksum mismatch")
-        return _decode(json.loads(text), topology, collective, devices)
+        # the key's topology fingerprint is the request's (just compared): computed once per load
+        fp = key.get("topology")
+        return _decode(json.loads(text), topology, collective, devices, fp if isinstance(fp, str) else None)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, PlanError) as err:

@@ -162,13 +162,102 @@ def _map_node(g, comp0, comp_k, pos0, posk, net, e0=None):
     return None
 
 
-def node_structure(topology: Topology, devices) -> NodeStructure | None:
+def node_structure(topology: Topology, devices, fingerprint: str | None = None) -> NodeStructure | None:
     """The :class:`NodeStructure` of ``devices`` on ``topology``, or None when the job is not two or
     more identical nodes (same GPUs by position, switches, links and NIC links) around exactly one
-    network node. Cached by (topology fingerprint, devices)."""
+    network node. Cached by (topology fingerprint, devices); ``fingerprint``: ``topology.fingerprint()``
+    when the caller has it (a pass over every link of the cluster otherwise)."""
     devices = tuple(devices)
-    key = (topology.fingerprint(), devices)
+    key = (fingerprint or topology.fingerprint(), devices)
     return cached(_STRUCTURES, key, lambda: _node_structure(topology, devices, key[0]))
+
+
+def _job_graph(topology, devices):
+    # every GPU: the whole graph, not a copy (subset's dead-end pruning only matters for some GPUs)
+    return topology.graph if len(devices) == len(topology.gpus) else topology.subset(devices).graph
+
+
+def _template(topology, job, comp0, net, x_id) -> Topology:
+    """Node 0 (``comp0``: its GPUs and switches) and the network node ``net`` of ``job`` as a Topology
+    in which ``net`` is GPU ``x_id``."""
+    t = Topology(f"{topology.name}:node")
+    sub = job.subgraph(set(comp0) | {net})
+    for n, d in sub.nodes(data=True):
+        if n == net:
+            t.graph.add_node(x_id, **{**d, "kind": "gpu"})
+        else:
+            t.graph.add_node(n, **d)
+    for u, v, d in sub.edges(data=True):
+        t.graph.add_edge(x_id if u == net else u, x_id if v == net else v, **d)
+    return t
+
+
+def encode_structure(struct: NodeStructure) -> dict | None:
+    """The JSON-able form of ``struct`` a composed plan's disk-cache entry keeps (:func:`stored_structure`
+    reads it back): the network node and, per node, its ids in the order of node 0's (GPUs and
+    switches); None when an id is neither an int nor a str (JSON would not give it back)."""
+    ids = [v for v in struct.maps[0] if v != struct.network]
+    rows = [[m[v] for v in ids] for m in struct.maps]
+    if not isinstance(struct.network, str) or any(type(v) not in (int, str) for r in rows for v in r):
+        return None
+    return {"network": struct.network, "nodes": rows}
+
+
+def stored_structure(topology: Topology, devices, fingerprint: str, enc) -> tuple:
+    """(:class:`NodeStructure`, ``check``) of a composed plan's disk-cache entry: ``enc`` from
+    :func:`encode_structure`, or None (then computed: :func:`node_structure`, and ``check`` does
+    nothing).
+
+    The entry's key holds the topology's fingerprint, so the structure was computed on this very
+    topology when it was written; reading it back costs O(ids) instead of an isomorphism test per node
+    (a pass over every link of the cluster). It is checked, not trusted: the network node is one,
+    every node's ids exist with node 0's kinds, no id belongs to two nodes, the nodes' GPUs are the
+    devices, each node's sorted; ``check(hops)`` (the decoder calls it with every template hop the
+    plan's trees use) raises PlanError unless each hop, both ways, is a link of every node with at
+    least the template link's bandwidth: with the ids disjoint, each node then carries node 0's load.
+    Raises PlanError (or a lookup / type error on a malformed ``enc``) otherwise."""
+    if enc is None:
+        struct = node_structure(topology, devices, fingerprint)
+        if struct is None:
+            raise PlanError("composed plan entry: the devices are not identical nodes on this topology")
+        return struct, lambda hops: None
+    g = topology.graph
+    kinds = g._node
+    net, rows = enc["network"], [list(r) for r in enc["nodes"]]
+    if kinds[net]["kind"] != "network" or len(rows) < 2 or len({len(r) for r in rows}) != 1:
+        raise PlanError("composed plan entry: bad node structure (network node or node sizes)")
+    flat = [v for r in rows for v in r]
+    if len(set(flat)) != len(flat) or net in set(flat):
+        raise PlanError("composed plan entry: an id belongs to two nodes")
+    kind0 = [kinds[v]["kind"] for v in rows[0]]
+    gpu_at = sorted((i for i, k in enumerate(kind0) if k == "gpu"), key=lambda i: rows[0][i])
+    groups = []
+    for r in rows:
+        if [kinds[v]["kind"] for v in r] != kind0:
+            raise PlanError("composed plan entry: a node's ids are not of node 0's kinds")
+        gs = tuple(r[i] for i in gpu_at)
+        if list(gs) != sorted(gs):
+            raise PlanError("composed plan entry: a node's GPUs are not in node 0's order")
+        groups.append(gs)
+    devices = tuple(devices)
+    if sorted(d for gs in groups for d in gs) != sorted(devices) or len(set(devices)) != len(devices):
+        raise PlanError("composed plan entry: the nodes' GPUs are not the devices")
+    gpus = topology.gpus
+    x_id = max(gpus) + 1
+    job = topology.graph if len(devices) == len(gpus) else topology.subset(devices).graph  # as _job_graph
+    maps = tuple({**dict(zip(rows[0], r)), net: net} for r in rows)
+    struct = NodeStructure(tuple(groups), net, maps, _template(topology, job, rows[0], net, x_id), x_id, fingerprint)
+    succ, tg = g._succ, struct.template.graph
+
+    def check(hops):
+        for a, b in {h for ab in hops for h in (ab, ab[::-1])}:
+            cap = tg.edges[a, b]["bandwidth_gbps"] * (1 - 1e-9)
+            a, b = (net if a == x_id else a), (net if b == x_id else b)
+            for m in maps:
+                d = succ[m[a]].get(m[b])
+                if d is None or not d["bandwidth_gbps"] >= cap:
+                    raise PlanError(f"composed plan entry: hop {m[a]}->{m[b]} is not a link of the node's bandwidth")
+    return struct, check
 
 
 def _node_structure(topology, devices, fingerprint):
@@ -176,9 +265,8 @@ def _node_structure(topology, devices, fingerprint):
     nets = [n for n, k in kinds if k == "network"]
     if len(nets) != 1:
         return None
-    # every GPU: the whole graph, not a copy (subset's dead-end pruning only matters for some GPUs)
     gpus = topology.gpus
-    job = topology.graph if len(devices) == len(gpus) else topology.subset(devices).graph
+    job = _job_graph(topology, devices)
     if nets[0] not in job:
         return None
     net = nets[0]
@@ -214,16 +302,8 @@ def _node_structure(topology, devices, fingerprint):
             return None
         maps.append(m)
     x_id = max(gpus) + 1
-    t = Topology(f"{topology.name}:node")
-    sub = job.subgraph(set(comps[0]) | {net})
-    for n, d in sub.nodes(data=True):
-        if n == net:
-            t.graph.add_node(x_id, **{**d, "kind": "gpu"})
-        else:
-            t.graph.add_node(n, **d)
-    for u, v, d in sub.edges(data=True):
-        t.graph.add_edge(x_id if u == net else u, x_id if v == net else v, **d)
-    return NodeStructure(tuple(groups), net, tuple(maps), t, x_id, fingerprint)
+    return NodeStructure(tuple(groups), net, tuple(maps), _template(topology, job, comps[0], net, x_id), x_id,
+                         fingerprint)
 
 
 _NODES = plan_cache()
@@ -332,14 +412,15 @@ def _pieces(n: int, cols, weights) -> list:
     return pieces
 
 
-def _composed(topology, devices, struct: NodeStructure, cols, weights) -> ComposedTrees:
-    """The trees over all GPUs of the symmetric columns (:func:`_pieces`), as :class:`ComposedTrees`:
-    a piece (column j, centre node k) is the star of column j's components in every node, centred
-    at j's centre GPU of node k, its cross edges through that GPU's network route."""
+def _composed(topology, devices, struct: NodeStructure, cols, weights, pieces=None, enc=None) -> ComposedTrees:
+    """The trees over all GPUs of the symmetric columns (:func:`_pieces`, or ``pieces`` when the caller
+    has them), as :class:`ComposedTrees`: a piece (column j, centre node k) is the star of column j's
+    components in every node, centred at j's centre GPU of node k, its cross edges through that GPU's
+    network route. ``enc``: :func:`encode_structure` of ``struct`` when the caller has it (a load)."""
     n = struct.n_nodes
-    fp = struct.template.fingerprint()
+    fp = struct.fingerprint  # the cluster's (computed once; a fresh template's digest costs a to_dict)
     maps = [{**m, struct.x_id: struct.network} for m in struct.maps]
-    pieces = _pieces(n, cols, weights)
+    pieces = list(_pieces(n, cols, weights) if pieces is None else pieces)
     pieces.sort(key=lambda p: (-p[2], _key(maps[p[1]][cols[p[0]].center])))
     built = {}  # per column: each component's intra hops (oriented away from its attach GPU), per node
 
@@ -373,7 +454,7 @@ def _composed(topology, devices, struct: NodeStructure, cols, weights) -> Compos
 
     spec = {"columns": [[[list(e[:2]) + [list(e[2])] for e in c.intra], [[b, list(r)] for b, r in c.attach]]
                         for c in cols],
-            "weights": [float(x) for x in weights]}
+            "weights": [float(x) for x in weights], "structure": enc or encode_structure(struct)}
     shapes = [("symmetric", fp, n, c.intra, c.attach) for c in cols]  # the same for every centre node
     info = [(wt, maps[k][cols[j].center], shapes[j]) for j, k, wt in pieces]
     key = (struct.fingerprint, tuple(devices), tuple((c.intra, c.attach) for c in cols), tuple(pieces))
@@ -386,15 +467,15 @@ def _route_ok(tg, route, a, b) -> bool:
             and not any(isinstance(v, int) for v in route[1:-1]))
 
 
-def _decode_symmetric(topology, devices, spec) -> ComposedTrees:
-    """:class:`ComposedTrees` of a "symmetric" spec (the disk cache), checked: every route a path of
+def _decode_symmetric(topology, devices, spec, fingerprint=None) -> ComposedTrees:
+    """:class:`ComposedTrees` of a "symmetric" spec (the disk cache), checked: the node structure
+    (:func:`stored_structure`: every hop of the routes a link of every node), every route a path of
     the node's links, every column a spanning forest of one node's GPUs with one network route per
     component, and every link of every node loaded within capacity (computed on one node per centre:
     the composition's load on node m is the columns' usage plus, for pieces centred at m, the
     centre route's (N c - 2) extra uses). Raises PlanError otherwise."""
-    struct = node_structure(topology, devices)
-    if struct is None:
-        raise PlanError("symmetric plan entry: the devices are not identical nodes on this topology")
+    struct, check_hops = stored_structure(topology, devices, fingerprint or topology.fingerprint(),
+                                          spec.get("structure"))
     tg, x, devs0 = struct.template.graph, struct.x_id, set(struct.groups[0])
     n = struct.n_nodes
     cols = []
@@ -413,6 +494,7 @@ def _decode_symmetric(topology, devices, spec) -> ComposedTrees:
         if set(comp) != devs0 or not attach:
             raise PlanError("symmetric plan entry: a column does not span the node's GPUs")
         cols.append(_SymColumn(intra, attach, attach[0][0]))
+    check_hops({h for c in cols for route in [r for *_, r in c.intra] + [r for _, r in c.attach] for h in _hops(route)})
     weights = np.asarray(spec["weights"], dtype=float)
     if weights.shape != (len(cols),) or not np.all(np.isfinite(weights)) or np.any(weights < 0):
         raise PlanError("symmetric plan entry: weights must be one finite number >= 0 per column")
@@ -437,7 +519,7 @@ def _decode_symmetric(topology, devices, spec) -> ComposedTrees:
         m, i = over[0]
         raise PlanError(f"symmetric plan entry loads link {list(links)[i]} of node {m} with {load[m, i]:.3f} GB/s "
                         f"> its {cap[i]} GB/s")
-    return _composed(topology, devices, struct, cols, weights)
+    return _composed(topology, devices, struct, cols, weights, pieces, spec.get("structure"))
 
 
 register_composition("symmetric", _decode_symmetric)
@@ -527,13 +609,14 @@ def _rsag_load(struct: NodeStructure, forest, up) -> dict:
     return load
 
 
-def _composed_rsag(topology, devices, struct: NodeStructure, forest, up, x: float) -> ComposedTrees:
+def _composed_rsag(topology, devices, struct: NodeStructure, forest, up, x: float, enc=None) -> ComposedTrees:
     """The rsag trees over all GPUs (:func:`symmetric_rsag_plan`) as :class:`ComposedTrees`: for node
     k, root position d and one-node tree t of d (``forest``: (d, weight, hops) on node 0), t in node
-    k, then d's route up and down into every other node and t there; weight x * t's share of d."""
+    k, then d's route up and down into every other node and t there; weight x * t's share of d.
+    ``enc``: :func:`encode_structure` of ``struct`` when the caller has it (a load)."""
     n = struct.n_nodes
     maps = [{**m, struct.x_id: struct.network} for m in struct.maps]
-    fp = struct.template.fingerprint()
+    fp = struct.fingerprint  # the cluster's (computed once; a fresh template's digest costs a to_dict)
     wsum = collections.Counter()
     for d, w, _ in forest:
         wsum[d] += w
@@ -566,18 +649,18 @@ def _composed_rsag(topology, devices, struct: NodeStructure, forest, up, x: floa
     info = [(_round(x * forest[i][1] / wsum[forest[i][0]]), maps[k][forest[i][0]],
              ("rsag", fp, n, forest[i][0], forest[i][2])) for k, i in pieces]  # one shape per root position
     spec = {"forest": [[d, w, [list(h) for h in e]] for d, w, e in forest],
-            "up": [[d, list(r)] for d, r in up.items()], "x": x}
+            "up": [[d, list(r)] for d, r in up.items()], "x": x, "structure": enc or encode_structure(struct)}
     key = (struct.fingerprint, tuple(devices), tuple(forest), tuple(sorted(up.items(), key=lambda kv: kv[0])), x)
     return ComposedTrees("rsag", spec, info, make, key)
 
 
-def _decode_rsag(topology, devices, spec) -> ComposedTrees:
-    """:class:`ComposedTrees` of an "rsag" spec (the disk cache), checked: each one-node tree spans
-    node 0's GPUs from its root over the node's links, each position's network route is a path of
-    links, and x times :func:`_rsag_load` is within every link's capacity. Raises PlanError otherwise."""
-    struct = node_structure(topology, devices)
-    if struct is None:
-        raise PlanError("rsag plan entry: the devices are not identical nodes on this topology")
+def _decode_rsag(topology, devices, spec, fingerprint=None) -> ComposedTrees:
+    """:class:`ComposedTrees` of an "rsag" spec (the disk cache), checked: the node structure
+    (:func:`stored_structure`: every hop a link of every node), each one-node tree spans node 0's
+    GPUs from its root over the node's links, each position's network route is a path of links, and
+    x times :func:`_rsag_load` is within every link's capacity. Raises PlanError otherwise."""
+    struct, check_hops = stored_structure(topology, devices, fingerprint or topology.fingerprint(),
+                                          spec.get("structure"))
     tg, devs0 = struct.template.graph, set(struct.groups[0])
     forest = tuple((d, float(w), tuple(tuple(h) for h in e)) for d, w, e in spec["forest"])
     up = {d: tuple(r) for d, r in spec["up"]}
@@ -591,10 +674,11 @@ def _decode_rsag(topology, devices, spec) -> ComposedTrees:
     for d, r in up.items():
         if not _route_ok(tg, r, d, struct.x_id):
             raise PlanError(f"rsag plan entry: bad network route {r} of GPU {d}")
+    check_hops({h for _, _, e in forest for h in e} | {h for r in up.values() for h in _hops(r)})
     for h, v in _rsag_load(struct, forest, up).items():
         if x * v > tg.edges[h]["bandwidth_gbps"] * (1 + 1e-6) + 1e-9:
             raise PlanError(f"rsag plan entry loads link {h} with {x * v:.3f} GB/s > its capacity")
-    return _composed_rsag(topology, devices, struct, forest, up, x)
+    return _composed_rsag(topology, devices, struct, forest, up, x, spec.get("structure"))
 
 
 register_composition("rsag", _decode_rsag)
