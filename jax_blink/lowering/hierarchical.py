@@ -49,14 +49,16 @@ CPU form uses it; CUDA keeps XLA's reduce-scatter (NCCL).
 Mismatched gloo messages ("Received data size doesn't match expected size. 12 vs 4", seen 2026-12-01
 with the blocks reordered by ``jnp.swapaxes``), probable cause (read from XLA's and gloo's sources,
 not reproduced in isolation): XLA:CPU's ``GlooCommunicator`` sets no tags, so its all-reduces (and its
-all-gathers, its all-to-alls) share one gloo slot per kind, and two collectives of one kind in flight
-on one replica group are told apart by their order alone; XLA:CPU's thunk executor starts independent
-collectives of a program as they become ready, in an order that can differ between processes. The
-test's programs hold several independent network phases of one kind on the same replica groups
-(psums of several dtypes and sizes, two all-gathers), so they can pair different collectives; the
-reorder's form changes which of them are ready together (the ``take`` form happened to keep one
-order). If gloo reports mismatched sizes, order those collectives by data (an optimization barrier
-does not: XLA:CPU drops it).
+all-gathers, its all-to-alls) share one gloo slot per kind and two of one kind on one replica group
+are matched by order alone; XLA:CPU's thunk executor orders only the start of collectives, in the
+compiled module's order (a "scheduling" edge on its collective-communicator resource). Each process
+compiles its own module, and jax_blink's differ between processes (each process's native calls carry
+its own device table), so the scheduler may order independent network phases of one kind
+differently in different processes; the test's programs hold several (psums of several dtypes and
+sizes, two all-gathers), and the reorder's form changes the schedule (the ``take`` form happened to
+keep one order). A 2 x 2 program of two independent lax all-reduces on the same groups (identical
+modules) ran 300 calls clean. If gloo reports mismatched sizes, order those collectives by data (an
+optimization barrier does not: XLA:CPU drops it).
 """
 
 from __future__ import annotations
