@@ -10,7 +10,8 @@ float32) and collective, ``jax.jit(jax.shard_map(...))`` over a mesh of every de
 process runs ``lax.psum`` / ``lax.all_gather(tiled=True)`` / ``lax.psum_scatter(tiled=True)`` and the
 jax_blink counterpart, interleaved (lax, jax_blink, lax, ...; three warm-up calls each), and process 0
 reports each side's median seconds per call and which lowering jax_blink ran (read from the compiled
-HLO: native custom calls + XLA collectives = "hierarchical"; collective-permutes = "ppermute").
+HLO: native custom calls + XLA collectives (all-reduce, all-gather, all-to-all, reduce-scatter) =
+"hierarchical"; collective-permutes = "ppermute").
 The table gives, per size and collective, the median over the runs of the per-run ratio
 t(jax_blink) / t(lax) (lower is faster), its range over the runs, and lax's median time.
 
@@ -71,8 +72,8 @@ def worker(args) -> None:
             jitted = [jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
                       for f in fns(collective)]
             hlo = jitted[1].lower(x).compile().as_text()
-            ran = ("hierarchical" if "custom-call" in hlo and ("all-reduce" in hlo or "all-gather" in hlo
-                                                                or "reduce-scatter" in hlo)
+            ran = ("hierarchical" if "custom-call" in hlo and any(op in hlo for op in (
+                       "all-reduce", "all-gather", "reduce-scatter", "all-to-all"))
                    else "ppermute" if "collective-permute" in hlo else "other")
             for f in jitted:
                 for _ in range(3):

@@ -47,6 +47,7 @@ def hlo_counts(f, *args):
     t = f.lower(*args).compile().as_text()
     return {"custom_call": t.count("custom-call("), "all_reduce": t.count("all-reduce("),
             "all_gather": t.count("all-gather("), "reduce_scatter": t.count("reduce-scatter("),
+            "all_to_all": t.count("all-to-all("),
             "collective_permute": t.count("collective-permute(") + t.count("collective-permute-start("),
             "gather": t.count(" gather(")}
 

@@ -123,7 +123,10 @@ def test_every_collective_matches_lax_across_processes(nproc, local):
         # no collective_permute
         flat = recs["flat/psum_f32"]
         assert flat["custom_call"] > 0 and flat["all_reduce"] > 0 and flat["collective_permute"] == 0, flat
-        assert flat["all_gather"] > 0 and flat["reduce_scatter"] > 0, flat
+        assert flat["all_gather"] > 0, flat
+        # psum_scatter between processes on CPU: an all-to-all and a sum, never gloo's reduce-scatter
+        # (it stalls in ~45 ms steps and slows the collectives after it: lowering/hierarchical.py)
+        assert flat["reduce_scatter"] == 0 and flat["all_to_all"] > 0, flat
         # the CPU executor puts the blocks in rank order itself: no XLA reorder (a gather) of them
         assert flat["gather"] == 0, flat
         # 2-D mesh: where the collective axis "a" has one device per process -> ppermute; 2x4 (two per

@@ -15,7 +15,9 @@ member of the group inside its process, in rank order):
   in (local rank, process) order while the CPU executor writes each block at its place in rank
   order (its ``block_order``: no reorder copy). reduce-scatter: the transpose: (a) native
   reduce-scatter inside the process, reading the blocks in (local rank, process) order from the
-  rank-ordered operand, (b) XLA ``reduce-scatter`` over one local position. Where the executor
+  rank-ordered operand, (b) XLA ``reduce-scatter`` over one local position (on CPU an XLA
+  ``all-to-all`` of the ``P`` blocks and their sum in process order: see "gloo's reduce-scatter"
+  below). Where the executor
   cannot order the blocks itself (the CUDA executor; groups whose ranks lie over the processes in
   different orders), one XLA copy (``jnp.take``) reorders them.
 - broadcast: (a) native broadcast inside each process from the root's local rank; (b) XLA
@@ -34,16 +36,34 @@ Device tables: each process's custom calls meet in its own memory, so the local 
 global in multi-process jobs, and XLA:CPU's FFI device ordinal is the global ``Device.id``
 (checked on 2 processes x 4 devices: ids 0-3 and 2048-2051).
 
-Open question (2026-12-01, jax 0.10.2): with the blocks reordered by ``jnp.swapaxes`` instead of the
-``jnp.take`` below, the 2 x 4 job of ``tests/hierarchical_worker.py`` aborted every time in gloo
-("Received data size doesn't match expected size. 12 vs 4"), also with a channel id per collective,
-with every network collective made data-dependent on the previous one, and with every process's local
-groups in one device table; the ``take`` form passed every run. Not understood: look there first if gloo reports
-mismatched sizes.
+gloo's reduce-scatter (measured 2026-12-02, jax 0.10.2, 2 processes x 4 CPU devices): XLA:CPU runs
+an XLA ``reduce-scatter`` on gloo's old pair-buffer algorithm (``ReduceScatterHalvingDoubling``, built
+per call: its buffers are registered per call, and bytes that arrive before the peer registered its
+buffer are left in the socket while gloo's one receive thread per process polls again). From about
+128 KiB per partition its calls took multiples of ~45 ms (lax's own ``psum_scatter`` too), and the
+all-reduce / all-gather calls that followed on the same pair contexts then did as well (a 1 MiB psum:
+50-145 ms against 3-9 ms without a reduce-scatter earlier in the job). An all-to-all (gloo's unbound
+buffers, the same bytes on the wire as a reduce-scatter) and a local sum has neither effect, so the
+CPU form uses it; CUDA keeps XLA's reduce-scatter (NCCL).
+
+Mismatched gloo messages ("Received data size doesn't match expected size. 12 vs 4", seen 2026-12-01
+with the blocks reordered by ``jnp.swapaxes``), probable cause (read from XLA's and gloo's sources,
+not reproduced in isolation): XLA:CPU's ``GlooCommunicator`` sets no tags, so its all-reduces (and its
+all-gathers, its all-to-alls) share one gloo slot per kind and two of one kind on one replica group
+are matched by order alone; XLA:CPU's thunk executor orders only the start of collectives, in the
+compiled module's order (a "scheduling" edge on its collective-communicator resource). Each process
+compiles its own module, and jax_blink's differ between processes (each process's native calls carry
+its own device table), so the scheduler may order independent network phases of one kind
+differently in different processes; the test's programs hold several (psums of several dtypes and
+sizes, two all-gathers), and the reorder's form changes the schedule (the ``take`` form happened to
+keep one order). A 2 x 2 program of two independent lax all-reduces on the same groups (identical
+modules) ran 300 calls clean. If gloo reports mismatched sizes, order those collectives by data (an
+optimization barrier does not: XLA:CPU drops it).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -209,6 +229,17 @@ def reduce_scatter(ctx, x, groups, n: int):
                              **_channel(ctx))
     _sum_region(op, t.element_type)
     return op.result
+
+
+def all_to_all(ctx, x, groups, n: int):
+    """XLA ``all-to-all`` of the 1-D ``x`` ([n*m]) over ``groups`` (``n`` members each): member k
+    sends its block j to member j and gets, as its block j, member j's block k (as ``lax.all_to_all``
+    lowers it: a channel id in SPMD, groups = mesh positions)."""
+    kw = {}
+    if isinstance(ctx.module_context.axis_context, SPMDAxisContext):
+        kw = dict(channel_handle=hlo.ChannelHandle.get(mlir.COLLECTIVE_CHANNEL_ID, mlir.DEVICE_TO_DEVICE_TYPE))
+    return hlo.AllToAllOp([x], split_dimension=mlir.i64_attr(0), concat_dimension=mlir.i64_attr(0),
+                          split_count=mlir.i64_attr(n), replica_groups=_groups_attr(groups), **kw).results[0]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -507,10 +538,18 @@ def _reduce_scatter_phases(ctx, x, aval_in, aval_out, layout, request, request_f
         v = _reorder(ctx, v, order, P * L, m, dtype, inverse=True,
                      group_of=_group_of(request, ctx.module_context.axis_context.mesh.size))  # (i, qi) order
     v = _native_reduce_scatter(ctx, v, dtype, L, P * m, request_for, local_rank, placed)  # [P*m]
-    if P > 1:
+    if P > 1 and ctx.module_context.platforms[0] == "cpu":
+        # gloo: XLA:CPU's reduce-scatter stalls itself and later collectives (module docstring,
+        # "gloo's reduce-scatter"); an all-to-all of the P blocks (the same bytes), then their sum
+        full = _plain((P * m,), dtype)
+        v = _between(ctx, "all-to-all (reduce-scatter)", v, full, full, lambda u: all_to_all(ctx, u, layout.network, P))
+        v = _fun(ctx, lambda u: functools.reduce(lambda a, b: a + b, [u[k * m:(k + 1) * m] for k in range(P)]),
+                 [v], [full], _plain((m,), dtype))
+    elif P > 1:
         v = _between(ctx, "reduce-scatter", v, _plain((P * m,), dtype), _plain((m,), dtype),
                      lambda u: reduce_scatter(ctx, u, layout.network, P))
     return mlir.reshape(ctx, v, _plain(aval_out.shape, dtype))
+
 
 
 # XLA's collective per network phase plus the native phases; the cost model sees its intra-node
