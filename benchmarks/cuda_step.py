@@ -57,15 +57,18 @@ def _baseline(make, *args, **kw):
 
 
 def lowering_time(topo, collective: str, devs, nbytes: int, step_s: float, sim_step_s: float,
-                  chunks_as_simulated: bool = True):
+                  chunks_as_simulated: bool = True, peer_routes: bool = True):
     """(seconds, plan) of the schedule the CUDA lowering builds with ``step_s`` for ``nbytes`` float32
-    per GPU (its record's chunking, or the round model's with ``chunks_as_simulated=False``),
-    simulated at ``sim_step_s`` per-send latency."""
+    per GPU (its record's chunking and plan choice on peer-to-peer routes, or the round model's
+    chunking and the trees' own routes with ``chunks_as_simulated=False, peer_routes=False``: the
+    record before), simulated at ``sim_step_s`` per-send latency as the interpreter runs it: every
+    send over its pair's peer-to-peer path, each tree's chunks free-running (no rounds)."""
     plans = mapping.candidate_plans(topo, collective, list(devs), None)
     plan, sched, _ = costmodel.lowering_schedule(plans, nbytes // 4, itemsize=4, step_latency_s=step_s,
                                                  round_synchronous=False, topology=topo,
-                                                 chunks_as_simulated=chunks_as_simulated)
-    return simulate(sched, nbytes, topology=topo, latency_us=sim_step_s * 1e6).time_s, plan
+                                                 chunks_as_simulated=chunks_as_simulated, peer_routes=peer_routes)
+    return simulate(sched, nbytes, topology=topo, latency_us=sim_step_s * 1e6, devices=list(plan.devices),
+                    free_running=True).time_s, plan
 
 
 def rows(collective: str, names=None, sizes=SIZES) -> list[dict]:
@@ -81,7 +84,7 @@ def rows(collective: str, names=None, sizes=SIZES) -> list[dict]:
             n = len(devs)
             nbytes -= nbytes % (4 * n)  # sharded collectives: whole shards of float32
             t, plan = lowering_time(topo, collective, devs, nbytes, step, step, rec.chunks_as_simulated)
-            t_old, _ = lowering_time(topo, collective, devs, nbytes, old, step, False)
+            t_old, _ = lowering_time(topo, collective, devs, nbytes, old, step, False, False)
             nccl = {k: simulate(p, nbytes, topology=topo, latency_us=step * 1e6).time_s
                     for k, p in (("ring", ring), ("tree", tree)) if p is not None}
             best = min(nccl, key=nccl.get) if nccl else None

@@ -387,4 +387,4 @@ def _register(platform: str, xla_platform: str, module, target: str, missing: st
 _register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule, CPU_STEP_LATENCY_S, host_memory=True,
           shard_input=True, shard_output=True)
 _register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error, _cuda_rule, CUDA_STEP_LATENCY_S,
-          chunks_as_simulated=True)
+          chunks_as_simulated=True, peer_routes=True)
