@@ -54,7 +54,7 @@ from .errors import PlanError, ScheduleError
 from .planner import dbtree, facade, rings, store, symmetric, threephase
 from .planner.model import cached, plan_cache
 from .schedule import DEFAULT_MAX_TOTAL_CHUNKS, DEFAULT_STEP_LATENCY_S, Schedule, _depth, build_schedule
-from .simulate import CHUNK_BUDGET, DEFAULT_LATENCY_US, flow_time, link_level_messages, simulate
+from .simulate import CHUNK_BUDGET, DEFAULT_LATENCY_US, flow_time, link_level_messages, plan_chunks, simulate
 from .simulate import DEFAULT_MAX_CHUNKS as SIM_MAX_CHUNKS
 
 #: ``plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
@@ -355,9 +355,12 @@ def lowering_schedule(plans, nelems: int, *, itemsize: int, step_latency_s: floa
     if not round_synchronous and chunks_as_simulated and chunk_elems is None:
         best, t = fastest(plans, nelems * itemsize, topology, step_latency_s * 1e6, peer_routes=peer_routes)
         ntrees = max(1, sum(1 for tr in best.trees if tr.weight_gbps > 0))
+        # the chunk counts the simulator timed (physical hops of the routes the executor takes)
+        ks = plan_chunks(best, nelems * itemsize, topology, latency_us=step_latency_s * 1e6,
+                         peer_routes=peer_routes)
         sched = build_schedule(best, nelems, itemsize=itemsize, step_latency_s=step_latency_s,
                                max_chunks=max(1, min(SIM_MAX_CHUNKS, CHUNK_BUDGET // ntrees)),
-                               max_total_chunks=CHUNK_BUDGET)
+                               max_total_chunks=CHUNK_BUDGET, tree_chunks=ks)
         return best, sched, t
     if not round_synchronous and len(plans) > 1:
         plans = [fastest(plans, nelems * itemsize, topology, step_latency_s * 1e6, peer_routes=peer_routes)[0]]

@@ -282,7 +282,42 @@ class _Msg:
     extra_s: float = 0.0  # per-chunk protocol latency, paid with the alpha term after the last hop
 
 
+def plan_chunks(plan, nbytes: float, topology, *, latency_us: float = DEFAULT_LATENCY_US,
+                max_chunks: int = DEFAULT_MAX_CHUNKS, peer_routes: bool = False) -> dict:
+    """{tree: chunks} into which :func:`simulate`'s link-level model cuts each positive-weight tree's
+    segment of ``plan`` at ``nbytes`` bytes per rank (:func:`jax_blink.schedule.choose_chunks` over
+    the physical hops of its deepest reduce and broadcast paths; ``peer_routes`` as in
+    :func:`simulate`), so a lowering can build the schedule it timed
+    (``build_schedule(tree_chunks=...)``). Trees equal in value get one entry (their chunking is the
+    same). Raises PlanError as :func:`simulate`."""
+    segs = _plan_segments(plan, float(nbytes), topology, latency_us * 1e-6, None, max_chunks, peer_routes)
+    return {t: k for t, (_, _, _, _, k) in segs}
+
+
 def _plan_messages(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks, peer_routes=False) -> list[_Msg]:
+    segs = [s for _, s in _plan_segments(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks, peer_routes)]
+    if not segs:
+        return []
+    msgs: list[_Msg] = []
+    for j in range(max(s[4] for s in segs)):
+        for root, red, bc, cbytes, k in segs:
+            if j >= k:
+                continue
+            prio = (j + 1) / k
+            into = {}  # GPU -> reduce messages arriving there for this chunk
+            # children before parents so a parent's deps exist when it is created
+            for c, p, hops in reversed(red):
+                msgs.append(_Msg(cbytes, hops, list(into.get(c, ())), (prio, len(msgs))))
+                into.setdefault(p, []).append(len(msgs) - 1)
+            have = {root: list(into.get(root, ()))}
+            for p, c, hops in bc:
+                msgs.append(_Msg(cbytes, hops, list(have[p]), (prio, len(msgs))))
+                have[c] = [len(msgs) - 1]
+    return msgs
+
+
+def _plan_segments(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks, peer_routes) -> list:
+    """[(tree, (root, reduce edges, broadcast edges, chunk bytes, chunks))] per positive-weight tree."""
     devices = list(plan.devices)
     trees = [t for t in plan.trees if t.weight_gbps > 0]
     if len(devices) <= 1:
@@ -329,24 +364,8 @@ def _plan_messages(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks, p
                 _depth([(p, c, len(h)) for p, c, h in bc], t.root)
             k = choose_chunks(seg_bytes, depth, t.weight_gbps,
                               step_latency_s=max(latency_s, 1e-7), max_chunks=max_chunks)
-        segs.append((t.root, red, bc, seg_bytes / k, k))
-
-    msgs: list[_Msg] = []
-    for j in range(max(s[4] for s in segs)):
-        for root, red, bc, cbytes, k in segs:
-            if j >= k:
-                continue
-            prio = (j + 1) / k
-            into = {}  # GPU -> reduce messages arriving there for this chunk
-            # children before parents so a parent's deps exist when it is created
-            for c, p, hops in reversed(red):
-                msgs.append(_Msg(cbytes, hops, list(into.get(c, ())), (prio, len(msgs))))
-                into.setdefault(p, []).append(len(msgs) - 1)
-            have = {root: list(into.get(root, ()))}
-            for p, c, hops in bc:
-                msgs.append(_Msg(cbytes, hops, list(have[p]), (prio, len(msgs))))
-                have[c] = [len(msgs) - 1]
-    return msgs
+        segs.append((t, (t.root, red, bc, seg_bytes / k, k)))
+    return segs
 
 
 def _depth(pc_len, root) -> int:
@@ -390,7 +409,9 @@ def _schedule_messages(sched, nbytes, topology, devs, free_running=False) -> lis
         key = (devs[src], devs[dst])
         if key not in cache:
             cache[key] = route(topology, *key)
-        prio = ((nth[c] + 1) / of_seg[segs[c]], i) if free_running else (i / len(sched.transfers), i)
+        # free-running: by segment progress, ties by chunk position, then segment (as a Plan's)
+        prio = (((nth[c] + 1) / of_seg[segs[c]], nth[c], segs[c], i) if free_running
+                else (i / len(sched.transfers), i))
         msgs.append(_Msg(float(sched.chunk_length[c]) * itemsize, cache[key], list(writers.get((src, c), ())), prio))
         writers.setdefault((dst, c), []).append(i)
     return msgs

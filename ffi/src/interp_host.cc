@@ -76,6 +76,10 @@ std::string RunInterpOnHost(const InterpPlan& p, const std::vector<const void*>&
   garbage(staging);
   int64_t nthreads = 0;
   res->error.clear();
+  res->watch_error.clear();
+  res->watch_early = false;
+  ErrorWatch watch;
+  watch.Reset(records.data(), n);
   for (int64_t call = 1; call <= opt.calls; ++call) {
     // XLA's part before the call: operands written, result buffers hold whatever they held
     for (int32_t r = 0; r < n; ++r)
@@ -133,12 +137,41 @@ std::string RunInterpOnHost(const InterpPlan& p, const std::vector<const void*>&
       }
     }
     nthreads = static_cast<int64_t>(threads.size());
+    // the watch: polls the records while the blocks run (never waits for them); `running` is
+    // cleared once every block thread joined
+    std::thread poller;
+    bool running = true;  // __atomic: written by this thread, read by the poller
+    std::string polled;
+    bool early = false;
+    if (opt.watch) {
+      watch.Launched(static_cast<uint64_t>(call), opt.timeout_ms);
+      poller = std::thread([&] {
+        while (__atomic_load_n(&running, __ATOMIC_ACQUIRE)) {
+          std::string m = watch.Poll();
+          if (!m.empty()) {
+            polled = m;
+            early = true;
+            return;
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+      });
+    }
     {
       std::lock_guard<std::mutex> lk(gate_mu);
       gate_open = true;
     }
     gate_cv.notify_all();
     for (auto& t : threads) t.join();
+    if (opt.watch) {
+      __atomic_store_n(&running, false, __ATOMIC_RELEASE);
+      poller.join();
+      if (polled.empty()) polled = watch.Poll();  // what the next call's entry would find
+      if (!polled.empty() && res->watch_error.empty()) {
+        res->watch_error = polled;
+        res->watch_early = early;
+      }
+    }
     res->error = InterpErrorMessage(records, static_cast<uint64_t>(call), opt.timeout_ms);
     if (!res->error.empty()) break;
   }
