@@ -118,7 +118,8 @@ def main(argv=None) -> int:
         print(json.dumps(table, indent=1))
     else:
         print(f"{args.collective}, CUDA step latency {ffi_lowering.CUDA_STEP_LATENCY_S * 1e6:g} us (simulated)")
-        print("| topology | GPUs | size | CUDA schedule | plan | NCCL best | NCCL | ratio | row order: ratio | with 5 us step |")
+        print("| topology | GPUs | size | CUDA schedule | plan | NCCL best | NCCL | ratio "
+              "| row order: ratio | with 5 us step |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in table:
             nccl = "-" if r["nccl_s"] is None else human_time(r["nccl_s"])

@@ -118,6 +118,22 @@ def test_non_blocking_watch_reports_the_missing_rank_while_kernels_run():
     assert ok["watch_error"] == "" and ok["error"] == "" and ok["mismatched_seeds"] == 0
 
 
+@pytest.mark.parametrize("dtype", ["int8", "float16", "float32", "float64", "complex64", "complex128"])
+def test_data_loop_moves_aligned_pieces_in_16_byte_words(dtype):
+    """Where a piece's destination and sources are 16-byte aligned (chunks of 64 elements here: every
+    buffer its own allocation, 16-byte aligned), the interpreter loads, adds and stores 16-byte words;
+    the odd tail (4099 elements) and a bucket's unaligned leaves go one scalar at a time. Bitwise equal
+    to schedule.execute either way (the same adds per element); staged sources too."""
+    s = _schedule("dgx1v", "allreduce", nelems=4099, chunk_elems=64)
+    for layout in ("peer", "no-peer"):
+        r = g.check_schedule(s, dtype, seeds=2, layout=layout)
+        assert r["error"] == "" and r["mismatched_seeds"] == 0
+        assert r["wide_scalars"] > 0
+    leaves = g.bucket_leaves(s.nelems, sizes=(7, 30, 1, 58))
+    b = g.check_schedule(s, dtype, seeds=1, leaves=leaves)
+    assert b["error"] == "" and b["mismatched_seeds"] == 0
+
+
 def test_late_rank_is_waited_for():
     s = _schedule("dgx-h100", "allreduce")
     r = g.check_schedule(s, "float16", seeds=1, late_rank=2, late_ms=150, timeout_ms=5000, calls=2)

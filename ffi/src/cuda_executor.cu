@@ -241,6 +241,7 @@ struct DeviceMem {
 #endif
   }
   __device__ static void Jitter() {}
+  __device__ static void CountWide(int64_t) {}
 };
 
 constexpr int kInterpThreads = 256;

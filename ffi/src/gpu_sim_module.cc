@@ -58,6 +58,7 @@ nb::dict InterpCheck(I64Array schedule, std::string dtype, std::vector<AnyArray>
   int64_t mismatched = 0, crit = 0, threads = 0;
   std::string run_error, first_error, watch_error;
   bool watch_early = false;
+  int64_t wide_scalars = 0;
   std::vector<interp::ErrorRecord> records;
   std::vector<int64_t> bad_ranks;
   {
@@ -83,6 +84,7 @@ nb::dict InterpCheck(I64Array schedule, std::string dtype, std::vector<AnyArray>
         records = res.records;
         watch_error = res.watch_error;
         watch_early = res.watch_early;
+        wide_scalars = res.wide_scalars;
       }
       if (!res.error.empty()) continue;
       bool same = true;
@@ -119,6 +121,7 @@ nb::dict InterpCheck(I64Array schedule, std::string dtype, std::vector<AnyArray>
   out["records"] = recs;
   out["watch_error"] = watch_error;
   out["watch_early"] = watch_early;
+  out["wide_scalars"] = wide_scalars;
   return out;
 }
 

@@ -32,6 +32,7 @@ struct HostRunResult {
   int64_t threads = 0;                           // threads per call (rank blocks)
   std::string watch_error;   // watch: the ErrorWatch's message ("" when it found none)
   bool watch_early = false;  // watch: found while some block thread still ran (not after the join)
+  int64_t wide_scalars = 0;  // scalars the data loops moved in 16-byte words (all calls and blocks)
 };
 
 // Runs `p` on inputs[r] (nelems elements of the plan's dtype per rank, the leaves concatenated);
