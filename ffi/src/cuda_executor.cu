@@ -561,12 +561,12 @@ CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
       if ((ranks[r].in[l] == ranks[r].out[l]) != (ranks[0].in[l] == ranks[0].out[l]))
         return Fail(1, "jax_blink: leaf " + std::to_string(l) + " is aliased (result = operand) on some ranks only");
   }
-  g_stats.released_programs += static_cast<int64_t>(Programs().Collect(ProgramIdle, ReleaseProgram));
   // ---- earlier calls' errors (non-blocking: the kernels write their records into pinned host
   // memory while they run; a failed call is reported here, at the next call of any call site, and
-  // its program is rebuilt)
+  // its program is rebuilt). Before the release of retired programs, whose records it reads.
   {
     const std::string earlier = PollLocked();
+    g_stats.released_programs += static_cast<int64_t>(Programs().Collect(ProgramIdle, ReleaseProgram));
     if (!earlier.empty())
       return Fail(2, earlier + " [an earlier jax_blink call failed; reported at this call, which did not run: "
                                "JAX_BLINK_CUDA_SYNC_ERRORS=1 reports it at the failed call itself]");
