@@ -3,8 +3,12 @@
 For every preset and every topology file in ``tests/data/topologies`` (all GPUs of the topology) and
 every size from 64 KiB to 1 GiB per GPU (float32), the schedule the CUDA ``"ffi"`` lowering builds
 (``costmodel.lowering_schedule`` over ``mapping.candidate_plans``, as ``primitives.build_request``
-does, with the CUDA record's step latency) is simulated at that step latency as per-send latency
-(``jax_blink.simulate``: link-level, plus each link kind's protocol latency), and so are NCCL's rings
+does, with the CUDA record's step latency and peer-to-peer routes) is simulated at that step latency
+as per-send latency (``jax_blink.simulate``: link-level, plus each link kind's protocol latency) the
+way the interpreter runs it: every send over its pair's peer-to-peer path (the interpreter loads its
+peers' memory), each tree's chunks free-running (``free_running=True``: no rounds). Not modelled:
+the GPU's own link arbitration (the simulator serves a link's queue by segment progress), a thread
+block's load throughput, HBM traffic, launch time. NCCL's rings
 (``planner.rings.nccl_ring_plan``) and, for all-reduce, its double binary tree
 (``planner.dbtree.nccl_tree_plan``), at the same latency. Columns: the CUDA schedule's time and its
 plan, NCCL's best, the ratio (target: <= 1.00 everywhere, issue 25), and the schedule the CUDA record
@@ -57,15 +61,24 @@ def _baseline(make, *args, **kw):
 
 
 def lowering_time(topo, collective: str, devs, nbytes: int, step_s: float, sim_step_s: float,
-                  chunks_as_simulated: bool = True):
+                  chunks_as_simulated: bool = True, peer_routes: bool = True, with_rows: bool = False):
     """(seconds, plan) of the schedule the CUDA lowering builds with ``step_s`` for ``nbytes`` float32
-    per GPU (its record's chunking, or the round model's with ``chunks_as_simulated=False``),
-    simulated at ``sim_step_s`` per-send latency."""
+    per GPU (its record's chunking and plan choice on peer-to-peer routes, or the round model's
+    chunking and the trees' own routes with ``chunks_as_simulated=False, peer_routes=False``: the
+    record before), simulated at ``sim_step_s`` per-send latency as the interpreter runs it: every
+    send over its pair's peer-to-peer path, each tree's chunks free-running (no rounds). With
+    ``with_rows``: also the same schedule with its links served in row (round) order, a second
+    queue discipline (the GPU's arbitration is not modelled; the two bracket it)."""
     plans = mapping.candidate_plans(topo, collective, list(devs), None)
     plan, sched, _ = costmodel.lowering_schedule(plans, nbytes // 4, itemsize=4, step_latency_s=step_s,
                                                  round_synchronous=False, topology=topo,
-                                                 chunks_as_simulated=chunks_as_simulated)
-    return simulate(sched, nbytes, topology=topo, latency_us=sim_step_s * 1e6).time_s, plan
+                                                 chunks_as_simulated=chunks_as_simulated, peer_routes=peer_routes)
+    t = simulate(sched, nbytes, topology=topo, latency_us=sim_step_s * 1e6, devices=list(plan.devices),
+                 free_running=True).time_s
+    if not with_rows:
+        return t, plan
+    rows_t = simulate(sched, nbytes, topology=topo, latency_us=sim_step_s * 1e6, devices=list(plan.devices)).time_s
+    return t, plan, rows_t
 
 
 def rows(collective: str, names=None, sizes=SIZES) -> list[dict]:
@@ -80,14 +93,16 @@ def rows(collective: str, names=None, sizes=SIZES) -> list[dict]:
         for nbytes in parse_sizes(sizes):
             n = len(devs)
             nbytes -= nbytes % (4 * n)  # sharded collectives: whole shards of float32
-            t, plan = lowering_time(topo, collective, devs, nbytes, step, step, rec.chunks_as_simulated)
-            t_old, _ = lowering_time(topo, collective, devs, nbytes, old, step, False)
+            t, plan, t_rows = lowering_time(topo, collective, devs, nbytes, step, step, rec.chunks_as_simulated,
+                                            rec.peer_routes, with_rows=True)
+            t_old, _ = lowering_time(topo, collective, devs, nbytes, old, step, False, False)
             nccl = {k: simulate(p, nbytes, topology=topo, latency_us=step * 1e6).time_s
                     for k, p in (("ring", ring), ("tree", tree)) if p is not None}
             best = min(nccl, key=nccl.get) if nccl else None
             out.append({"topology": name, "gpus": n, "size": nbytes, "cuda_s": t,
                         "plan": f"{plan.algorithm}, {len(plan.trees)} trees", "nccl_s": nccl.get(best),
-                        "nccl": best, "ratio": t / nccl[best] if best else math.nan, "old_step_s": t_old})
+                        "nccl": best, "ratio": t / nccl[best] if best else math.nan, "old_step_s": t_old,
+                        "rows_s": t_rows, "rows_ratio": t_rows / nccl[best] if best else math.nan})
     return out
 
 
@@ -103,15 +118,20 @@ def main(argv=None) -> int:
         print(json.dumps(table, indent=1))
     else:
         print(f"{args.collective}, CUDA step latency {ffi_lowering.CUDA_STEP_LATENCY_S * 1e6:g} us (simulated)")
-        print("| topology | GPUs | size | CUDA schedule | plan | NCCL best | NCCL | ratio | with 5 us step |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| topology | GPUs | size | CUDA schedule | plan | NCCL best | NCCL | ratio "
+              "| row order: ratio | with 5 us step |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in table:
             nccl = "-" if r["nccl_s"] is None else human_time(r["nccl_s"])
             print(f"| {r['topology']} | {r['gpus']} | {human_bytes(r['size'])} | {human_time(r['cuda_s'])} "
-                  f"| {r['plan']} | {nccl} | {r['nccl'] or '-'} | {r['ratio']:.2f} | {human_time(r['old_step_s'])} |")
+                  f"| {r['plan']} | {nccl} | {r['nccl'] or '-'} | {r['ratio']:.2f} | {r['rows_ratio']:.2f} "
+                  f"| {human_time(r['old_step_s'])} |")
     worst = max((r["ratio"] for r in table if not math.isnan(r["ratio"])), default=math.nan)
-    print(f"worst ratio CUDA schedule / NCCL best: {worst:.3f} over {len(table)} rows", file=sys.stderr)
-    return 1 if worst > 1.0 + 1e-9 else 0
+    worst_rows = max((r["rows_ratio"] for r in table if not math.isnan(r["rows_ratio"])), default=math.nan)
+    slower = sum(1 for r in table if r["ratio"] > 1.0 + 1e-6)
+    print(f"worst ratio CUDA schedule / NCCL best: {worst:.3f} over {len(table)} rows ({slower} above 1); "
+          f"in row order {worst_rows:.3f}", file=sys.stderr)
+    return 1 if worst > 1.0 + 1e-6 else 0  # equal up to float rounding (5e-8 seen) counts as met
 
 
 if __name__ == "__main__":

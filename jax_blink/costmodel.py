@@ -54,7 +54,7 @@ from .errors import PlanError, ScheduleError
 from .planner import dbtree, facade, rings, store, symmetric, threephase
 from .planner.model import cached, plan_cache
 from .schedule import DEFAULT_MAX_TOTAL_CHUNKS, DEFAULT_STEP_LATENCY_S, Schedule, _depth, build_schedule
-from .simulate import CHUNK_BUDGET, DEFAULT_LATENCY_US, flow_time, link_level_messages, simulate
+from .simulate import CHUNK_BUDGET, DEFAULT_LATENCY_US, flow_time, link_level_messages, plan_chunks, simulate
 from .simulate import DEFAULT_MAX_CHUNKS as SIM_MAX_CHUNKS
 
 #: ``plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
@@ -232,46 +232,52 @@ def resolve_cost(cost: str, topology) -> str:
 
 
 def simulated_time(plan, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US,
-                   cost: str = DEFAULT_COST) -> float:
+                   cost: str = DEFAULT_COST, peer_routes: bool = False) -> float:
     """Seconds of one ``plan`` collective of ``nbytes`` bytes per GPU on ``topology`` (per-send latency
     ``latency_us``), by ``cost``: "flow" (:func:`jax_blink.simulate.flow_time`, the closed form),
-    "link" (the link-level simulator, its own chunking) or "auto" (:func:`resolve_cost`). Cached."""
+    "link" (the link-level simulator, its own chunking) or "auto" (:func:`resolve_cost`).
+    ``peer_routes``: the link-level model sends every tree edge over the pair's peer-to-peer path
+    (``simulate(peer_routes=True)``: what an executor that loads its peers' memory runs); the closed
+    form keeps the trees' routes. Cached."""
     cost = resolve_cost(cost, topology)
-    key = (topology.fingerprint(), plan, float(nbytes), float(latency_us), cost)
+    key = (topology.fingerprint(), plan, float(nbytes), float(latency_us), cost, cost == "link" and peer_routes)
     if cost == "flow":
         return cached(_TIMES, key, lambda: flow_time(plan, nbytes, topology, latency_us=latency_us), _CACHE_SIZE)
     return cached(_TIMES, key, lambda: simulate(plan, nbytes, topology=topology, latency_us=latency_us,
-                                                method="link").time_s, _CACHE_SIZE)
+                                                method="link", peer_routes=peer_routes).time_s, _CACHE_SIZE)
 
 
-def ranked(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US, cost: str = DEFAULT_COST):
+def ranked(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US, cost: str = DEFAULT_COST,
+           peer_routes: bool = False):
     """[(plan, seconds)] of ``plans`` by predicted time (earlier wins ties) and the predictor used,
     "flow" or "link". ``cost`` "flow" / "link": :func:`simulated_time` by that model. "auto": inside one
     node the link-level model; across nodes the flow-level closed form, then the candidates within
     LINK_RANK_MARGIN of the fastest by it are ranked again by the link-level model when that costs at
     most LINK_RANK_MAX_MESSAGES simulated messages (:func:`jax_blink.simulate.link_level_messages`):
     where the closed form's pipeline-fill estimate can misorder close candidates (mid sizes, many
-    trees; tests/test_flow_model.py), the link-level simulator decides wherever it is affordable."""
+    trees; tests/test_flow_model.py), the link-level simulator decides wherever it is affordable.
+    ``peer_routes``: the link-level timings send tree edges over peer-to-peer paths (:func:`simulated_time`)."""
     plans = list(plans)
     if not plans:
         raise PlanError("fastest needs at least one plan (e.g. from candidate_plans)")
     model = resolve_cost(cost, topology)
-    timed = [(p, simulated_time(p, nbytes, topology, latency_us, model)) for p in plans]
+    timed = [(p, simulated_time(p, nbytes, topology, latency_us, model, peer_routes)) for p in plans]
     if cost == "auto" and model == "flow" and len(plans) > 1:
         best = min(t for _, t in timed)
         close = [p for p, t in timed if t <= best * (1 + LINK_RANK_MARGIN)]
         if len(close) > 1 and sum(link_level_messages(p, nbytes, topology, latency_us=latency_us)
                                   for p in close) <= LINK_RANK_MAX_MESSAGES:
-            timed = [(p, simulated_time(p, nbytes, topology, latency_us, "link")) for p in close]
+            timed = [(p, simulated_time(p, nbytes, topology, latency_us, "link", peer_routes)) for p in close]
             model = "link"
     order = sorted(range(len(timed)), key=lambda i: (timed[i][1], i))
     return [timed[i] for i in order], model
 
 
-def fastest(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US, cost: str = DEFAULT_COST):
-    """(plan, seconds) with the least predicted time among ``plans`` (earlier wins ties; :func:`ranked`).
-    Raises PlanError for no plans."""
-    return ranked(plans, nbytes, topology, latency_us, cost)[0][0]
+def fastest(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US, cost: str = DEFAULT_COST,
+            peer_routes: bool = False):
+    """(plan, seconds) with the least predicted time among ``plans`` (earlier wins ties; :func:`ranked`,
+    ``peer_routes`` as there). Raises PlanError for no plans."""
+    return ranked(plans, nbytes, topology, latency_us, cost, peer_routes)[0][0]
 
 
 def choose_plan(topology, collective: str, nbytes: float, *, devices=None, root=None,
@@ -319,7 +325,8 @@ def _choose_plan(topology, plans, nbytes, latency_us, algorithm="auto", cost=DEF
 
 
 def lowering_schedule(plans, nelems: int, *, itemsize: int, step_latency_s: float, round_synchronous: bool,
-                      topology, chunk_elems: int | None = None, chunks_as_simulated: bool = False):
+                      topology, chunk_elems: int | None = None, chunks_as_simulated: bool = False,
+                      peer_routes: bool = False):
     """(plan, schedule, predicted seconds) a lowering runs, among ``plans`` (candidates).
 
     Args:
@@ -336,6 +343,9 @@ def lowering_schedule(plans, nelems: int, *, itemsize: int, step_latency_s: floa
         most ``simulate.DEFAULT_MAX_CHUNKS`` per tree and ``simulate.CHUNK_BUDGET`` in all) instead of
         :func:`choose_schedule`'s round model under ``DEFAULT_MAX_TOTAL_CHUNKS``; the predicted
         seconds are then the simulated ones. For executors whose chunk costs only the step latency.
+      peer_routes: (asynchronous lowerings) time the candidates with every tree edge on the pair's
+        peer-to-peer path (:func:`simulated_time`): the executor loads its peers' memory, so a tree
+        routed over a PCIe switch between two NVLink peers runs over their NVLink (the CUDA interpreter).
 
     Plans the schedule cannot run (relays) are skipped; raises ScheduleError when none is left.
     """
@@ -343,14 +353,17 @@ def lowering_schedule(plans, nelems: int, *, itemsize: int, step_latency_s: floa
     if not plans:
         raise ScheduleError("no candidate plan can be scheduled on the job's devices")
     if not round_synchronous and chunks_as_simulated and chunk_elems is None:
-        best, t = fastest(plans, nelems * itemsize, topology, step_latency_s * 1e6)
+        best, t = fastest(plans, nelems * itemsize, topology, step_latency_s * 1e6, peer_routes=peer_routes)
         ntrees = max(1, sum(1 for tr in best.trees if tr.weight_gbps > 0))
+        # the chunk counts the simulator timed (physical hops of the routes the executor takes)
+        ks = plan_chunks(best, nelems * itemsize, topology, latency_us=step_latency_s * 1e6,
+                         peer_routes=peer_routes)
         sched = build_schedule(best, nelems, itemsize=itemsize, step_latency_s=step_latency_s,
                                max_chunks=max(1, min(SIM_MAX_CHUNKS, CHUNK_BUDGET // ntrees)),
-                               max_total_chunks=CHUNK_BUDGET)
+                               max_total_chunks=CHUNK_BUDGET, tree_chunks=ks)
         return best, sched, t
     if not round_synchronous and len(plans) > 1:
-        plans = [fastest(plans, nelems * itemsize, topology, step_latency_s * 1e6)[0]]
+        plans = [fastest(plans, nelems * itemsize, topology, step_latency_s * 1e6, peer_routes=peer_routes)[0]]
     return choose_schedule(plans, nelems, itemsize=itemsize, step_latency_s=step_latency_s,
                            chunk_elems=chunk_elems)
 

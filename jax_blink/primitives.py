@@ -403,7 +403,7 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
             chosen, sched, t = costmodel.lowering_schedule(
                 plans, nelems, itemsize=itemsize, step_latency_s=rec.step_latency_s,
                 round_synchronous=rec.round_synchronous, topology=topo, chunk_elems=key.chunk_elems,
-                chunks_as_simulated=rec.chunks_as_simulated)
+                chunks_as_simulated=rec.chunks_as_simulated, peer_routes=rec.peer_routes)
             cache[gpus] = (sched, chosen, t, bound)
         schedules.append(cache[gpus])
     return _lowering.LoweringRequest(collective=collective, schedules=tuple(s[0] for s in schedules),

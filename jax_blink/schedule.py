@@ -221,7 +221,7 @@ def _depth(parent: np.ndarray, root: int) -> int:
 def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | None = None,
                    step_latency_s: float = DEFAULT_STEP_LATENCY_S,
                    max_chunks: int = DEFAULT_MAX_CHUNKS,
-                   max_total_chunks: int = DEFAULT_MAX_TOTAL_CHUNKS) -> Schedule:
+                   max_total_chunks: int = DEFAULT_MAX_TOTAL_CHUNKS, tree_chunks: dict | None = None) -> Schedule:
     """Schedule ``plan`` (a ``jax_blink.planner.model.Plan``) for a flat operand of ``nelems`` elements.
 
     Args:
@@ -236,6 +236,9 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
       max_total_chunks: cost-model chunk counts are scaled down so all trees together use at most
         this many chunks (each chunk adds rounds, and a round has a fixed cost); not applied to an
         explicit ``chunk_elems``.
+      tree_chunks: {tree: chunks} for the plan's trees (``jax_blink.simulate.plan_chunks``: the link
+        simulator's chunking, so the schedule is the one it timed); overrides the cost model and
+        ``max_total_chunks`` for the trees it names (at most one chunk per element).
 
     Returns: a validated :class:`Schedule`. Raises ScheduleError on bad arguments, ``nelems`` not
     divisible by the rank count for a sharded collective, or a plan whose trees do not span its
@@ -312,12 +315,17 @@ def build_schedule(plan, nelems: int, *, itemsize: int = 4, chunk_elems: int | N
         red_par.append(rp), bc_par.append(bp)
         if chunk_elems is not None:
             ks.append(-(-length // int(chunk_elems)))
+        elif tree_chunks is not None and t in tree_chunks:
+            ks.append(-max(1, min(int(tree_chunks[t]), length)))  # negative: exempt from the budget below
         else:
             ks.append(choose_chunks(length * itemsize, d, t.weight_gbps,
                                     step_latency_s=step_latency_s, max_chunks=max_chunks))
         offset += length
-    if chunk_elems is None and sum(ks) > max_total_chunks:
-        ks = [max(1, k * max_total_chunks // sum(ks)) for k in ks]
+    given = [k < 0 for k in ks]
+    ks = [abs(k) for k in ks]
+    free = sum(k for k, g in zip(ks, given) if not g)
+    if chunk_elems is None and free and sum(ks) > max_total_chunks:
+        ks = [k if g else max(1, k * max_total_chunks // sum(ks)) for k, g in zip(ks, given)]
     offset = 0
     for s, ((_, length), k) in enumerate(zip(lengths_kept, ks)):
         for cl in _split_proportional(length, [1.0] * k):

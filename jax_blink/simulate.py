@@ -112,7 +112,7 @@ def busbw_factor(collective: str, n: int) -> float:
 def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAULT_LATENCY_US,
              chunk_bytes: float | None = None, topology=None, devices=None,
              max_chunks: int = DEFAULT_MAX_CHUNKS, protocol_latency_us: float | None = None,
-             method: str = "auto") -> SimResult:
+             method: str = "auto", peer_routes: bool = False, free_running: bool = False) -> SimResult:
     """Simulate one collective of ``nbytes`` bytes per rank on a topology's links.
 
     Args:
@@ -140,6 +140,15 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
         ``link_util`` from the plan's link loads, ``messages`` 0), or "auto" (default): "link" unless
         a Plan would need more than LINK_LEVEL_MAX_MESSAGES messages (about 1,000 GPUs) and no GPU
         lacks peer access, so a 1,024-GPU simulation takes seconds.
+      peer_routes: a Plan's GPU-level tree edge u -> v crosses :func:`~jax_blink.planner.routes.route`
+        (u, v), the path a peer-to-peer access takes (the direct link where there is one, else the
+        fewest hops through switches; host staging where peer access is missing), instead of the
+        tree's own route. An executor that loads its peers' memory (the CUDA interpreter) cannot
+        steer a transfer between two NVLink peers over their PCIe switch: this times what it runs.
+        A Schedule always takes these routes. Implies the link-level model.
+      free_running: a Schedule's sends share links by the progress of their segment (chunk j of k
+        served at (j + 1) / k, as a Plan's), not by row (round) order: an executor that runs each
+        tree's chunks on blocks of their own (the CUDA interpreter), with no rounds.
 
     Returns: a :class:`SimResult`.
 
@@ -176,7 +185,8 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
         raise BlinkError(f"method must be 'auto', 'link' or 'flow', got {method!r}")
     if method == "flow" and isinstance(plan_or_schedule, Schedule):
         raise BlinkError("method='flow' simulates a Plan; a Schedule runs on the link-level model (method='link')")
-    if isinstance(plan_or_schedule, Schedule) or protocol_latency_us is not None or chunk_bytes is not None:
+    if isinstance(plan_or_schedule, Schedule) or protocol_latency_us is not None or chunk_bytes is not None \
+            or peer_routes:
         flow = False
     elif method == "auto":
         flow = (link_level_messages(plan_or_schedule, nbytes, latency_us=latency_us, max_chunks=max_chunks)
@@ -189,14 +199,14 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
     if isinstance(plan_or_schedule, Schedule):
         sched = plan_or_schedule
         devs = _schedule_devices(sched, topology, devices)
-        msgs = _schedule_messages(sched, float(nbytes), topology, devs)
+        msgs = _schedule_messages(sched, float(nbytes), topology, devs, free_running)
         collective, algorithm, n = sched.collective, "schedule", sched.nranks
     else:
         plan = plan_or_schedule
         if plan.collective not in COLLECTIVES:
             raise PlanError(f"unknown collective {plan.collective!r}; expected one of {COLLECTIVES}")
         topology.check_devices(plan.devices)
-        msgs = _plan_messages(plan, float(nbytes), topology, latency_s, chunk_bytes, max_chunks)
+        msgs = _plan_messages(plan, float(nbytes), topology, latency_s, chunk_bytes, max_chunks, peer_routes)
         collective, algorithm, n = plan.collective, getattr(plan, "algorithm", "trees"), len(plan.devices)
     msgs = _stage_through_host(msgs, topology)
     _set_protocol_latency(msgs, topology, protocol_latency_us)
@@ -272,7 +282,42 @@ class _Msg:
     extra_s: float = 0.0  # per-chunk protocol latency, paid with the alpha term after the last hop
 
 
-def _plan_messages(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks) -> list[_Msg]:
+def plan_chunks(plan, nbytes: float, topology, *, latency_us: float = DEFAULT_LATENCY_US,
+                max_chunks: int = DEFAULT_MAX_CHUNKS, peer_routes: bool = False) -> dict:
+    """{tree: chunks} into which :func:`simulate`'s link-level model cuts each positive-weight tree's
+    segment of ``plan`` at ``nbytes`` bytes per rank (:func:`jax_blink.schedule.choose_chunks` over
+    the physical hops of its deepest reduce and broadcast paths; ``peer_routes`` as in
+    :func:`simulate`), so a lowering can build the schedule it timed
+    (``build_schedule(tree_chunks=...)``). Trees equal in value get one entry (their chunking is the
+    same). Raises PlanError as :func:`simulate`."""
+    segs = _plan_segments(plan, float(nbytes), topology, latency_us * 1e-6, None, max_chunks, peer_routes)
+    return {t: k for t, (_, _, _, _, k) in segs}
+
+
+def _plan_messages(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks, peer_routes=False) -> list[_Msg]:
+    segs = [s for _, s in _plan_segments(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks, peer_routes)]
+    if not segs:
+        return []
+    msgs: list[_Msg] = []
+    for j in range(max(s[4] for s in segs)):
+        for root, red, bc, cbytes, k in segs:
+            if j >= k:
+                continue
+            prio = (j + 1) / k
+            into = {}  # GPU -> reduce messages arriving there for this chunk
+            # children before parents so a parent's deps exist when it is created
+            for c, p, hops in reversed(red):
+                msgs.append(_Msg(cbytes, hops, list(into.get(c, ())), (prio, len(msgs))))
+                into.setdefault(p, []).append(len(msgs) - 1)
+            have = {root: list(into.get(root, ()))}
+            for p, c, hops in bc:
+                msgs.append(_Msg(cbytes, hops, list(have[p]), (prio, len(msgs))))
+                have[c] = [len(msgs) - 1]
+    return msgs
+
+
+def _plan_segments(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks, peer_routes) -> list:
+    """[(tree, (root, reduce edges, broadcast edges, chunk bytes, chunks))] per positive-weight tree."""
     devices = list(plan.devices)
     trees = [t for t in plan.trees if t.weight_gbps > 0]
     if len(devices) <= 1:
@@ -291,13 +336,23 @@ def _plan_messages(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks) -
             raise PlanError(f"{plan.collective} plan has no tree rooted at GPUs {missing}: every rank's shard "
                             f"needs trees from its owner")
     max_chunks = max(1, min(max_chunks, CHUNK_BUDGET // len(trees)))
+    peer: dict = {}
+
+    def hops_of(path):  # the tree's route, or (peer_routes) the pair's peer-to-peer path
+        if not peer_routes:
+            return _hops(topology, path)
+        key = (path[0], path[-1])
+        if key not in peer:
+            peer[key] = tuple(route(topology, *key))
+        return peer[key]
+
     segs = []
     for t in trees:
         if t.root not in devices:
             raise PlanError(f"tree root {t.root} is not one of the plan's devices {devices}")
-        red = [(c, p, _hops(topology, path[::-1]))
+        red = [(c, p, hops_of(path[::-1]))
                for p, c, path in tree_gpu_edges(t, devices, reduce=True)] if do_reduce else []
-        bc = [(p, c, _hops(topology, path))
+        bc = [(p, c, hops_of(path))
               for p, c, path in tree_gpu_edges(t, devices)] if do_bcast else []
         seg_bytes = (nbytes / len(devices) * t.weight_gbps / per_root[t.root] if row.sharded
                      else nbytes * t.weight_gbps / wsum)
@@ -309,24 +364,8 @@ def _plan_messages(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks) -
                 _depth([(p, c, len(h)) for p, c, h in bc], t.root)
             k = choose_chunks(seg_bytes, depth, t.weight_gbps,
                               step_latency_s=max(latency_s, 1e-7), max_chunks=max_chunks)
-        segs.append((t.root, red, bc, seg_bytes / k, k))
-
-    msgs: list[_Msg] = []
-    for j in range(max(s[4] for s in segs)):
-        for root, red, bc, cbytes, k in segs:
-            if j >= k:
-                continue
-            prio = (j + 1) / k
-            into = {}  # GPU -> reduce messages arriving there for this chunk
-            # children before parents so a parent's deps exist when it is created
-            for c, p, hops in reversed(red):
-                msgs.append(_Msg(cbytes, hops, list(into.get(c, ())), (prio, len(msgs))))
-                into.setdefault(p, []).append(len(msgs) - 1)
-            have = {root: list(into.get(root, ()))}
-            for p, c, hops in bc:
-                msgs.append(_Msg(cbytes, hops, list(have[p]), (prio, len(msgs))))
-                have[c] = [len(msgs) - 1]
-    return msgs
+        segs.append((t, (t.root, red, bc, seg_bytes / k, k)))
+    return segs
 
 
 def _depth(pc_len, root) -> int:
@@ -351,10 +390,16 @@ def _schedule_devices(sched, topology, devices) -> list:
     return devs
 
 
-def _schedule_messages(sched, nbytes, topology, devs) -> list[_Msg]:
+def _schedule_messages(sched, nbytes, topology, devs, free_running=False) -> list[_Msg]:
     if sched.nelems == 0:
         return []
     itemsize = nbytes / sched.nelems
+    segs = sched.chunk_seg.tolist()
+    of_seg = [0] * len(sched.seg_root)
+    nth = []  # chunk -> its position in its segment
+    for s in segs:
+        nth.append(of_seg[s])
+        of_seg[s] += 1
     writers: dict = {}  # (rank, chunk) -> rows that wrote it so far
     cache: dict = {}
     msgs = []
@@ -364,8 +409,10 @@ def _schedule_messages(sched, nbytes, topology, devs) -> list[_Msg]:
         key = (devs[src], devs[dst])
         if key not in cache:
             cache[key] = route(topology, *key)
-        msgs.append(_Msg(float(sched.chunk_length[c]) * itemsize, cache[key], list(writers.get((src, c), ())),
-                         (i / len(sched.transfers), i)))
+        # free-running: by segment progress, ties by chunk position, then segment (as a Plan's)
+        prio = (((nth[c] + 1) / of_seg[segs[c]], nth[c], segs[c], i) if free_running
+                else (i / len(sched.transfers), i))
+        msgs.append(_Msg(float(sched.chunk_length[c]) * itemsize, cache[key], list(writers.get((src, c), ())), prio))
         writers.setdefault((dst, c), []).append(i)
     return msgs
 

@@ -106,16 +106,19 @@ def test_psum_max_trees_matches_lax(max_trees):
 
 def test_native_lowering_runs_the_simulators_fastest_candidate():
     """Native GPU lowerings (no round barrier) take the plan the simulator predicts fastest at the
-    operand's size with their step latency; ppermute ranks the same candidates by rounds; the CPU
+    operand's size with their step latency, every tree edge on its pair's peer-to-peer path (the CUDA
+    interpreter loads its peers' memory); ppermute ranks the same candidates by rounds; the CPU
     executor keeps the packing (its cost is memory passes, not links: a ring measured 1.6x slower)."""
     from jax_blink import primitives
 
     mesh = Mesh(np.array(jax.devices()), ("i",))
     key = mapping.make_plan_key("dgx1v")
     cands = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)
-    lat_us = lowering.record("ffi", "cuda").step_latency_s * 1e6
+    rec = lowering.record("ffi", "cuda")
+    assert rec.peer_routes and not lowering.record("ffi", "cpu").peer_routes
+    lat_us = rec.step_latency_s * 1e6
     for nel in (2**14, 2**22):
-        times = [simulate(p, nel * 4, topology=DGX1V, latency_us=lat_us).time_s for p in cands]
+        times = [simulate(p, nel * 4, topology=DGX1V, latency_us=lat_us, peer_routes=True).time_s for p in cands]
         best = cands[int(np.argmin(times))]
         native = primitives.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cuda", "ffi")
         assert len(native.schedules[0].seg_root) == len(best.trees)

@@ -101,6 +101,39 @@ def test_never_arriving_rank_fails_every_peer_naming_it(absent):
     assert took < 10  # bounded: 1.5 x the timeout, far from a hang
 
 
+def test_non_blocking_watch_reports_the_missing_rank_while_kernels_run():
+    """The CUDA executor's default error path (ErrorWatch): a host thread polls the pinned error records
+    while the blocks run, never waiting for them; with a rank that never arrives it finds the
+    blocking path's message (naming the rank; the ranks that gave up so far) before the last block
+    thread ends (blocks waiting on ranks that did arrive give up only after their grace); a healthy run over two calls
+    (epochs) finds nothing, and the outputs stay bitwise those of schedule.execute."""
+    s = _schedule("dgx1v", "allreduce")
+    r = g.check_schedule(s, "float32", seeds=1, absent_rank=5, timeout_ms=1000, watch=True)
+    head = "jax_blink: collective timed out: rank 5 never arrived on the device within 1000 ms (ranks "
+    assert r["watch_error"].startswith(head) and r["error"].startswith(head)
+    gave_up = r["watch_error"][len(head):].split(" gave up")[0].split(", ")
+    assert gave_up and set(gave_up) <= {"0", "1", "2", "3", "4", "6", "7"}
+    assert r["watch_early"]
+    ok = g.check_schedule(s, "float32", seeds=2, calls=2, watch=True)
+    assert ok["watch_error"] == "" and ok["error"] == "" and ok["mismatched_seeds"] == 0
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float16", "float32", "float64", "complex64", "complex128"])
+def test_data_loop_moves_aligned_pieces_in_16_byte_words(dtype):
+    """Where a piece's destination and sources are 16-byte aligned (chunks of 64 elements here: every
+    buffer its own allocation, 16-byte aligned), the interpreter loads, adds and stores 16-byte words;
+    the odd tail (4099 elements) and a bucket's unaligned leaves go one scalar at a time. Bitwise equal
+    to schedule.execute either way (the same adds per element); staged sources too."""
+    s = _schedule("dgx1v", "allreduce", nelems=4099, chunk_elems=64)
+    for layout in ("peer", "no-peer"):
+        r = g.check_schedule(s, dtype, seeds=2, layout=layout)
+        assert r["error"] == "" and r["mismatched_seeds"] == 0
+        assert r["wide_scalars"] > 0
+    leaves = g.bucket_leaves(s.nelems, sizes=(7, 30, 1, 58))
+    b = g.check_schedule(s, dtype, seeds=1, leaves=leaves)
+    assert b["error"] == "" and b["mismatched_seeds"] == 0
+
+
 def test_late_rank_is_waited_for():
     s = _schedule("dgx-h100", "allreduce")
     r = g.check_schedule(s, "float16", seeds=1, late_rank=2, late_ms=150, timeout_ms=5000, calls=2)

@@ -245,3 +245,20 @@ def test_random_sharded_wrap_like_numpy(devs, per_rank, chunk, coll, dtype):
     x = np.random.default_rng(1).integers(0, 200, (n, n * per_rank)).astype(dtype)
     with np.errstate(over="ignore"):
         check_sharded(s, coll, x)
+
+
+def test_tree_chunks_given_per_tree():
+    """tree_chunks fixes a tree's chunk count (the link simulator's, simulate.plan_chunks), past the
+    round model's total budget, at most one chunk per element; other trees keep the cost model."""
+    p = plan(PRESETS["dgx1v"](), "allreduce")
+    trees = [t for t in p.trees if t.weight_gbps > 0]
+    ne = 1 << 16
+    want = {trees[0]: 40, trees[1]: 1}
+    s = build_schedule(p, ne, tree_chunks=want, max_total_chunks=8)
+    per_seg = np.bincount(s.chunk_seg, minlength=len(s.seg_root))
+    assert per_seg[0] == 40 and per_seg[1] == 1
+    x = np.random.default_rng(0).normal(size=(8, ne)).astype(np.float32)
+    np.testing.assert_allclose(execute(s, x), np.broadcast_to(x.sum(0), x.shape), rtol=1e-5, atol=1e-4)
+    tiny = build_schedule(p, len(trees) * 2, tree_chunks={t: 64 for t in trees})
+    assert all(int(c) <= int(n) for c, n in zip(np.bincount(tiny.chunk_seg, minlength=len(tiny.seg_root)),
+                                                tiny.seg_length))

@@ -1,6 +1,7 @@
 """Simulator vs closed forms, baselines' structure, and the DGX-1V three-path case."""
 
 
+import numpy as np
 import pytest
 
 from jax_blink.errors import BlinkError, PlanError, ScheduleError
@@ -86,6 +87,57 @@ def test_switch_links_are_shared():
     r = simulate(p, S, topology=t, latency_us=0.0)
     assert r.link_bytes[("s0", "s1")] == pytest.approx(2 * S)
     assert 2 * S / 12e9 <= r.time_s < 2 * S / 12e9 * 1.05
+
+
+def test_peer_routes_take_the_direct_link():
+    """A tree edge planned over a PCIe switch between two NVLink peers: peer_routes sends it where a
+    peer-to-peer load goes (the NVLink: S / 25 GB/s + alpha), the tree's route crosses both 12 GB/s
+    switch links (S / 12 GB/s + alpha, PCIe's protocol latency)."""
+    t = Topology("nvlink+pcie")
+    t.add_gpu(0), t.add_gpu(1), t.add_switch("s0", "pcie-switch")
+    t.add_link(0, 1, B, "nvlink")
+    t.add_link(0, "s0", 12.0, "pcie"), t.add_link(1, "s0", 12.0, "pcie")
+    p = Plan("broadcast", 0, (0, 1), (Tree(0, 12.0, ((0, "s0"), ("s0", 1))),), 12.0, 12.0, "trees")
+    S = 12 * 2**20
+    own = simulate(p, S, topology=t, latency_us=2.0, chunk_bytes=S)
+    peer = simulate(p, S, topology=t, latency_us=2.0, chunk_bytes=S, peer_routes=True)
+    assert own.time_s == pytest.approx(2 * S / 12e9 + 2e-6 + PROTOCOL_LATENCY_US["pcie"] * 1e-6, rel=1e-12)
+    assert peer.time_s == pytest.approx(S / 25e9 + 2e-6 + P, rel=1e-12)
+    assert peer.link_bytes == {(0, 1): S}
+
+
+def test_cuda_schedule_free_running_runs_as_predicted():
+    """The CUDA lowering predicts the chosen plan's time on peer-to-peer routes and builds its schedule
+    with the chunk counts that simulation used (plan_chunks); the schedule, simulated as the
+    interpreter runs it (peer-to-peer sends, each tree's chunks free-running), takes that time within
+    the simulator's queue-order ties (same-priority sends of different trees on one link: 4% here,
+    dgx1v at 4 MiB, 112 one- or two-chunk ring trees). Served in row (round) order the same schedule is
+    slower on dgx-a100 (the reduce-scatter + all-gather forests at 16 MiB)."""
+    from jax_blink import costmodel, lowering, mapping
+    from jax_blink.lowering import ffi  # registers the records
+    from jax_blink.simulate import plan_chunks
+
+    step = lowering.record("ffi", "cuda").step_latency_s
+    assert step == ffi.CUDA_STEP_LATENCY_S
+    for name, nbytes in (("dgx1v", 4 << 20), ("dgx-a100", 16 << 20)):
+        topo = preset(name)
+        devs = sorted(topo.gpus)
+        plans = mapping.candidate_plans(topo, "allreduce", devs, None)
+        chosen, sched, predicted = costmodel.lowering_schedule(
+            plans, nbytes // 4, itemsize=4, step_latency_s=step, round_synchronous=False, topology=topo,
+            chunks_as_simulated=True, peer_routes=True)
+        ks = plan_chunks(chosen, nbytes, topo, latency_us=step * 1e6, peer_routes=True)
+        seg_chunks = np.bincount(sched.chunk_seg, minlength=len(sched.seg_root))
+        trees = [t for t in chosen.trees if t.weight_gbps > 0]
+        assert seg_chunks.tolist() == [ks[t] for t in trees]
+        assert predicted == pytest.approx(simulate(chosen, nbytes, topology=topo, latency_us=step * 1e6,
+                                                   peer_routes=True).time_s, rel=1e-12)
+        free = simulate(sched, nbytes, topology=topo, latency_us=step * 1e6, devices=list(chosen.devices),
+                        free_running=True).time_s
+        assert free == pytest.approx(predicted, rel=0.05)
+        if name == "dgx-a100":
+            rows = simulate(sched, nbytes, topology=topo, latency_us=step * 1e6, devices=list(chosen.devices)).time_s
+            assert rows > 1.03 * free
 
 
 def test_schedule_input_matches_plan_input():

@@ -241,6 +241,7 @@ struct DeviceMem {
 #endif
   }
   __device__ static void Jitter() {}
+  __device__ static void CountWide(int64_t) {}
 };
 
 constexpr int kInterpThreads = 256;
@@ -277,6 +278,7 @@ struct CachedProgram {
   };
   std::list<Table> tables;                 // most recently used first, at most kTables
   bool broken = false;                     // a call failed: flags may disagree; never reused
+  ErrorWatch watch;                        // reads `records` without waiting (interp_plan.h)
   std::vector<std::pair<int, cudaEvent_t>> fences;  // per rank: end of its latest launch
 };
 constexpr size_t kTables = 4;
@@ -365,6 +367,19 @@ std::string ProgramKey(int64_t group, Dtype dt, const std::vector<CudaRank>& ran
 
 CudaStatus Fail(int kind, std::string msg) { return CudaStatus{kind, std::move(msg)}; }
 
+// The first failed call the programs' records show (each reported once; its program is rebuilt at
+// its next call); "" when none. Never waits. Under g_mu.
+std::string PollLocked() {
+  std::string first;
+  Programs().ForEach([&](CachedProgram& prog) {
+    std::string m = prog.watch.Poll();
+    if (m.empty()) return;
+    prog.broken = true;
+    if (first.empty()) first = m;
+  });
+  return first;
+}
+
 CudaGraphStats g_stats;
 
 // Default bound of the device-side waits: below PjRt's 10 s abort window even with the half timeout
@@ -426,6 +441,7 @@ std::string BuildProgram(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
   BLINK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&cp->records), sizeof(interp::ErrorRecord) * n,
                            cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(cp->records, 0, sizeof(interp::ErrorRecord) * n);
+  cp->watch.Reset(cp->records, n);
   BLINK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&cp->staging),
                            static_cast<size_t>(std::max<int64_t>(ip.staging_elems * ip.elem_size, 16)),
                            cudaHostAllocMapped | cudaHostAllocPortable));
@@ -545,7 +561,16 @@ CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
       if ((ranks[r].in[l] == ranks[r].out[l]) != (ranks[0].in[l] == ranks[0].out[l]))
         return Fail(1, "jax_blink: leaf " + std::to_string(l) + " is aliased (result = operand) on some ranks only");
   }
-  g_stats.released_programs += static_cast<int64_t>(Programs().Collect(ProgramIdle, ReleaseProgram));
+  // ---- earlier calls' errors (non-blocking: the kernels write their records into pinned host
+  // memory while they run; a failed call is reported here, at the next call of any call site, and
+  // its program is rebuilt). Before the release of retired programs, whose records it reads.
+  {
+    const std::string earlier = PollLocked();
+    g_stats.released_programs += static_cast<int64_t>(Programs().Collect(ProgramIdle, ReleaseProgram));
+    if (!earlier.empty())
+      return Fail(2, earlier + " [an earlier jax_blink call failed; reported at this call, which did not run: "
+                               "JAX_BLINK_CUDA_SYNC_ERRORS=1 reports it at the failed call itself]");
+  }
   // ---- set-up once per device pair and per call site: peer access, program, flags, kernel image
   const bool force_staging = EnvFlag("JAX_BLINK_CUDA_FORCE_STAGING");
   std::vector<uint8_t> peer(static_cast<size_t>(n) * n, 1);
@@ -614,17 +639,17 @@ CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
     cp->broken = true;
     return Fail(2, err);
   }
-  if (EnvFlag("JAX_BLINK_CUDA_ASYNC_ERRORS")) return CudaStatus{};
-  // ---- errors: wait for the kernels (bounded by their own timeout), read the records
+  cp->watch.Launched(cp->epoch[0], timeout_ms);
+  // Default: return now; the records are read at the next call's entry (above). The host thread is
+  // free to enqueue what follows, which the overlap on the annotated stream needs.
+  if (!EnvFlag("JAX_BLINK_CUDA_SYNC_ERRORS")) return CudaStatus{};
+  // ---- JAX_BLINK_CUDA_SYNC_ERRORS=1: wait for the kernels (bounded by their own timeout), read the records
   for (int32_t r = 0; r < n; ++r) {
     cudaSetDevice(ranks[r].device);
     cudaError_t ce = cudaEventSynchronize(cp->fences[r].second);
     if (ce != cudaSuccess && err.empty()) err = CudaErr("interpreter kernel", ce);
   }
-  if (err.empty()) {
-    std::vector<interp::ErrorRecord> recs(cp->records, cp->records + n);
-    err = InterpErrorMessage(recs, cp->epoch[0], timeout_ms);
-  }
+  if (err.empty()) err = cp->watch.Poll();
   if (!err.empty()) {
     cp->broken = true;
     return Fail(2, err);  // the handler maps a timeout message to kDeadlineExceeded
@@ -633,6 +658,11 @@ CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
 }
 
 }  // namespace
+
+std::string PollCudaErrors() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return PollLocked();
+}
 
 CudaGraphStats GetCudaGraphStats() {
   std::lock_guard<std::mutex> lock(g_mu);

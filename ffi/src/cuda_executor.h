@@ -39,14 +39,20 @@ struct CudaStatus {
 // device, flags zeroed once (epochs: never reset), error records and staging host-pinned. Per call:
 // the pointer table of the buffers (found by pointers, uploaded on each rank's stream only when they
 // changed), then per rank one kernel launch on its XLA stream and one completion event record.
-// Errors: the kernels' waits are bounded (JAX_BLINK_TIMEOUT_S, default 5 s); unless
-// JAX_BLINK_CUDA_ASYNC_ERRORS=1 the call waits for its kernels and turns their error records into
-// an error naming the rank that never arrived (with it set, the call returns after the launches and
-// a failed call's records are not read: faster, for jobs that accept that). After any failure the
-// program is rebuilt (fresh flags) at the next call. JAX_BLINK_CUDA_FORCE_STAGING=1 stages every
+// Errors: the kernels' waits are bounded (JAX_BLINK_TIMEOUT_S, default 5 s) and a rank that gives up
+// writes its error record (pinned host memory) while the kernel runs. By default the call returns
+// right after its launches and never waits for the kernels: every call first polls the records of
+// the calls before it (ErrorWatch, interp_plan.h), and a failed one becomes this call's error,
+// naming the rank that never arrived. JAX_BLINK_CUDA_SYNC_ERRORS=1: the call waits for its kernels
+// and reports its own failure. After any failure the program is rebuilt (fresh flags). JAX_BLINK_CUDA_FORCE_STAGING=1 stages every
 // cross-rank source. Thread-safe (one global lock).
 CudaStatus EnqueueOnCuda(const ExecPlan& plan, Dtype dtype, const std::vector<CudaRank>& ranks, int64_t cache_key,
                          int64_t group, const std::vector<int64_t>& leaf_elems = {});
+
+// Non-blocking: the message of the first failed call not reported yet (its kernels wrote their error
+// records), or "". What every call polls at its entry; for a caller that has no next call to make
+// (the self-test after its last call, a user at the end of a job: jax_blink.lowering.ffi.cuda_errors).
+std::string PollCudaErrors();
 
 // Counters since the process started (the gpu_check harness prints them). The graph / op-by-op
 // fields of the retired issue paths stay zero (kept so older harness code still builds).

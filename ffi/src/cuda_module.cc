@@ -117,6 +117,7 @@ std::pair<double, std::string> Execute(I64Array schedule, std::string dtype, std
       CudaStatus st = EnqueueOnCuda(*plan, dt, ranks, cache_key, 0, leaf_sizes);
       if (!st.ok()) run_err = st.message;
       sync();
+      if (run_err.empty()) run_err = PollCudaErrors();  // the call's own records (it did not wait)
       if (run_err.empty()) {
         for (int64_t r = 0; r < n; ++r) transfer(r, false);
         auto t0 = std::chrono::steady_clock::now();
@@ -125,6 +126,7 @@ std::pair<double, std::string> Execute(I64Array schedule, std::string dtype, std
           if (!st.ok()) run_err = st.message;
         }
         sync();
+        if (run_err.empty()) run_err = PollCudaErrors();
         per_call = iters > 0 ? std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters : 0;
       }
     }
@@ -166,6 +168,10 @@ NB_MODULE(_cuda, m) {
   m.def("built_cuda_version", &jax_blink::BuiltCudaVersion, "CUDA runtime version compiled in (e.g. 13000).");
   m.def("built_architectures", []() { return std::string(jax_blink::BuiltCudaArchitectures()); },
         "CUDA architectures compiled in (CMake syntax, ',' separated, e.g. '75-real,80-real,90').");
+  m.def("poll_errors", []() {
+    nb::gil_scoped_release unlock;
+    return jax_blink::PollCudaErrors();
+  }, "The first failed collective not reported yet (its kernels' error records), or ''; never waits.");
   m.def("driver_version", &jax_blink::DriverVersion, "cudaDriverGetVersion (0 without a driver).");
   m.def("device_names", &jax_blink::DeviceNames, "Names and architectures of the visible CUDA devices.");
   m.def("execute", &jax_blink::Execute, nb::arg("schedule"), nb::arg("dtype"), nb::arg("inputs"), nb::arg("outputs"),

@@ -36,7 +36,11 @@
 //   M::Exchange(uint64_t*, uint64_t)      atomic exchange (claims the error record)
 //   M::Pause(spins)                       back-off while spinning (spins so far)
 //   M::Jitter()                           test hook: a random delay (host checks), nothing on the GPU
-// Data is loaded, added and stored by every thread of the block on its share of the elements.
+//   M::CountWide(n)                       test hook: n scalars moved by 16-byte accesses (host checks)
+// Data is loaded, added and stored by every thread of the block on its share of the elements: in
+// 16-byte words where the destination and every source of a piece sit at the same offset within 16
+// bytes (a scalar head up to the boundary, words, a scalar tail; the same adds per element, so the
+// same bits), else one scalar at a time.
 #pragma once
 
 #include <cstdint>
@@ -195,6 +199,31 @@ struct AddPlain {  // integers add as unsigned (wrapping: bitwise XLA's signed a
   BLINK_HD static V Add(V a, V b) { return static_cast<V>(a + b); }
 };
 
+// ------------------------------------------------------------------------------ 16-byte words
+template <typename V>
+struct alignas(16) Word {
+  V x[16 / sizeof(V)];
+};
+BLINK_HD inline uint32_t Misalignment(const void* p) { return static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p) & 15u); }
+template <typename V>
+BLINK_HD inline Word<V> Load16(const V* p) {  // p 16-byte aligned
+  Word<V> w;
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint4*>(&w) = *reinterpret_cast<const uint4*>(p);
+#else
+  std::memcpy(&w, p, 16);
+#endif
+  return w;
+}
+template <typename V>
+BLINK_HD inline void Store16(V* p, const Word<V>& w) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&w);
+#else
+  std::memcpy(p, &w, 16);
+#endif
+}
+
 // ------------------------------------------------------------------------------ the interpreter
 template <class M>
 struct Interpreter {
@@ -278,20 +307,55 @@ struct Interpreter {
         return reinterpret_cast<const V*>(SrcPtr(s, leaf, a));
       };
       const int64_t tid = M::Tid(), nt = M::Threads();
+      constexpr int64_t K = static_cast<int64_t>(16 / sizeof(V));  // scalars per 16-byte word
+      // Words where every pointer of the piece has the same offset within 16 bytes (the ranks'
+      // buffers are equally aligned and a task reads them at its own elements): scalars up to the
+      // first 16-byte boundary, words, then the tail.
+      const uint32_t mis = Misalignment(dst);
+      bool wide = n >= 2 * K && mis % sizeof(V) == 0;
+      if (t.kind != kZero)
+        for (int32_t k = 0; k < t.src_count && wide; ++k) wide = Misalignment(src_at(srcs[k])) == mis;
+      const int64_t h = wide ? static_cast<int64_t>(((16u - mis) & 15u) / sizeof(V)) : 0;  // head scalars
+      const int64_t nw = wide ? (n - h) / K : 0;  // words over [h, h + nw * K)
+      auto scalar = [&](int64_t i0, int64_t i1) {  // one scalar at a time over [i0, i1)
+        if (t.kind == kZero) {
+          for (int64_t i = i0 + tid; i < i1; i += nt) dst[i] = V(0);
+        } else if (t.kind == kCopy || t.kind == kStage) {
+          const V* s = src_at(srcs[0]);
+          if (s != dst)  // copy-in of an aliased leaf: out already is in
+            for (int64_t i = i0 + tid; i < i1; i += nt) dst[i] = s[i];
+        } else {
+          const V* first = src_at(srcs[0]);
+          for (int64_t i = i0 + tid; i < i1; i += nt) {
+            V acc = first[i];
+            for (int32_t k = 1; k < t.src_count; ++k) acc = A::Add(acc, src_at(srcs[k])[i]);
+            dst[i] = acc;
+          }
+        }
+      };
+      scalar(0, h);
+      V* wdst = dst + h;
       if (t.kind == kZero) {
-        for (int64_t i = tid; i < n; i += nt) dst[i] = V(0);
+        Word<V> z;
+        for (int64_t j = 0; j < K; ++j) z.x[j] = V(0);
+        for (int64_t w = tid; w < nw; w += nt) Store16(wdst + w * K, z);
       } else if (t.kind == kCopy || t.kind == kStage) {
-        const V* s = src_at(srcs[0]);
-        if (s != dst)  // copy-in of an aliased leaf: out already is in
-          for (int64_t i = tid; i < n; i += nt) dst[i] = s[i];
+        const V* s = src_at(srcs[0]) + h;
+        if (s != wdst)
+          for (int64_t w = tid; w < nw; w += nt) Store16(wdst + w * K, Load16(s + w * K));
       } else {
-        const V* first = src_at(srcs[0]);
-        for (int64_t i = tid; i < n; i += nt) {
-          V acc = first[i];
-          for (int32_t k = 1; k < t.src_count; ++k) acc = A::Add(acc, src_at(srcs[k])[i]);
-          dst[i] = acc;
+        const V* first = src_at(srcs[0]) + h;
+        for (int64_t w = tid; w < nw; w += nt) {
+          Word<V> acc = Load16(first + w * K);
+          for (int32_t k = 1; k < t.src_count; ++k) {
+            const Word<V> x = Load16(src_at(srcs[k]) + h + w * K);
+            for (int64_t j = 0; j < K; ++j) acc.x[j] = A::Add(acc.x[j], x.x[j]);
+          }
+          Store16(wdst + w * K, acc);
         }
       }
+      scalar(h + nw * K, n);
+      if (tid == 0 && nw) M::CountWide(nw * K);
       a = b;
     }
   }

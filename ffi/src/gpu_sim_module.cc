@@ -32,7 +32,7 @@ namespace {
 nb::dict InterpCheck(I64Array schedule, std::string dtype, std::vector<AnyArray> inputs, std::vector<AnyArray> expected,
                      std::vector<uint8_t> peer_ok, int max_blocks, int seeds, std::vector<int64_t> leaf_sizes,
                      std::vector<uint8_t> aliased, int absent_rank, int late_rank, int64_t late_ms,
-                     int64_t timeout_ms, int64_t calls) {
+                     int64_t timeout_ms, int64_t calls, bool watch) {
   const Dtype dt = DtypeByName(dtype);
   std::vector<Schedule> scheds;
   std::string err = DecodeSchedules(schedule.data(), schedule.shape(0), &scheds);
@@ -56,7 +56,9 @@ nb::dict InterpCheck(I64Array schedule, std::string dtype, std::vector<AnyArray>
   if (!aliased.empty() && static_cast<int32_t>(aliased.size()) != ip.nleaves)
     throw std::invalid_argument("aliased must have one entry per leaf");
   int64_t mismatched = 0, crit = 0, threads = 0;
-  std::string run_error, first_error;
+  std::string run_error, first_error, watch_error;
+  bool watch_early = false;
+  int64_t wide_scalars = 0;
   std::vector<interp::ErrorRecord> records;
   std::vector<int64_t> bad_ranks;
   {
@@ -72,6 +74,7 @@ nb::dict InterpCheck(I64Array schedule, std::string dtype, std::vector<AnyArray>
       ho.late_ms = late_ms;
       ho.timeout_ms = timeout_ms;
       ho.calls = calls;
+      ho.watch = watch;
       HostRunResult res;
       run_error = RunInterpOnHost(ip, ins, nelems, aliased, ho, &res);
       if (!run_error.empty()) break;
@@ -79,6 +82,9 @@ nb::dict InterpCheck(I64Array schedule, std::string dtype, std::vector<AnyArray>
       if (s == 0) {
         first_error = res.error;
         records = res.records;
+        watch_error = res.watch_error;
+        watch_early = res.watch_early;
+        wide_scalars = res.wide_scalars;
       }
       if (!res.error.empty()) continue;
       bool same = true;
@@ -113,6 +119,9 @@ nb::dict InterpCheck(I64Array schedule, std::string dtype, std::vector<AnyArray>
   out["mismatched_ranks"] = bad_ranks;
   out["error"] = first_error;
   out["records"] = recs;
+  out["watch_error"] = watch_error;
+  out["watch_early"] = watch_early;
+  out["wide_scalars"] = wide_scalars;
   return out;
 }
 
@@ -183,7 +192,7 @@ NB_MODULE(_gpusim, m) {
         nb::arg("expected"), nb::arg("peer_ok"), nb::arg("max_blocks"), nb::arg("seeds"),
         nb::arg("leaf_sizes") = std::vector<int64_t>{}, nb::arg("aliased") = std::vector<uint8_t>{},
         nb::arg("absent_rank") = -1, nb::arg("late_rank") = -1, nb::arg("late_ms") = 0,
-        nb::arg("timeout_ms") = 2000, nb::arg("calls") = 1,
+        nb::arg("timeout_ms") = 2000, nb::arg("calls") = 1, nb::arg("watch") = false,
         "Run the device interpreter on the host (a thread per rank block) and compare with expected bit for bit.");
   m.def("interp_figures", &jax_blink::InterpFigures, nb::arg("schedule"), nb::arg("dtype"), nb::arg("leaf_sizes"),
         nb::arg("max_blocks"), "The interpreter program's critical path and pipelining ideal (no data run).");

@@ -14,6 +14,7 @@ namespace jax_blink {
 namespace {
 
 thread_local std::mt19937_64* t_rng = nullptr;  // per block thread: its random delays
+thread_local int64_t* t_wide = nullptr;         // per block thread: scalars moved in 16-byte words
 
 // The host's memory primitives: GCC/Clang __atomic builtins (what std::atomic compiles to, and what
 // ThreadSanitizer models), one thread per block.
@@ -38,6 +39,9 @@ struct HostMem {
   static void Pause(uint32_t spins) {  // yield, then sleep (hundreds of threads may share two cores)
     if (spins < 256) std::this_thread::yield();
     else std::this_thread::sleep_for(std::chrono::microseconds(spins < 4096 ? 20 : 200));
+  }
+  static void CountWide(int64_t n) {
+    if (t_wide) *t_wide += n;
   }
   static void Jitter() {
     if (!t_rng) return;
@@ -76,6 +80,11 @@ std::string RunInterpOnHost(const InterpPlan& p, const std::vector<const void*>&
   garbage(staging);
   int64_t nthreads = 0;
   res->error.clear();
+  res->watch_error.clear();
+  res->watch_early = false;
+  res->wide_scalars = 0;
+  ErrorWatch watch;
+  watch.Reset(records.data(), n);
   for (int64_t call = 1; call <= opt.calls; ++call) {
     // XLA's part before the call: operands written, result buffers hold whatever they held
     for (int32_t r = 0; r < n; ++r)
@@ -102,6 +111,7 @@ std::string RunInterpOnHost(const InterpPlan& p, const std::vector<const void*>&
     ptrs.staging = reinterpret_cast<char*>(staging.data());
     const interp::View v = p.view();
     std::vector<std::thread> threads;
+    std::vector<int64_t> wide(static_cast<size_t>(n) * std::max<int32_t>(p.max_blocks, 1), 0);  // per thread
     // Start gate: every block thread blocks (no spinning) until all exist, then starts its clock.
     // Without it the threads created first spin while the creator, starved by them, is still
     // starting the last ranks' blocks (minutes under qemu on 2 cores: a false "never arrived").
@@ -114,7 +124,8 @@ std::string RunInterpOnHost(const InterpPlan& p, const std::vector<const void*>&
       for (int32_t b = 0; b < blocks; ++b) {
         const uint64_t seed = opt.seed ? rng() : 0;
         const int64_t late = r == opt.late_rank ? opt.late_ms : 0;
-        threads.emplace_back([&v, &ptrs, r, b, call, seed, late, &opt, &gate_mu, &gate_cv, &gate_open] {
+        int64_t* wide_slot = &wide[static_cast<size_t>(r) * std::max<int32_t>(p.max_blocks, 1) + b];
+        threads.emplace_back([&v, &ptrs, r, b, call, seed, late, &opt, &gate_mu, &gate_cv, &gate_open, wide_slot] {
           {
             std::unique_lock<std::mutex> lk(gate_mu);
             gate_cv.wait(lk, [&] { return gate_open; });
@@ -124,21 +135,53 @@ std::string RunInterpOnHost(const InterpPlan& p, const std::vector<const void*>&
             g = std::make_unique<std::mt19937_64>(seed);
             t_rng = g.get();
           }
+          t_wide = wide_slot;
           if (late > 0) std::this_thread::sleep_for(std::chrono::milliseconds(late));
           volatile int shared_ok = 0;
           interp::RunBlock<HostMem>(v, ptrs, r, b, static_cast<uint64_t>(call),
                                     static_cast<uint64_t>(opt.timeout_ms) * 1000000ull, &shared_ok);
           t_rng = nullptr;
+          t_wide = nullptr;
         });
       }
     }
     nthreads = static_cast<int64_t>(threads.size());
+    // the watch: polls the records while the blocks run (never waits for them); `running` is
+    // cleared once every block thread joined
+    std::thread poller;
+    bool running = true;  // __atomic: written by this thread, read by the poller
+    std::string polled;
+    bool early = false;
+    if (opt.watch) {
+      watch.Launched(static_cast<uint64_t>(call), opt.timeout_ms);
+      poller = std::thread([&] {
+        while (__atomic_load_n(&running, __ATOMIC_ACQUIRE)) {
+          std::string m = watch.Poll();
+          if (!m.empty()) {
+            polled = m;
+            early = true;
+            return;
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+      });
+    }
     {
       std::lock_guard<std::mutex> lk(gate_mu);
       gate_open = true;
     }
     gate_cv.notify_all();
     for (auto& t : threads) t.join();
+    for (int64_t w : wide) res->wide_scalars += w;
+    if (opt.watch) {
+      __atomic_store_n(&running, false, __ATOMIC_RELEASE);
+      poller.join();
+      if (polled.empty()) polled = watch.Poll();  // what the next call's entry would find
+      if (!polled.empty() && res->watch_error.empty()) {
+        res->watch_error = polled;
+        res->watch_early = early;
+      }
+    }
     res->error = InterpErrorMessage(records, static_cast<uint64_t>(call), opt.timeout_ms);
     if (!res->error.empty()) break;
   }

@@ -20,6 +20,9 @@ struct HostRunOptions {
   int64_t late_ms = 0;
   int64_t timeout_ms = 2000;  // every wait's bound
   int64_t calls = 1;          // successive calls on the same flags (epochs 1..calls), fresh data each
+  // The CUDA executor's non-blocking error path: a host thread polls the records (ErrorWatch) while
+  // the blocks run, as the executor's next call does while a failed call's kernels still run.
+  bool watch = false;
 };
 
 struct HostRunResult {
@@ -27,6 +30,9 @@ struct HostRunResult {
   std::vector<interp::ErrorRecord> records;      // per rank (epoch == the failed call's, else stale)
   std::string error;                             // "" or the host's error message (names the rank)
   int64_t threads = 0;                           // threads per call (rank blocks)
+  std::string watch_error;   // watch: the ErrorWatch's message ("" when it found none)
+  bool watch_early = false;  // watch: found while some block thread still ran (not after the join)
+  int64_t wide_scalars = 0;  // scalars the data loops moved in 16-byte words (all calls and blocks)
 };
 
 // Runs `p` on inputs[r] (nelems elements of the plan's dtype per rank, the leaves concatenated);

@@ -389,6 +389,41 @@ std::string InterpErrorMessage(const std::vector<interp::ErrorRecord>& records, 
          " gave up waiting; JAX_BLINK_TIMEOUT_S sets the bound)";
 }
 
+void ErrorWatch::Reset(const interp::ErrorRecord* records, int32_t nranks) {
+  records_ = records;
+  nranks_ = nranks;
+  reported_ = launched_ = 0;
+}
+
+void ErrorWatch::Launched(uint64_t epoch, int64_t timeout_ms) {
+  if (epoch > launched_) launched_ = epoch;
+  timeout_ms_ = timeout_ms;
+}
+
+std::string ErrorWatch::Poll() {
+  if (!records_ || launched_ <= reported_) return "";
+  std::vector<interp::ErrorRecord> recs;
+  uint64_t first = 0;
+  for (int32_t r = 0; r < nranks_; ++r) {
+    const interp::ErrorRecord* src = &records_[r];
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      const uint64_t e = __atomic_load_n(&src->epoch, __ATOMIC_ACQUIRE);
+      if (e <= reported_ || e > launched_) break;  // stale, or not a call this watch knows
+      interp::ErrorRecord c{e, __atomic_load_n(&src->missing_rank, __ATOMIC_RELAXED),
+                            __atomic_load_n(&src->waiting_rank, __ATOMIC_RELAXED),
+                            __atomic_load_n(&src->task, __ATOMIC_RELAXED)};
+      if (__atomic_load_n(&src->epoch, __ATOMIC_ACQUIRE) != e) continue;  // rewritten meanwhile
+      recs.push_back(c);
+      if (first == 0 || e < first) first = e;
+      break;
+    }
+  }
+  if (first == 0) return "";
+  std::string msg = InterpErrorMessage(recs, first, timeout_ms_);
+  reported_ = launched_;
+  return msg;
+}
+
 int64_t CriticalPath(const InterpPlan& p) {
   // Finish step of every task: 1 + max(previous task of its block, its dependency flags). Tasks are
   // stored block by block; a task's dependencies lie in other blocks, so iterate to a fixed point in

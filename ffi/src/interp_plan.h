@@ -78,4 +78,31 @@ int64_t CriticalPath(const InterpPlan& p);
 // those that gave up. Shared by the host runner and the CUDA executor.
 std::string InterpErrorMessage(const std::vector<interp::ErrorRecord>& records, uint64_t epoch, int64_t timeout_ms);
 
+// Non-blocking error reporting (the CUDA executor's default): the kernels write their ranks' error
+// records into host-visible memory (pinned, mapped) while they run; the host reads them without
+// waiting for the kernels, at the entry of every later call (and wherever else it polls), and turns
+// the first failed call it finds into that call's message. Reading a record: an acquire load of its
+// epoch (the kernel stores the epoch last, with release), then its fields, then the epoch again (a
+// later call's record may be written meanwhile: read again). Each failed call is reported once: a
+// report covers every call launched so far (the executor rebuilds the program after a failure).
+// Not thread-safe (the executor holds its lock); the records may be written concurrently.
+class ErrorWatch {
+ public:
+  // The program's records (one per rank); forgets earlier calls.
+  void Reset(const interp::ErrorRecord* records, int32_t nranks);
+  // Call `epoch` (1, 2, ...: the program's call count) was launched, its waits bounded by timeout_ms.
+  void Launched(uint64_t epoch, int64_t timeout_ms);
+  // "" or the message (InterpErrorMessage) of the earliest unreported call whose records some rank
+  // wrote; never waits.
+  std::string Poll();
+  uint64_t launched() const { return launched_; }
+  uint64_t reported() const { return reported_; }
+
+ private:
+  const interp::ErrorRecord* records_ = nullptr;
+  int32_t nranks_ = 0;
+  uint64_t reported_ = 0, launched_ = 0;
+  int64_t timeout_ms_ = 0;
+};
+
 }  // namespace jax_blink

@@ -88,6 +88,14 @@ class ProgramCache {
     return n;
   }
 
+  // Calls f(v) for every program, kept and retired (the executor polls their error records).
+  template <class F>
+  void ForEach(F&& f) {
+    for (auto& [s, site] : sites_)
+      for (auto& [k, v] : site.programs) f(*v);
+    for (auto& v : retired_) f(*v);
+  }
+
   size_t sites() const { return sites_.size(); }
   size_t retired() const { return retired_.size(); }
   size_t max_sites() const { return max_sites_; }

@@ -80,6 +80,10 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
     if (!st.ok()) { std::fprintf(stderr, "gpu_check: FAIL enqueue (%s): %s\n", what, st.message.c_str()); return 2; }
     sync();
     if (cudaGetLastError() != cudaSuccess) { std::fprintf(stderr, "gpu_check: FAIL %s: CUDA error after the call\n", what); return 2; }
+    {  // the call did not wait for its kernels: read their error records now
+      const std::string rec = PollCudaErrors();
+      if (!rec.empty()) { std::fprintf(stderr, "gpu_check: FAIL %s: %s\n", what, rec.c_str()); return 2; }
+    }
     int bad = 0;
     std::vector<T> got(ne);
     for (int64_t r = 0; r < n; ++r) {
@@ -117,6 +121,10 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
     auto t1 = std::chrono::steady_clock::now();
     sync();
     auto t2 = std::chrono::steady_clock::now();
+    {
+      const std::string rec = PollCudaErrors();
+      if (!rec.empty()) { std::fprintf(stderr, "gpu_check: FAIL timed calls: %s\n", rec.c_str()); return 2; }
+    }
     const CudaGraphStats after = GetCudaGraphStats();
     const int64_t launches = after.launches - before.launches, calls = iters + 1 + warm;
     if (launches != n * calls) {

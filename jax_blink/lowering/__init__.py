@@ -58,6 +58,10 @@ class Lowering:
         (the CUDA interpreter: one kernel per call, a flag hop per chunk step): the schedule takes the
         chunk counts the link simulator gives the plan (``costmodel.lowering_schedule``), not the
         round model's, which bounds chunks for executors that pay per round or per call.
+      peer_routes: True when the executor moves data by peer-to-peer loads (the CUDA interpreter's pull
+        model): a tree edge between two GPUs crosses the path the hardware gives that pair (the
+        direct NVLink where there is one), whatever route the tree was planned on, so the cost model
+        chooses the plan by simulating it on those paths (``costmodel.lowering_schedule``).
       watches_phases: True when the rule runs its waits on other processes through
         :func:`network_phase` (the hierarchical lowering), so a watch (``jax_blink.peerwatch``)
         checks each such phase by name instead of the whole rule.
@@ -79,6 +83,7 @@ class Lowering:
     shard_output: bool = False
     auto_fits: Callable | None = None
     chunks_as_simulated: bool = False
+    peer_routes: bool = False
     watches_phases: bool = False
     description: str = ""
     unavailable: str | None = None

@@ -371,6 +371,20 @@ CPU_STEP_LATENCY_S = 5e-6
 CUDA_STEP_LATENCY_S = 2.8e-6
 
 
+def cuda_errors() -> str:
+    """The first failed jax_blink CUDA collective of this process not reported yet, or "".
+
+    The CUDA executor does not wait for its kernels (docs/cuda.md, "Errors"): a rank that gives up
+    waiting writes an error record into pinned host memory while its kernel runs, and the next
+    jax_blink CUDA call (any call site) fails with that message, naming the rank that never arrived.
+    A job with no next call (its last step, a benchmark loop's end) asks here; each failure is
+    reported once, by whichever comes first. Never waits; "" without the CUDA module.
+    """
+    mod = _native.cuda
+    poll = getattr(mod, "poll_errors", None) if mod is not None else None
+    return poll() if poll is not None else ""
+
+
 def _register(platform: str, xla_platform: str, module, target: str, missing: str | None, rule,
               step_latency_s: float, **fields) -> None:
     why = _register_target(platform, module, target, xla_platform, missing)
@@ -387,4 +401,4 @@ def _register(platform: str, xla_platform: str, module, target: str, missing: st
 _register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule, CPU_STEP_LATENCY_S, host_memory=True,
           shard_input=True, shard_output=True)
 _register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error, _cuda_rule, CUDA_STEP_LATENCY_S,
-          chunks_as_simulated=True)
+          chunks_as_simulated=True, peer_routes=True)

@@ -97,7 +97,7 @@ def peer_table(n: int, layout: str) -> list[int]:
 
 def check_schedule(schedule, dtype: str, *, layout: str = "peer", seeds: int = 4, max_blocks: int = 0,
                    leaves=None, aliased=None, absent_rank: int = -1, late_rank: int = -1, late_ms: int = 0,
-                   timeout_ms: int = 2000, calls: int = 1) -> dict:
+                   timeout_ms: int = 2000, calls: int = 1, watch: bool = False) -> dict:
     """Runs the device interpreter's program of ``schedule`` (one group) on the host, a thread per
     (rank, block), and compares every rank's output with ``jax_blink.schedule.execute`` bit for bit.
 
@@ -105,7 +105,9 @@ def check_schedule(schedule, dtype: str, *, layout: str = "peer", seeds: int = 4
     flags (epochs); ``max_blocks`` blocks per rank (0: one per (tree, phase) queue); ``leaves``:
     elements per leaf (a bucket: every leaf its own buffer per rank), ``aliased``: per leaf, result =
     operand buffer; ``absent_rank``: that rank never starts (every peer must give up within
-    ``timeout_ms`` naming it); ``late_rank`` starts ``late_ms`` late. Returns the native dict
+    ``timeout_ms`` naming it); ``late_rank`` starts ``late_ms`` late; ``watch``: a host thread polls the
+    error records while the blocks run (``ErrorWatch``, the CUDA executor's non-blocking error path:
+    ``watch_error`` its message, ``watch_early`` whether it found it before every block ended). Returns the native dict
     (``critical_path``, ``pipeline_ideal``, ``tasks``, ``flags``, ``dep_waits``, ``blocks``,
     ``staging_elems``, ``threads``, ``mismatched_seeds``, ``mismatched_ranks``, ``error`` (the host's
     message, "" on success), ``records`` (per rank: epoch, missing rank, waiting rank, task)) plus
@@ -123,7 +125,7 @@ def check_schedule(schedule, dtype: str, *, layout: str = "peer", seeds: int = 4
     r = dict(gpusim.interp_check(np.asarray(schedule.to_array(), np.int64), dtype, [raw_bits(x) for x in xs],
                                  [raw_bits(np.ascontiguousarray(w)) for w in want], peer_table(n, layout),
                                  max_blocks, seeds, leaves, aliased, absent_rank, late_rank, late_ms, timeout_ms,
-                                 calls))
+                                 calls, watch))
     r["ratio"] = r["critical_path"] / r["pipeline_ideal"] if r["pipeline_ideal"] > 0 else 1.0
     return r
 
@@ -140,11 +142,12 @@ def pipeline_ratios(schedule, caps=(1, 8, 0)) -> dict:
 
 
 # CUDA calls that reach the driver per call and device in steady state (ffi/src/cuda_executor.cu,
-# EnqueueLocked, read from the code, not measured here): the kernel launch, the completion event
-# record and, in the default error mode, the wait on it (2 with JAX_BLINK_CUDA_ASYNC_ERRORS=1); besides
-# them only cudaSetDevice / cudaGetLastError bookkeeping, the host rendezvous (pointer exchange) and
+# EnqueueLocked, read from the code, not measured here): the kernel launch and the completion event
+# record (the default error mode never waits: the next call reads the pinned error records; 3 with
+# the wait of JAX_BLINK_CUDA_SYNC_ERRORS=1); besides them only cudaSetDevice / cudaGetLastError
+# bookkeeping, the host rendezvous (pointer exchange), a cudaEventQuery per retired program and the
 # reads of the pinned error records. A pointer-table upload is added when the buffers changed.
-HOST_CUDA_CALLS_PER_CALL = 3
+HOST_CUDA_CALLS_PER_CALL = 2
 
 
 # ------------------------------------------------------------------ ThreadSanitizer run
