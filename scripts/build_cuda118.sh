@@ -7,9 +7,9 @@
 #   bash scripts/build_cuda118.sh            # toolkit (cached) + build + cubin check
 #   bash scripts/build_cuda118.sh --toolkit  # only lay out the toolkit, print its nvcc
 #
-# Opt-in, not part of .ci/run: the toolkit costs ~870 MB of .deb downloads (~20 s here), ~1-2 min of
-# unpacking and the module's compile ~3-5 min on 2 cores, which CI (19 min per end today) cannot
-# afford on every run. Nothing of the toolkit is committed: it lives in $JAX_BLINK_CUDA118_DIR
+# .ci/run runs it once per CI run (x86_64): 827 MB of .deb (12 s here), the layout (65 s) and the
+# module's compile (1-2 min on 2 cores), then the cubin list and an import of the module.
+# Nothing of the toolkit is committed: it lives in $JAX_BLINK_CUDA118_DIR
 # (default ~/.cache/jax_blink/cuda118). The package lists are fetched into that folder too; the
 # system's apt sources are left as they are. Needs root for `apt-get install g++-11` when g++-11 is
 # missing. Environment: PYTHON (default: python3 on PATH, with jaxlib and nanobind installed),
@@ -46,7 +46,8 @@ toolkit() {
     fi
   done
   if ! command -v g++-11 >/dev/null; then
-    apt-get -qq update && apt-get install -y -qq g++-11 >/dev/null
+    local as_root=""; [[ $(id -u) == 0 ]] || as_root=sudo
+    $as_root apt-get -qq update && $as_root apt-get install -y -qq g++-11 >/dev/null
   fi
   t0=$SECONDS
   local x=$CACHE/x
@@ -84,6 +85,8 @@ EOF
   say "toolkit laid out in $TK ($(du -sh "$TK" | cut -f1)) in $((SECONDS - t0)) s"
 }
 
+"$PYTHON" -c "import nanobind, jaxlib" 2>/dev/null ||
+  die "$PYTHON cannot import nanobind and jaxlib, which the build needs: $PYTHON -m pip install 'nanobind>=2.0,<4' jaxlib (or set PYTHON)"
 toolkit
 "$TK/bin/nvcc" --version | tail -1 >&2
 if [[ ${1:-} == --toolkit ]]; then
@@ -94,7 +97,9 @@ fi
 t0=$SECONDS
 cmake -S "$ROOT_DIR" -B "$BUILD_DIR" -DJAX_BLINK_CUDA=ON -DCMAKE_CUDA_COMPILER="$TK/bin/nvcc" \
   -DCMAKE_CUDA_HOST_COMPILER=g++-11 -DCUDAToolkit_ROOT="$TK" -DPython_EXECUTABLE="$(command -v "$PYTHON")" >/dev/null
-cmake --build "$BUILD_DIR" --target _cuda >/dev/null
+# The compiler's output (jaxlib's FFI headers give nvcc 11.8 some warnings) goes to a log, shown on failure.
+cmake --build "$BUILD_DIR" --target _cuda >"$BUILD_DIR/cuda118-build.log" 2>&1 ||
+  { cat "$BUILD_DIR/cuda118-build.log" >&2; die "the compile failed (log above, $BUILD_DIR/cuda118-build.log)"; }
 so=$(find "$BUILD_DIR" -name '_cuda*.so' | head -1)
 [[ -n $so ]] || die "no _cuda module under $BUILD_DIR"
 say "built $so in $((SECONDS - t0)) s"
@@ -109,5 +114,18 @@ done
 if ((${#missing[@]})); then
   die "the module has no cubin for ${missing[*]}"
 fi
+# The module loads here and reports what the import-time check (jax_blink.lowering.ffi) reads: the
+# build's CUDA version and architectures, and why it cannot run on this machine (no driver on CI).
+"$PYTHON" - "$so" <<'EOF' || die "the built module failed its import check"
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("_cuda", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+version, archs = m.built_cuda_version(), m.built_architectures()
+assert version == 11080, f"built with CUDA {version}, expected 11080 (11.8)"
+assert "70-real" in archs.split(","), f"architectures {archs} lack 70-real"
+print(f"cuda118 build: imports; CUDA {version}, architectures {archs}; "
+      f"here: {m.check_compatibility() or 'runs'}", file=sys.stderr)
+EOF
 echo "cuda118 build: $so holds cubins for $NEED_ARCHS (CUDA 11.8 runtime: drivers R450+)"
 echo "install it with: cp $so $ROOT_DIR/jax_blink/_native/  (or pip install with CUDACXX=$TK/bin/nvcc CUDAHOSTCXX=g++-11 JAX_BLINK_CUDA=ON)"
