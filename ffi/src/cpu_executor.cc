@@ -18,6 +18,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__linux__)
@@ -108,6 +109,18 @@ void AdviseHugePages(void* p, int64_t bytes) {
   (void)p;
   (void)bytes;
 #endif
+}
+
+// Advises each run of adjacent ranges [p, p + bytes) as one: a buffer cut into leaves (a block order,
+// BlockOrderLeaves, whose blocks may be smaller than the hint's threshold) is hinted as the whole.
+void AdviseHugePageRuns(std::vector<std::pair<char*, int64_t>> ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 0; i < ranges.size();) {
+    char* lo = ranges[i].first;
+    char* hi = lo + ranges[i].second;
+    for (++i; i < ranges.size() && ranges[i].first <= hi; ++i) hi = std::max(hi, ranges[i].first + ranges[i].second);
+    AdviseHugePages(lo, hi - lo);
+  }
 }
 
 // Copies n bytes with non-temporal (streaming) stores where the target has them: the destination's
@@ -274,17 +287,19 @@ void ExecuteOnCpu(std::shared_ptr<Meeting> meeting, int64_t caller_rank) {
   for (auto& a : m.arrivals) {
     job->in.emplace_back();
     job->out.emplace_back();
+    std::vector<std::pair<char*, int64_t>> fresh;  // this rank's output memory, hinted run by run
     for (const Leaf& leaf : a.leaves) {
       job->in.back().push_back(static_cast<const char*>(leaf.in));
       job->out.back().push_back(static_cast<char*>(leaf.out));
       if (!huge || leaf.out == leaf.in || !leaf.out_memory) continue;
       if (leaf.out_shard) {  // only the rank's shard is memory
         const int64_t shard = leaf.nelems / m.plan->schedule.nranks;
-        AdviseHugePages(static_cast<char*>(leaf.out) + a.rank * shard * esize, shard * esize);
+        fresh.emplace_back(static_cast<char*>(leaf.out) + a.rank * shard * esize, shard * esize);
       } else {
-        AdviseHugePages(leaf.out, leaf.nelems * esize);
+        fresh.emplace_back(static_cast<char*>(leaf.out), leaf.nelems * esize);
       }
     }
+    if (!fresh.empty()) AdviseHugePageRuns(std::move(fresh));
   }
   const int64_t total = static_cast<int64_t>(job->tiles.size());
   if (total == 0) {
