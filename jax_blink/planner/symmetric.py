@@ -444,7 +444,13 @@ def _composed(topology, devices, struct: NodeStructure, cols, weights, pieces=No
     fp = struct.fingerprint  # the cluster's (computed once; a fresh template's digest costs a to_dict)
     maps = [{**m, struct.x_id: struct.network} for m in struct.maps]
     pieces = list(_pieces(n, cols, weights) if pieces is None else pieces)
-    pieces.sort(key=lambda p: (-p[2], _key(maps[p[1]][cols[p[0]].center])))
+    centre = [maps[k][cols[j].center] for j, k, _ in pieces]
+    if all(type(c) is int for c in centre):  # GPU ids: (-weight, id) by a stable numpy sort, no key calls
+        order = np.lexsort((np.asarray(centre, dtype=np.int64), -np.asarray([p[2] for p in pieces], dtype=float)))
+        pieces, centre = [pieces[i] for i in order], [centre[i] for i in order]
+    else:
+        order = sorted(range(len(pieces)), key=lambda i: (-pieces[i][2], _key(centre[i])))
+        pieces, centre = [pieces[i] for i in order], [centre[i] for i in order]
     built = {}  # per column: each component's intra hops (oriented away from its attach GPU), per node
 
     def column(j):
@@ -479,7 +485,7 @@ def _composed(topology, devices, struct: NodeStructure, cols, weights, pieces=No
                         for c in cols],
             "weights": [float(x) for x in weights], "structure": enc or encode_structure(struct)}
     shapes = [("symmetric", fp, n, c.intra, c.attach) for c in cols]  # the same for every centre node
-    info = [(wt, maps[k][cols[j].center], shapes[j]) for j, k, wt in pieces]
+    info = [(wt, c, shapes[j]) for (j, _, wt), c in zip(pieces, centre)]
     key = (struct.fingerprint, tuple(devices), tuple((c.intra, c.attach) for c in cols), tuple(pieces))
     return ComposedTrees("symmetric", spec, info, make, key)
 
