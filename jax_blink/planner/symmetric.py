@@ -232,18 +232,22 @@ def stored_structure(topology: Topology, devices, fingerprint: str, enc) -> tupl
         raise PlanError("composed plan entry: an id belongs to two nodes")
     kind0 = [kinds[v]["kind"] for v in rows[0]]
     gpu_at = sorted((i for i, k in enumerate(kind0) if k == "gpu"), key=lambda i: rows[0][i])
+    # switch positions: looked up per node; GPU positions: the devices exactly (checked below), all GPUs
+    other_at = [i for i, k in enumerate(kind0) if k != "gpu"]
+    other_kinds = [kind0[i] for i in other_at]
     groups = []
     for r in rows:
-        if [kinds[v]["kind"] for v in r] != kind0:
+        if [kinds[r[i]]["kind"] for i in other_at] != other_kinds:
             raise PlanError("composed plan entry: a node's ids are not of node 0's kinds")
         gs = tuple(r[i] for i in gpu_at)
         if list(gs) != sorted(gs):
             raise PlanError("composed plan entry: a node's GPUs are not in node 0's order")
         groups.append(gs)
     devices = tuple(devices)
-    if sorted(d for gs in groups for d in gs) != sorted(devices) or len(set(devices)) != len(devices):
-        raise PlanError("composed plan entry: the nodes' GPUs are not the devices")
     gpus = topology.gpus
+    if sorted(d for gs in groups for d in gs) != sorted(devices) or len(set(devices)) != len(devices) \
+            or not set(devices) <= set(gpus):
+        raise PlanError("composed plan entry: the nodes' GPUs are not the devices")
     x_id = max(gpus) + 1
     job = topology.graph if len(devices) == len(gpus) else topology.subset(devices).graph  # as _job_graph
     maps = tuple({**dict(zip(rows[0], r)), net: net} for r in rows)
