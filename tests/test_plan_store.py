@@ -151,6 +151,9 @@ def _restructure(how):
             rows[1][i], rows[1][j] = rows[1][j], rows[1][i]
         elif how == "gpus swapped":
             rows[1][0], rows[1][1] = rows[1][1], rows[1][0]
+        elif how == "gpu and switch swapped":  # a switch id where a GPU belongs, a GPU where a switch does
+            i, j = rows[1].index("n1-pcie-switch-0"), next(k for k, v in enumerate(rows[1]) if isinstance(v, int))
+            rows[1][i], rows[1][j] = rows[1][j], rows[1][i]
         elif how == "shared id":  # node 1 "owns" node 0's CPU: its links would carry two nodes' load
             rows[1][-1] = rows[0][-1]
         else:
@@ -159,7 +162,8 @@ def _restructure(how):
     return edit
 
 
-@pytest.mark.parametrize("how", ["switches swapped", "gpus swapped", "shared id", "node missing"])
+@pytest.mark.parametrize("how", ["switches swapped", "gpus swapped", "gpu and switch swapped", "shared id",
+                                 "node missing"])
 def test_composed_entry_node_structure_is_checked(disk, how):
     """The entry keeps the node structure (each node's ids) so a load skips the per-node isomorphism
     test; an edited structure (with a consistent checksum) is caught, ignored and rewritten."""

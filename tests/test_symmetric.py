@@ -115,3 +115,67 @@ def test_one_gpu_per_node():
         p = jax_blink.plan(topo, "allreduce", devices=[1, 5, 9], algorithm=alg)
         assert p.rate_gbps == pytest.approx(3 * 12.5 / 4, rel=1e-6) == pytest.approx(p.bound_gbps, rel=1e-6)
         np.testing.assert_allclose(execute(build_schedule(p, 50), x), np.broadcast_to(x.sum(0), x.shape))
+
+
+def _pieces_by_loops(n, cols, weights):
+    """The cut of symmetric._pieces written as its definition: every (cut k, column i) pair."""
+    groups = {}
+    for j, col in enumerate(cols):
+        if weights[j] > 1e-12:
+            groups.setdefault((col.attach[0], len(col.attach)), []).append(j)
+    out = []
+    for js in groups.values():
+        total = float(sum(weights[j] for j in js))
+        edges = np.cumsum([0.0] + [float(weights[j]) for j in js])
+        for k in range(n):
+            lo, hi = total * k / n, total * (k + 1) / n
+            for i, j in enumerate(js):
+                a, b = max(lo, edges[i]), min(hi, edges[i + 1])
+                if b - a > 1e-12:
+                    out.append((j, k, float(np.floor((b - a) * 1e9 + 1e-6) / 1e9)))
+    return out
+
+
+def test_pieces_cut_equals_every_pair_definition():
+    """The vectorised cut (only the columns each cut overlaps) gives exactly the pieces of the
+    all-pairs definition, tiny and zero weights, one node and 128 included; and the pieces of each
+    group sum to its columns' weight."""
+    import random
+
+    class Col:
+        def __init__(self, attach):
+            self.attach = attach
+
+    rng = random.Random(7)
+    for _ in range(500):
+        m, n = rng.randint(1, 12), rng.choice([1, 2, 3, 8, 128])
+        cols = [Col(((rng.randint(0, 2), ()),) * rng.randint(1, 2)) for _ in range(m)]
+        weights = [rng.choice([0.0, 1e-13, 1 / 3, 12.5, rng.random() * 50]) for _ in range(m)]
+        got = symmetric._pieces(n, cols, weights)
+        assert got == _pieces_by_loops(n, cols, weights), (n, weights)
+        for j in range(m):
+            if weights[j] > 1e-12:
+                assert sum(w for jj, _, w in got if jj == j) == pytest.approx(weights[j], abs=1e-8 * n)
+
+
+def test_stored_structure_hop_check_covers_every_node():
+    """check(hops) of a stored structure passes on the topology it was made of and names the link of
+    the node where a hop is missing or slower (node 2 of 3 here), both directions of a hop checked."""
+    topo = multi_node("dgx1v", 3, 12.5, 1)
+    devs = tuple(topo.gpus)
+    st = symmetric.node_structure(topo, devs)
+    enc = symmetric.encode_structure(st)
+    nic = next(v for v in st.template.graph.successors(st.x_id))
+    _, check = symmetric.stored_structure(topo, devs, topo.fingerprint(), enc)
+    check({(0, 1), (st.x_id, nic)})
+    slow = multi_node("dgx1v", 3, 12.5, 1)
+    slow.graph.edges[17, 16]["bandwidth_gbps"] /= 2  # node 2's 0 <- 1 link, one direction
+    _, check = symmetric.stored_structure(slow, devs, slow.fingerprint(), enc)
+    check({(0, 2)})
+    with pytest.raises(jax_blink.PlanError, match="17->16"):
+        check({(0, 1)})
+    gone = multi_node("dgx1v", 3, 12.5, 1)
+    gone.graph.remove_edge(8, 9)  # node 1's 0 -> 1
+    _, check = symmetric.stored_structure(gone, devs, gone.fingerprint(), enc)
+    with pytest.raises(jax_blink.PlanError, match="8->9"):
+        check({(1, 0)})

@@ -199,6 +199,27 @@ def test_fingerprint_follows_every_change_to_the_graph():
     assert t.fingerprint() != f0
 
 
+
+def test_gpus_follow_every_change_to_the_graph():
+    """gpus is kept while the graph is unchanged (its change count) and recomputed after any edit."""
+    import networkx as nx
+
+    t = preset("dgx1v")
+    assert t.gpus == list(range(8))
+    t.gpus.append(99)  # a new list each call: the kept one is not the caller's
+    assert t.gpus == list(range(8))
+    t.add_gpu(9)
+    assert t.gpus == [*range(8), 9]
+    t.graph.nodes[9]["kind"] = "cpu"  # in place on a node's attributes
+    assert t.gpus == list(range(8))
+    t.graph.remove_node(0)
+    assert t.gpus == list(range(1, 8))
+    t.graph = nx.DiGraph(preset("dgx1v").graph)  # an ordinary DiGraph: computed each time
+    assert t.gpus == list(range(8))
+    t.graph.add_node(12, kind="gpu")
+    assert t.gpus == [*range(8), 12]
+
+
 # ----------------------------------------------------------------------------- discovery
 class FakeNVML:
     """The slice of the pynvml API that discovery uses, describing a made-up machine."""
