@@ -120,7 +120,8 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
         through GPUs outside ``plan.devices``; edges with no physical link are routed over the
         topology through switch nodes), or a :class:`~jax_blink.schedule.Schedule` (its chunks and
         transfer rows are simulated as given, rows ordered by data dependencies instead of rounds;
-        each rank-to-rank send is routed over the topology).
+        each rank-to-rank send is routed over the topology; chunk lengths one element apart, the
+        rounding of equal shares, at their mean size: :func:`_tied_sizes`).
       nbytes: operand size per rank in bytes (> 0). All-gather / reduce-scatter: the full buffer
         (gathered output / reduce-scatter input), ``n`` shards of ``nbytes / n``; a root's trees split
         its own shard in proportion to their weights (ForestColl, Zhao et al. 2024).
@@ -400,6 +401,7 @@ def _schedule_messages(sched, nbytes, topology, devs, free_running=False) -> lis
     for s in segs:
         nth.append(of_seg[s])
         of_seg[s] += 1
+    size = _tied_sizes(sched.chunk_length.tolist(), itemsize)
     writers: dict = {}  # (rank, chunk) -> rows that wrote it so far
     cache: dict = {}
     msgs = []
@@ -412,9 +414,28 @@ def _schedule_messages(sched, nbytes, topology, devs, free_running=False) -> lis
         # free-running: by segment progress, ties by chunk position, then segment (as a Plan's)
         prio = (((nth[c] + 1) / of_seg[segs[c]], nth[c], segs[c], i) if free_running
                 else (i / len(sched.transfers), i))
-        msgs.append(_Msg(float(sched.chunk_length[c]) * itemsize, cache[key], list(writers.get((src, c), ())), prio))
+        msgs.append(_Msg(size[c], cache[key], list(writers.get((src, c), ())), prio))
         writers.setdefault((dst, c), []).append(i)
     return msgs
+
+
+def _tied_sizes(lengths: list, itemsize: float) -> list:
+    """Bytes of each chunk as simulated: chunk lengths one element apart (the integer rounding of
+    equal shares: a segment's k chunks, segments of equal weight) at their mean size, others as they
+    are. The event model serves sends that arrive together by priority, so a one-element lead
+    (nanoseconds) would reorder sends that equal shares tie, and the same plan and chunk counts would
+    simulate up to 4% slower as a schedule than as a plan (dgx1v all-reduce, NCCL's ring, 4 MiB:
+    81.9 vs 78.6 us; 256 MiB: 3.54 vs 3.52 ms)."""
+    count: dict = {}
+    for n in lengths:
+        count[n] = count.get(n, 0) + 1
+    mean, prev = {}, None
+    for n in sorted(count):
+        if prev is not None and n == prev + 1 and prev not in mean:  # pair {L, L + 1} once
+            m = (prev * count[prev] + n * count[n]) / (count[prev] + count[n]) * itemsize
+            mean[prev] = mean[n] = m
+        prev = n
+    return [float(mean.get(n, n * itemsize)) for n in lengths]
 
 
 # --------------------------------------------------------------------------- timing
