@@ -48,8 +48,7 @@ from ..errors import PlanError
 from ..topology.model import Topology, _key
 from .bounds import sharded_cut
 from .colgen import column_generation
-from .model import (WEIGHT_DECIMALS, ComposedTrees, Plan, Tree, _hops, _round, cached, plan_cache,
-                    register_composition)
+from .model import WEIGHT_DECIMALS, ComposedTrees, Plan, Tree, _hops, _round, cached, plan_cache, register_composition
 from .routes import Column, RouteTable, _spanning_parents, pricer
 from .store import _check_tree
 from .trees import flat_plan
