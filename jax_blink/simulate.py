@@ -327,7 +327,7 @@ def _plan_segments(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks, p
         raise PlanError(f"plan for devices {devices} has no trees with positive weight")
     row = _collectives.get(plan.collective)
     do_reduce, do_bcast = row.reduces, row.broadcasts
-    wsum = sum(t.weight_gbps for t in trees)
+    wsum = math.fsum(t.weight_gbps for t in trees)  # exact: sum() rounds otherwise from Python 3.12
     if row.sharded:  # segments never cross shards: root r's trees share shard r (nbytes / n)
         per_root: dict = {}
         for t in trees:
