@@ -701,7 +701,7 @@ def _flow_trees(plan, nbytes, topology, latency_us, max_chunks) -> list:
     links = {(u, v): (d["bandwidth_gbps"], 1.0 / d["bandwidth_gbps"], _KIND_RANK.get(d["kind"], -1))
              for u, v, d in g.edges(data=True)}
     symmetric = all(links.get((v, u)) == x for (u, v), x in links.items())
-    wsum = sum(w for w, _, _ in trees)
+    wsum = math.fsum(w for w, _, _ in trees)  # as _plan_segments: the same on every Python
     per_root: dict = {}
     for w, r, _ in trees:
         per_root[r] = per_root.get(r, 0.0) + w
@@ -753,7 +753,7 @@ def _flow_result(plan, nbytes, topology, latency_us, max_chunks) -> SimResult:
     algorithm = getattr(plan, "algorithm", "trees")
     if n <= 1 or t == 0.0:
         return SimResult(plan.collective, algorithm, n, nbytes, 0.0, math.inf, math.inf, {}, {}, 0)
-    wsum = sum(tr.weight_gbps for tr in plan.trees if tr.weight_gbps > 0)
+    wsum = math.fsum(tr.weight_gbps for tr in plan.trees if tr.weight_gbps > 0)
     carried = {e: gbps * nbytes / wsum for e, gbps in plan.link_loads().items() if gbps > 0}
     g = topology.graph
     util = {(u, v): carried.get((u, v), 0.0) / (g.edges[u, v]["bandwidth_gbps"] * 1e9 * t) for u, v in g.edges}
