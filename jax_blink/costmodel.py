@@ -62,9 +62,11 @@ CANDIDATE_MAX_TREES = (None, 4, 2, 1)
 #: ``cost="auto"`` across nodes: candidates within this fraction of the fastest by the flow-level
 #: closed form are ranked again by the link-level simulator (its fill estimate is off by up to ~16%
 #: at 64 KiB against the link-level model, tests/test_flow_model.py), when that simulates at most
-#: LINK_RANK_MAX_MESSAGES messages (about 0.1 s on one core: 32 GPUs at 64 KiB - 1 MiB).
+#: LINK_RANK_MAX_MESSAGES messages over the candidates (the native event model, ffi/src/linksim.cc,
+#: takes about 0.8 us per message on one core with the messages' construction: 0.17 s; 16-GPU
+#: clusters at any size, 64 GPUs up to mid sizes).
 LINK_RANK_MARGIN = 0.25
-LINK_RANK_MAX_MESSAGES = 12_000
+LINK_RANK_MAX_MESSAGES = 200_000
 #: The cost model's default predictor, "auto": "flow" (:func:`jax_blink.simulate.flow_time`, the
 #: closed form, cost independent of chunks and links) on topologies with a network (several nodes),
 #: with the close candidates ranked again link-level where affordable (:func:`ranked`), "link" (the

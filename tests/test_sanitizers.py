@@ -23,6 +23,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "ffi" / "tests" / "core_stress.cc"] + [
     ROOT / "ffi" / "src" / f for f in ("blink_core.cc", "cpu_executor.cc", "cpu_sum.cc", "cpu_sum_dispatch.cc")]
+LINKSIM = [ROOT / "ffi" / "tests" / "linksim_stress.cc", ROOT / "ffi" / "src" / "linksim.cc"]
 HEADERS = sorted((ROOT / "ffi" / "src").glob("*.h"))
 COMMON = ["-std=c++17", "-g", "-pthread", "-fno-omit-frame-pointer", "-I", str(ROOT / "ffi" / "src")]
 VARIANTS = {
@@ -44,7 +45,7 @@ pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not found: the sanitize
 
 def _cache_dir() -> pathlib.Path:
     h = hashlib.sha256()
-    for p in SOURCES + HEADERS:
+    for p in SOURCES + LINKSIM + HEADERS:
         h.update(p.name.encode() + p.read_bytes())
     h.update(subprocess.run([GXX, "--version"], capture_output=True, text=True).stdout.encode())
     h.update(repr((COMMON[:-2], VARIANTS)).encode())
@@ -68,6 +69,11 @@ def binaries():
             tmp = exe.with_suffix(f".tmp{os.getpid()}")
             procs[name] = (subprocess.Popen([GXX, *COMMON, *flags, *map(str, SOURCES), "-o", str(tmp)],
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), tmp, exe)
+    exe = d / "linksim_stress_asan_ubsan"
+    if not exe.exists():  # the simulator's event model: one thread, so address and UB checks only
+        tmp = exe.with_suffix(f".tmp{os.getpid()}")
+        cmd = [GXX, *COMMON, *VARIANTS["asan_ubsan"], *map(str, LINKSIM), "-o", str(tmp)]
+        procs["linksim"] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), tmp, exe)
     errors = {}
     for name, (p, tmp, exe) in procs.items():
         _, err = p.communicate(timeout=600)
@@ -113,6 +119,24 @@ def test_core_stress(binaries, variant):
         f"core_stress ({variant}) exit {r.returncode}, reports {reports}\nstdout:\n{r.stdout[-2000:]}\n"
         f"stderr:\n{r.stderr[-8000:]}")
     assert " 0 check failures" in r.stdout and "trials" in r.stdout, r.stdout
+
+
+def test_link_level_event_model_under_asan_ubsan(binaries):
+    """ffi/tests/linksim_stress.cc: the simulator's native event model on random message graphs
+    (zero-byte sends, cycles, refused input) under Address+UndefinedBehaviorSanitizer."""
+    d, errors = binaries
+    if "linksim" in errors:
+        if _missing_runtime(errors["linksim"]):
+            pytest.skip(f"g++ has no asan/ubsan runtime: {errors['linksim'].strip()[-300:]}")
+        pytest.fail(f"building linksim_stress failed:\n{errors['linksim'][-4000:]}")
+    exe = d / "linksim_stress_asan_ubsan"
+    r = _run(exe)
+    if "LeakSanitizer has encountered a fatal error" in r.stderr:
+        r = _run(exe, {"ASAN_OPTIONS": RUN_ENV["ASAN_OPTIONS"].replace("detect_leaks=1", "detect_leaks=0")})
+    reports = [s for s in REPORTS if s in r.stderr]
+    assert r.returncode == 0 and not reports, (
+        f"exit {r.returncode}, reports {reports}\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}")
+    assert "100 trials, 0 check failures" in r.stdout, r.stdout
 
 
 # ------------------------------------------------------------------ the device interpreter under TSan

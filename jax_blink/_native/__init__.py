@@ -3,7 +3,9 @@
 ``cpu``: ``jax_blink._native._cpu`` (XLA FFI handler for platform "cpu") or None.
 ``cuda``: ``jax_blink._native._cuda`` (XLA FFI handler for platform "CUDA") or None; built only where a
 CUDA compiler was found (``JAX_BLINK_CUDA=AUTO|ON|OFF`` at build time).
-``cpu_error`` / ``cuda_error``: why a module is missing (an ImportError message), or None.
+``linksim``: ``jax_blink._native._linksim`` (the simulator's link-level event model, ffi/src/linksim.h) or
+None (then :mod:`jax_blink.simulate` runs its Python reference of the same model).
+``cpu_error`` / ``cuda_error`` / ``linksim_error``: why a module is missing (an ImportError message), or None.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def _load(name: str):
 
 cpu, cpu_error = _load("_cpu")
 cuda, cuda_error = _load("_cuda")
+linksim, linksim_error = _load("_linksim")
 
 #: The CPU executor's instruction sets, lowest first (ffi/src/cpu_sum.h, SumIsa).
 CPU_ISAS = ("baseline", "avx2", "avx512")
