@@ -159,10 +159,28 @@ def check_gpu_interpreter() -> str:
     return f"GPU interpreter (host build): {k} programs, 0 mismatches"
 
 
+def check_simulator() -> str:
+    """The native event model (jax_blink._native._linksim) against its Python reference, bitwise."""
+    from jax_blink import simulate as sim
+    from jax_blink.planning import plan
+    assert sim._native_linksim is not None, _native.linksim_error
+    topo = jax_blink.Topology.preset("dgx1v")
+    p = plan(topo, "allreduce")
+    native = sim.simulate(p, 4 << 20, topology=topo, method="link")
+    sim._native_linksim = None
+    try:
+        ref = sim.simulate(p, 4 << 20, topology=topo, method="link")
+    finally:
+        sim._native_linksim = _native.linksim
+    assert native.time_s == ref.time_s and native.link_bytes == ref.link_bytes, (native.time_s, ref.time_s)
+    return f"simulator (native event model): {native.messages} messages, bitwise equal to the reference"
+
+
 def main() -> int:
     isas = _native.cpu_isas()
     active = jax_blink.cpu_isa()
-    checks = [check_sum_kernels(), check_collectives(), check_isa_refusal(isas), check_gpu_interpreter()]
+    checks = [check_sum_kernels(), check_collectives(), check_isa_refusal(isas), check_gpu_interpreter(),
+              check_simulator()]
     print(json.dumps({"isas": list(isas), "active": active, "checks": checks}), flush=True)
     return 0
 

@@ -1,8 +1,8 @@
 """The native modules run on every x86-64 CPU that jaxlib runs on, whatever CPU built or tests them.
 
-Two checks. (1) Static: in the built ``_cpu`` and ``_gpusim`` modules, vector instructions wider than
-the baseline (VEX / EVEX encodings: ymm, zmm and opmask registers, any ``v``-prefixed mnemonic; BMI,
-ADX and LZCNT, which a host-tuned ``-march=native`` build would add) occur
+Two checks. (1) Static: in the built ``_cpu`` and ``_gpusim`` modules (and nowhere in ``_linksim``),
+vector instructions wider than the baseline (VEX / EVEX encodings: ymm, zmm and opmask registers,
+any ``v``-prefixed mnemonic; BMI, ADX and LZCNT, which a host-tuned ``-march=native`` build would add) occur
 only inside the per-instruction-set sum kernels (``jax_blink::sum_avx2::Sum*`` /
 ``jax_blink::sum_avx512::Sum*`` and their internal helpers), never in code that runs before the CPU
 check (tables, dispatch, static initialisers). (2) Dynamic: tests/cpu_portability_cases.py (every
@@ -118,6 +118,13 @@ def test_wide_instructions_only_inside_the_kernels(module):
     assert any(avx2.search(fn) and "SumF32" in fn and c["vex"] for fn, c in found.items()), sorted(found)[:5]
 
 
+def test_simulator_module_holds_no_wide_instructions():
+    """The simulator's event model (``_linksim``) has no per-ISA kernels: nothing wider than the baseline."""
+    from jax_blink._native import _linksim
+    found = wide_instructions(pathlib.Path(_linksim.__file__))
+    assert not found, sorted(found)[:20]
+
+
 @pytest.mark.slow
 def test_every_collective_runs_on_cpus_without_avx512_or_avx2():
     """tests/cpu_portability_cases.py under qemu: the three runs at once (about 2-4 minutes on 2 cores)."""
@@ -150,6 +157,6 @@ def test_every_collective_runs_on_cpus_without_avx512_or_avx2():
         assert rc == 0, f"{what}: exit status {rc}\n{out[-2000:]}\n{err[-4000:]}"
         report = json.loads(out.strip().splitlines()[-1])
         assert report["isas"] == isas and report["active"] == active, (what, report)
-        assert len(report["checks"]) == 4, (what, report)
+        assert len(report["checks"]) == 5, (what, report)
         if "avx2" in isas:  # jaxlib's own float16 arithmetic needs F16C (SandyBridge lacks it)
             assert "pmean without" not in report["checks"][1], (what, report)
