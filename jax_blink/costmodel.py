@@ -44,8 +44,10 @@ classic pipelined-broadcast time, Johnsson & Ho 1989; the same model as
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import math
+import os
 
 import numpy as np
 
@@ -62,11 +64,12 @@ CANDIDATE_MAX_TREES = (None, 4, 2, 1)
 #: ``cost="auto"`` across nodes: candidates within this fraction of the fastest by the flow-level
 #: closed form are ranked again by the link-level simulator (its fill estimate is off by up to ~16%
 #: at 64 KiB against the link-level model, tests/test_flow_model.py), when that simulates at most
-#: LINK_RANK_MAX_MESSAGES messages over the candidates (the native event model, ffi/src/linksim.cc,
-#: takes about 0.8 us per message on one core with the messages' construction: 0.17 s; 16-GPU
-#: clusters at any size, 64 GPUs up to mid sizes).
+#: LINK_RANK_MAX_MESSAGES messages over the candidates: the native event model (ffi/src/linksim.cc)
+#: takes about 0.8 us per message with the messages' construction, and the candidates run in threads
+#: (:func:`_link_times`), so the budget costs about 0.3 s of wall time on two cores (0.5 s on one):
+#: clusters up to 64 GPUs at every size; at 128 GPUs one candidate alone is about 500,000 messages.
 LINK_RANK_MARGIN = 0.25
-LINK_RANK_MAX_MESSAGES = 200_000
+LINK_RANK_MAX_MESSAGES = 600_000
 #: The cost model's default predictor, "auto": "flow" (:func:`jax_blink.simulate.flow_time`, the
 #: closed form, cost independent of chunks and links) on topologies with a network (several nodes),
 #: with the close candidates ranked again link-level where affordable (:func:`ranked`), "link" (the
@@ -242,11 +245,34 @@ def simulated_time(plan, nbytes: float, topology, latency_us: float = DEFAULT_LA
     (``simulate(peer_routes=True)``: what an executor that loads its peers' memory runs); the closed
     form keeps the trees' routes. Cached."""
     cost = resolve_cost(cost, topology)
-    key = (topology.fingerprint(), plan, float(nbytes), float(latency_us), cost, cost == "link" and peer_routes)
+    key = _time_key(plan, nbytes, topology, latency_us, cost, peer_routes)
     if cost == "flow":
         return cached(_TIMES, key, lambda: flow_time(plan, nbytes, topology, latency_us=latency_us), _CACHE_SIZE)
     return cached(_TIMES, key, lambda: simulate(plan, nbytes, topology=topology, latency_us=latency_us,
                                                 method="link", peer_routes=peer_routes).time_s, _CACHE_SIZE)
+
+
+def _time_key(plan, nbytes, topology, latency_us, cost, peer_routes) -> tuple:
+    return (topology.fingerprint(), plan, float(nbytes), float(latency_us), cost, cost == "link" and peer_routes)
+
+
+def _link_times(plans, nbytes, topology, latency_us, peer_routes) -> list:
+    """:func:`simulated_time` by the link-level model of each plan. The uncached ones are simulated in
+    threads, at most one per CPU this process may run on: the native event model releases the GIL, so
+    on two cores two candidates take about the wall time of one. Results enter the cache here, in
+    this thread."""
+    keys = [_time_key(p, nbytes, topology, latency_us, "link", peer_routes) for p in plans]
+    todo = [i for i, k in enumerate(keys) if k not in _TIMES]
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    done = {}
+    if len(todo) > 1 and cpus > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(len(todo), cpus)) as pool:
+            futures = {i: pool.submit(simulate, plans[i], nbytes, topology=topology, latency_us=latency_us,
+                                      method="link", peer_routes=peer_routes) for i in todo}
+            done = {i: f.result().time_s for i, f in futures.items()}
+    return [cached(_TIMES, k, lambda t=done[i]: t, _CACHE_SIZE) if i in done
+            else simulated_time(p, nbytes, topology, latency_us, "link", peer_routes)
+            for i, (p, k) in enumerate(zip(plans, keys))]
 
 
 def ranked(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US, cost: str = DEFAULT_COST,
@@ -269,7 +295,7 @@ def ranked(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_U
         close = [p for p, t in timed if t <= best * (1 + LINK_RANK_MARGIN)]
         if len(close) > 1 and sum(link_level_messages(p, nbytes, topology, latency_us=latency_us)
                                   for p in close) <= LINK_RANK_MAX_MESSAGES:
-            timed = [(p, simulated_time(p, nbytes, topology, latency_us, "link", peer_routes)) for p in close]
+            timed = list(zip(close, _link_times(close, nbytes, topology, latency_us, peer_routes)))
             model = "link"
     order = sorted(range(len(timed)), key=lambda i: (timed[i][1], i))
     return [timed[i] for i in order], model

@@ -144,9 +144,13 @@ def sharded_cut(topology: Topology, devices, *, reverse: bool = False, relays=()
     if n < 2:
         return float("inf"), frozenset()
     g = _job_graph(topology, devices, relays)
-    if reverse:
-        g = g.reverse(copy=True)
-    g = nx.DiGraph(g)
+    if reverse:  # as g.reverse(copy=True), whose deep copy of each link's attribute dict cost 0.2 s at 64 GPUs
+        r = nx.DiGraph()
+        r.add_nodes_from((v, dict(d)) for v, d in g.nodes.items())
+        r.add_edges_from((b, a, dict(d)) for a, b, d in g.edges(data=True))
+        g = r
+    else:
+        g = nx.DiGraph(g)
     src = ("cut-source",)
     cap = lambda a, b: g.edges[a, b]["bandwidth_gbps"]  # noqa: E731
 
