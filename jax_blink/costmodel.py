@@ -67,9 +67,12 @@ CANDIDATE_MAX_TREES = (None, 4, 2, 1)
 #: LINK_RANK_MAX_MESSAGES messages over the candidates: the native event model (ffi/src/linksim.cc)
 #: takes about 0.8 us per message with the messages' construction, and the candidates run in threads
 #: (:func:`_link_times`), so the budget costs about 0.3 s of wall time on two cores (0.5 s on one):
-#: clusters up to 64 GPUs at every size; at 128 GPUs one candidate alone is about 500,000 messages.
+#: clusters up to 64 GPUs at every size. Above LINK_RANK_MAX_GPUS the candidates' messages are not
+#: built at all: one send template per tree and GPU costs about 6 us in Python, 0.2-0.4 s for one
+#: 128-GPU candidate of 128-192 trees.
 LINK_RANK_MARGIN = 0.25
 LINK_RANK_MAX_MESSAGES = 600_000
+LINK_RANK_MAX_GPUS = 64
 #: The cost model's default predictor, "auto": "flow" (:func:`jax_blink.simulate.flow_time`, the
 #: closed form, cost independent of chunks and links) on topologies with a network (several nodes),
 #: with the close candidates ranked again link-level where affordable (:func:`ranked`), "link" (the
@@ -281,7 +284,8 @@ def ranked(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_U
     "flow" or "link". ``cost`` "flow" / "link": :func:`simulated_time` by that model. "auto": inside one
     node the link-level model; across nodes the flow-level closed form, then the candidates within
     LINK_RANK_MARGIN of the fastest by it are ranked again by the link-level model when that costs at
-    most LINK_RANK_MAX_MESSAGES simulated messages (:func:`jax_blink.simulate.link_level_messages`):
+    most LINK_RANK_MAX_MESSAGES simulated messages (:func:`jax_blink.simulate.link_level_messages`) over
+    at most LINK_RANK_MAX_GPUS GPUs:
     where the closed form's pipeline-fill estimate can misorder close candidates (mid sizes, many
     trees; tests/test_flow_model.py), the link-level simulator decides wherever it is affordable.
     ``peer_routes``: the link-level timings send tree edges over peer-to-peer paths (:func:`simulated_time`)."""
@@ -293,8 +297,9 @@ def ranked(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_U
     if cost == "auto" and model == "flow" and len(plans) > 1:
         best = min(t for _, t in timed)
         close = [p for p, t in timed if t <= best * (1 + LINK_RANK_MARGIN)]
-        if len(close) > 1 and sum(link_level_messages(p, nbytes, topology, latency_us=latency_us)
-                                  for p in close) <= LINK_RANK_MAX_MESSAGES:
+        affordable = len(close[0].devices) <= LINK_RANK_MAX_GPUS and sum(
+            link_level_messages(p, nbytes, topology, latency_us=latency_us) for p in close) <= LINK_RANK_MAX_MESSAGES
+        if len(close) > 1 and affordable:
             timed = list(zip(close, _link_times(close, nbytes, topology, latency_us, peer_routes)))
             model = "link"
     order = sorted(range(len(timed)), key=lambda i: (timed[i][1], i))

@@ -280,8 +280,9 @@ def tree_gpu_edges(tree, devices, *, reduce: bool = False) -> list[tuple]:
 def _hops(topology, path) -> tuple:
     """Physical hops of a node path; a pair with no edge is routed through switches."""
     hops = []
+    g = topology.graph
     for a, b in zip(path, path[1:]):
-        if topology.graph.has_edge(a, b):
+        if g.has_edge(a, b):
             hops.append((a, b))
         else:
             hops.extend(route(topology, a, b))
@@ -364,15 +365,17 @@ def _plan_segments(plan, nbytes, topology, latency_s, chunk_bytes, max_chunks, p
             raise PlanError(f"{plan.collective} plan has no tree rooted at GPUs {missing}: every rank's shard "
                             f"needs trees from its owner")
     max_chunks = max(1, min(max_chunks, CHUNK_BUDGET // len(trees)))
-    peer: dict = {}
+    known: dict = {}  # path (or peer pair) -> physical hops
 
     def hops_of(path):  # the tree's route, or (peer_routes) the pair's peer-to-peer path
-        if not peer_routes:
-            return _hops(topology, path)
+        if not peer_routes:  # trees share routes (and each route's hops tuple, for _set_protocol_latency)
+            if path not in known:
+                known[path] = _hops(topology, path)
+            return known[path]
         key = (path[0], path[-1])
-        if key not in peer:
-            peer[key] = tuple(route(topology, *key))
-        return peer[key]
+        if key not in known:
+            known[key] = tuple(route(topology, *key))
+        return known[key]
 
     segs = []
     for t in trees:

@@ -6,18 +6,14 @@
 namespace jax_blink {
 namespace {
 
-enum : int { kArrive = 0, kServe = 1 };
-
-struct Event {     // 24 bytes: the heaps' entries stay small
+struct Event {  // 24 bytes: the heaps' entries stay small
   double t;
-  uint64_t kind_seq;  // kind << 62 | seq: (kind, seq) order in one compare
-  int64_t a;          // arrive: message << 16 | hop; serve: link
+  uint64_t seq;
+  int64_t a;  // arrival: message << 16 | hop; service: link
 };
 
-struct Later {  // min-heap on (t, kind, seq): seq is unique, so the order is total
-  bool operator()(const Event& x, const Event& y) const {
-    return x.t != y.t ? x.t > y.t : x.kind_seq > y.kind_seq;
-  }
+struct Later {  // min-heap on (t, seq): seq is unique, so the order is total
+  bool operator()(const Event& x, const Event& y) const { return x.t != y.t ? x.t > y.t : x.seq > y.seq; }
 };
 
 // A 4-ary min-heap: half the levels of a binary heap, and a node's children share a cache line or two;
@@ -63,7 +59,6 @@ class QuadHeap {
   Greater gt_;
 };
 
-constexpr uint64_t KindSeq(int kind, int64_t seq) { return static_cast<uint64_t>(kind) << 62 | static_cast<uint64_t>(seq); }
 
 }  // namespace
 
@@ -117,34 +112,46 @@ std::string RunLinkSim(const LinkSimInput& in, LinkSimResult* out) {
   for (int64_t i = 0; i < n; ++i)  // in message order, as the reference appends them
     for (int64_t k = in.dep_ptr[i]; k < in.dep_ptr[i + 1]; ++k) dependents[fill[in.rank[in.dep[k]]]++] = in.rank[i];
 
-  QuadHeap<Event, Later> events;
+  // The reference's one event heap ordered by (t, arrival before service, seq) is kept as two:
+  // arrivals (with the hop completions: a link that finishes a send at t has an arrival at t, seq s,
+  // and its next service at t, seq s + 1) and services. A completion's service enters the service
+  // heap when its arrival is handled, so that heap holds only services due now and each hop costs one
+  // entry of the big heap instead of two; the next event is the earlier head, an arrival on a tie.
+  QuadHeap<Event, Later> arrivals, services;
   std::vector<QuadHeap<uint64_t, std::greater<uint64_t>>> queue(E);
   std::vector<char> idle(E, 1), served(E, 0);
-  // The reference queues an arrival event at t = 0 for every message without dependencies (seq
-  // 0 .. m - 1) and handles them before anything else; handling them here in that order, with the
-  // same seqs, keeps its event order and the heap small.
+  // The reference queues an arrival at t = 0 for every message without dependencies (seq 0 .. m - 1)
+  // and handles them before anything else; handling them here in that order, with the same seqs,
+  // keeps its event order and the heaps small.
   std::vector<int64_t> initial;
   for (int64_t i = 0; i < n; ++i)
     if (in.dep_ptr[i + 1] == in.dep_ptr[i]) initial.push_back(in.rank[i]);
   int64_t seq = static_cast<int64_t>(initial.size());
   size_t next_initial = 0;
-  while (next_initial < initial.size() || !events.empty()) {
+  while (next_initial < initial.size() || !arrivals.empty() || !services.empty()) {
     Event ev;
+    bool arrive = true;
     if (next_initial < initial.size()) {
-      ev = {0.0, KindSeq(kArrive, static_cast<int64_t>(next_initial)), initial[next_initial] << 16};
+      ev = {0.0, static_cast<uint64_t>(next_initial), initial[next_initial] << 16};
       ++next_initial;
+    } else if (!arrivals.empty() && (services.empty() || arrivals.top().t <= services.top().t)) {
+      ev = arrivals.top();
+      arrivals.pop();
     } else {
-      ev = events.top();
-      events.pop();
+      ev = services.top();
+      services.pop();
+      arrive = false;
     }
-    if ((ev.kind_seq >> 62) == kArrive) {
+    if (arrive) {
       const int64_t i = ev.a >> 16, h = ev.a & 0xffff;
+      if (h > 0)  // a hop completion: its link's next service, seq + 1
+        services.push({ev.t, ev.seq + 1, he[hp[i] + h - 1]});
       if (h < hp[i + 1] - hp[i]) {
         const int32_t e = he[hp[i] + h];
         queue[e].push(static_cast<uint64_t>(i) << 16 | static_cast<uint64_t>(h));
         if (idle[e]) {
           idle[e] = 0;  // claimed now; the choice is made at the service event, after every arrival at t
-          events.push({ev.t, KindSeq(kServe, seq++), e});
+          services.push({ev.t, static_cast<uint64_t>(seq++), e});
         }
         continue;
       }
@@ -154,7 +161,7 @@ std::string RunLinkSim(const LinkSimInput& in, LinkSimResult* out) {
       for (int64_t k = dep_of_ptr[i]; k < dep_of_ptr[i + 1]; ++k) {
         const int64_t d = dependents[k];
         ready_at[d] = std::max(ready_at[d], finish);
-        if (--waiting[d] == 0) events.push({ready_at[d], KindSeq(kArrive, seq++), d << 16});
+        if (--waiting[d] == 0) arrivals.push({ready_at[d], static_cast<uint64_t>(seq++), d << 16});
       }
       continue;
     }
@@ -173,8 +180,7 @@ std::string RunLinkSim(const LinkSimInput& in, LinkSimResult* out) {
     }
     out->busy_s[e] += dt;
     out->carried[e] += nb[i];
-    events.push({ev.t + dt, KindSeq(kArrive, seq), i << 16 | (h + 1)});
-    events.push({ev.t + dt, KindSeq(kServe, seq + 1), e});
+    arrivals.push({ev.t + dt, static_cast<uint64_t>(seq), i << 16 | (h + 1)});  // seq + 1: its service
     seq += 2;
   }
   return "";
