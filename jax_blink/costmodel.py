@@ -65,8 +65,9 @@ CANDIDATE_MAX_TREES = (None, 4, 2, 1)
 #: closed form are ranked again by the link-level simulator (its fill estimate is off by up to ~16%
 #: at 64 KiB against the link-level model, tests/test_flow_model.py), when that simulates at most
 #: LINK_RANK_MAX_MESSAGES messages over the candidates: the native event model (ffi/src/linksim.cc)
-#: takes about 0.8 us per message with the messages' construction, and the candidates run in threads
-#: (:func:`_link_times`), so the budget costs about 0.3 s of wall time on two cores (0.5 s on one):
+#: takes about 0.65 us per message with the messages' construction, and the candidates run in
+#: threads (:func:`_link_times`), so the budget costs about 0.25 s of wall time on two cores (0.4 s
+#: on one; benchmarks/simulator.py):
 #: clusters up to 64 GPUs at every size. Above LINK_RANK_MAX_GPUS the candidates' messages are not
 #: built at all: one send template per tree and GPU costs about 6 us in Python, 0.2-0.4 s for one
 #: 128-GPU candidate of 128-192 trees.
