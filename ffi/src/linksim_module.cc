@@ -31,18 +31,8 @@ std::tuple<double, std::vector<double>, std::vector<double>, std::vector<int32_t
   if (hop_ptr.data()[n] != static_cast<int64_t>(hop_edge.shape(0)) ||
       dep_ptr.data()[n] != static_cast<int64_t>(dep.shape(0)))
     throw std::invalid_argument("linksim.run: hop_ptr / dep_ptr must end at the length of hop_edge / dep");
-  LinkSimInput in;
-  in.n = n;
-  in.nbytes = nbytes.data();
-  in.extra_s = extra_s.data();
-  in.hop_ptr = hop_ptr.data();
-  in.hop_edge = hop_edge.data();
-  in.dep_ptr = dep_ptr.data();
-  in.dep = dep.data();
-  in.rank = rank.data();
-  in.nedges = static_cast<int64_t>(bw.shape(0));
-  in.bw = bw.data();
-  in.latency_s = latency_s;
+  const LinkSimInput in{n, nbytes.data(), extra_s.data(), hop_ptr.data(), hop_edge.data(), dep_ptr.data(),
+                        dep.data(), rank.data(), static_cast<int64_t>(bw.shape(0)), bw.data(), latency_s};  // linksim.h order
   LinkSimResult out;
   std::string err;
   {

@@ -29,20 +29,9 @@ struct Graph {
   std::vector<double> nbytes, extra, bw;
   std::vector<int64_t> hop_ptr{0}, dep_ptr{0}, dep, rank;
   std::vector<int32_t> hop_edge;
-  LinkSimInput Input(double latency) const {
-    LinkSimInput in;
-    in.n = static_cast<int64_t>(nbytes.size());
-    in.nbytes = nbytes.data();
-    in.extra_s = extra.data();
-    in.hop_ptr = hop_ptr.data();
-    in.hop_edge = hop_edge.data();
-    in.dep_ptr = dep_ptr.data();
-    in.dep = dep.data();
-    in.rank = rank.data();
-    in.nedges = static_cast<int64_t>(bw.size());
-    in.bw = bw.data();
-    in.latency_s = latency;
-    return in;
+  LinkSimInput Input(double latency) const {  // fields in linksim.h's order
+    return {static_cast<int64_t>(nbytes.size()), nbytes.data(), extra.data(), hop_ptr.data(), hop_edge.data(),
+            dep_ptr.data(), dep.data(), rank.data(), static_cast<int64_t>(bw.size()), bw.data(), latency};
   }
 };
 
