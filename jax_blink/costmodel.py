@@ -74,6 +74,11 @@ CANDIDATE_MAX_TREES = (None, 4, 2, 1)
 LINK_RANK_MARGIN = 0.25
 LINK_RANK_MAX_MESSAGES = 600_000
 LINK_RANK_MAX_GPUS = 64
+#: A free-running executor's lowering (the CUDA interpreter: ``lowering_schedule`` with
+#: ``chunks_as_simulated`` and ``peer_routes``) simulates the schedules of the plans within this
+#: fraction of the fastest plan and runs the fastest schedule (schedules and their plans differ by up
+#: to 4%: tests/test_simulate.py).
+SCHEDULE_RANK_MARGIN = 0.05
 #: The cost model's default predictor, "auto": "flow" (:func:`jax_blink.simulate.flow_time`, the
 #: closed form, cost independent of chunks and links) on topologies with a network (several nodes),
 #: with the close candidates ranked again link-level where affordable (:func:`ranked`), "link" (the
@@ -380,6 +385,10 @@ def lowering_schedule(plans, nelems: int, *, itemsize: int, step_latency_s: floa
       peer_routes: (asynchronous lowerings) time the candidates with every tree edge on the pair's
         peer-to-peer path (:func:`simulated_time`): the executor loads its peers' memory, so a tree
         routed over a PCIe switch between two NVLink peers runs over their NVLink (the CUDA interpreter).
+        With ``chunks_as_simulated`` too (a free-running executor): the schedules of the plans within
+        SCHEDULE_RANK_MARGIN of the fastest are simulated as it runs them (peer-to-peer sends, each
+        tree's chunks free-running: ``simulate(schedule, free_running=True)``), and the fastest
+        schedule is returned with that time as the predicted seconds.
 
     Plans the schedule cannot run (relays) are skipped; raises ScheduleError when none is left.
     """
@@ -387,19 +396,38 @@ def lowering_schedule(plans, nelems: int, *, itemsize: int, step_latency_s: floa
     if not plans:
         raise ScheduleError("no candidate plan can be scheduled on the job's devices")
     if not round_synchronous and chunks_as_simulated and chunk_elems is None:
-        best, t = fastest(plans, nelems * itemsize, topology, step_latency_s * 1e6, peer_routes=peer_routes)
-        ntrees = max(1, sum(1 for tr in best.trees if tr.weight_gbps > 0))
-        # the chunk counts the simulator timed (physical hops of the routes the executor takes)
-        ks = plan_chunks(best, nelems * itemsize, topology, latency_us=step_latency_s * 1e6,
-                         peer_routes=peer_routes)
-        sched = build_schedule(best, nelems, itemsize=itemsize, step_latency_s=step_latency_s,
-                               max_chunks=max(1, min(SIM_MAX_CHUNKS, CHUNK_BUDGET // ntrees)),
-                               max_total_chunks=CHUNK_BUDGET, tree_chunks=ks)
+        nbytes = nelems * itemsize
+        order, _ = ranked(plans, nbytes, topology, step_latency_s * 1e6, peer_routes=peer_routes)
+        if not peer_routes:
+            best, t = order[0]
+            return best, _simulated_chunks_schedule(best, nelems, itemsize, step_latency_s, topology, False), t
+        # The executor runs the schedule, each tree's chunks free-running: among the plans within
+        # SCHEDULE_RANK_MARGIN of the fastest, the schedule that simulates fastest so (a schedule's
+        # whole-element chunks tie differently from its plan's exact shares: up to 4% apart).
+        picks = []
+        for i, (p, t_plan) in enumerate(order):
+            if t_plan > order[0][1] * (1 + SCHEDULE_RANK_MARGIN):
+                break
+            sched = _simulated_chunks_schedule(p, nelems, itemsize, step_latency_s, topology, True)
+            t = simulate(sched, nbytes, topology=topology, latency_us=step_latency_s * 1e6, devices=list(p.devices),
+                         free_running=True).time_s
+            picks.append((t, i, p, sched))
+        t, _, best, sched = min(picks, key=lambda x: x[:2])
         return best, sched, t
     if not round_synchronous and len(plans) > 1:
         plans = [fastest(plans, nelems * itemsize, topology, step_latency_s * 1e6, peer_routes=peer_routes)[0]]
     return choose_schedule(plans, nelems, itemsize=itemsize, step_latency_s=step_latency_s,
                            chunk_elems=chunk_elems)
+
+
+def _simulated_chunks_schedule(plan, nelems, itemsize, step_latency_s, topology, peer_routes) -> Schedule:
+    """``plan``'s schedule with the chunk counts the link simulator timed it with (physical hops of
+    the routes the executor takes; :func:`jax_blink.simulate.plan_chunks`)."""
+    ntrees = max(1, sum(1 for tr in plan.trees if tr.weight_gbps > 0))
+    ks = plan_chunks(plan, nelems * itemsize, topology, latency_us=step_latency_s * 1e6, peer_routes=peer_routes)
+    return build_schedule(plan, nelems, itemsize=itemsize, step_latency_s=step_latency_s,
+                          max_chunks=max(1, min(SIM_MAX_CHUNKS, CHUNK_BUDGET // ntrees)),
+                          max_total_chunks=CHUNK_BUDGET, tree_chunks=ks)
 
 
 # ------------------------------------------------------------------------------ across processes

@@ -30,8 +30,9 @@ The model (an alpha-beta model per link, evaluated as a discrete event simulatio
 * Engine: the event loop runs in native code (``jax_blink._native._linksim``, ffi/src/linksim.cc)
   over messages as arrays; a plan's are one chunk template per tree tiled by numpy, so neither cost
   grows with Python objects per chunk (about 0.65 us per message on one core: a 64-GPU cluster's
-  258,000 messages in 0.17 s, 17x the Python loop; benchmarks/simulator.py). The Python event loop ``_run`` is its reference and runs where the
-  module is not built; both give the same floats (tests/test_linksim.py).
+  258,000 messages in 0.17 s, 17x the Python loop; benchmarks/simulator.py). The Python event
+  loop ``_run`` is its reference and runs where the module is not built; both give the same floats
+  (tests/test_linksim.py).
 
 Closed forms it reproduces exactly (tests/test_simulate.py; ``alpha`` = ``latency_us`` + the protocol
 latency): one link ``S/B + alpha``; a pipelined chain broadcast of k chunks over n GPUs
