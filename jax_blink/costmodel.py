@@ -269,7 +269,7 @@ def _link_times(plans, nbytes, topology, latency_us, peer_routes) -> list:
     """:func:`simulated_time` by the link-level model of each plan. The uncached ones are simulated in
     threads, at most one per CPU this process may run on: the native event model releases the GIL, so
     on two cores two candidates take about the wall time of one. Results enter the cache here, in
-    this thread."""
+    this thread. A plan the link-level model refuses (PlanError) gets ``math.inf``."""
     keys = [_time_key(p, nbytes, topology, latency_us, "link", peer_routes) for p in plans]
     todo = [i for i, k in enumerate(keys) if k not in _TIMES]
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -278,10 +278,19 @@ def _link_times(plans, nbytes, topology, latency_us, peer_routes) -> list:
         with concurrent.futures.ThreadPoolExecutor(min(len(todo), cpus)) as pool:
             futures = {i: pool.submit(simulate, plans[i], nbytes, topology=topology, latency_us=latency_us,
                                       method="link", peer_routes=peer_routes) for i in todo}
-            done = {i: f.result().time_s for i, f in futures.items()}
-    return [cached(_TIMES, k, lambda t=done[i]: t, _CACHE_SIZE) if i in done
-            else simulated_time(p, nbytes, topology, latency_us, "link", peer_routes)
-            for i, (p, k) in enumerate(zip(plans, keys))]
+            for i, f in futures.items():
+                try:
+                    done[i] = f.result().time_s
+                except PlanError:  # the link-level model refuses it: left to the caller's next look
+                    pass
+    out = []
+    for i, (p, k) in enumerate(zip(plans, keys)):
+        try:
+            out.append(cached(_TIMES, k, lambda t=done[i]: t, _CACHE_SIZE) if i in done
+                       else simulated_time(p, nbytes, topology, latency_us, "link", peer_routes))
+        except PlanError:  # a candidate the closed form timed but that cannot run (e.g. a shard without
+            out.append(math.inf)  # a tree from its owner): ranked last, never chosen over a valid one
+    return out
 
 
 def ranked(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_US, cost: str = DEFAULT_COST,

@@ -1,5 +1,8 @@
 """Latency-aware (plan, chunks) choice: small operands get fewer rounds, large keep the optimal rate."""
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jax_blink
 import jax_blink.primitives  # noqa: F401  (registers the lowering records)
 from jax_blink import ScheduleError, costmodel, lowering, mapping
+from jax_blink.errors import PlanError
 from jax_blink.planning import plan
 from jax_blink.schedule import build_schedule, execute
 from jax_blink.simulate import simulate
@@ -155,3 +159,18 @@ def test_cuda_schedule_is_chunked_as_simulated():
                                                peer_routes=True).time_s, rel=0.04)
     cpu = primitives.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cpu", "ffi")
     assert len(cpu.schedules[0].chunk_seg) <= 48
+
+
+def test_link_rerank_ranks_a_candidate_that_cannot_run_last():
+    """Across nodes the close candidates are timed again link-level; one that the link-level model
+    refuses (an all-gather plan missing a tree from some shard's owner) is ranked last with an infinite
+    time instead of failing the whole choice."""
+    from jax_blink.topology.presets import multi_node
+    topo = multi_node("dgx1v", 2, 12.5, 1)
+    good = costmodel.candidate_plans(topo, "allgather")
+    p = good[0]
+    bad = dataclasses.replace(p, trees=tuple(t for t in p.trees if t.root != p.trees[0].root))
+    with pytest.raises(PlanError, match="no tree rooted"):
+        simulate(bad, 1 << 20, topology=topo, method="link")
+    order, model = costmodel.ranked([bad, *good], 1 << 20, topo)
+    assert model == "link" and order[-1] == (bad, math.inf) and all(t < math.inf for _, t in order[:-1])

@@ -81,7 +81,7 @@ def _detach(d):
     return d
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "stale", "checksum", "overloaded", "not a tree",
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "nested", "stale", "checksum", "overloaded", "not a tree",
                                     "other devices"])
 @pytest.mark.parametrize("topo", [TOPO, "dgx1v"], ids=["composed", "flat"])
 def test_bad_entries_are_ignored_and_rewritten(disk, damage, topo):
@@ -95,6 +95,8 @@ def test_bad_entries_are_ignored_and_rewritten(disk, damage, topo):
         path.write_bytes(good[: len(good) // 2])
     elif damage == "garbage":
         path.write_bytes(b"\x00\xff not json")
+    elif damage == "nested":  # json's decoder recurses: RecursionError, not ValueError
+        path.write_bytes(b"[" * 100_000 + b"\n" + good.partition(b"\n")[2])
     elif damage == "stale":
         _rewrite(path, edit_header=lambda h: h["key"].update(version="0" * 16))
     elif damage == "checksum":

@@ -184,7 +184,7 @@ def load(key: dict, topology, collective: str, devices) -> Plan | None:
         return _decode(json.loads(text), topology, collective, devices, fp if isinstance(fp, str) else None)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, PlanError) as err:
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError, PlanError) as err:
         _LOG.debug("ignoring plan cache entry %s: %s", path, err)
         return None
 
