@@ -228,7 +228,6 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
         _set_protocol_latency(msgs, topology, protocol_latency_us)
     time_s, busy, carried = _run_any(msgs, topology, latency_s)
     carried = {e: b for e, b in carried.items() if e[0] != _HOST_MEMORY}
-    nmsgs = len(msgs) if isinstance(msgs, list) else len(msgs.nbytes)
     if n <= 1 or time_s == 0.0:
         algbw = math.inf
         busbw = math.inf if busbw_factor(collective, max(n, 1)) > 0 else 0.0
@@ -238,7 +237,7 @@ def simulate(plan_or_schedule: Any, nbytes: float, *, latency_us: float = DEFAUL
         busbw = algbw * busbw_factor(collective, n)
     util = {(u, v): (busy.get((u, v), 0.0) / time_s if time_s > 0 else 0.0)
             for u, v in topology.graph.edges}
-    return SimResult(collective, algorithm, n, float(nbytes), time_s, algbw, busbw, carried, util, nmsgs)
+    return SimResult(collective, algorithm, n, float(nbytes), time_s, algbw, busbw, carried, util, len(msgs))
 
 
 # --------------------------------------------------------------------------- routing
@@ -575,7 +574,7 @@ def _gather(ptr: np.ndarray, values: np.ndarray, rows: np.ndarray):
 def _tiled_arrays(segs, topology, protocol_latency_us) -> _Arrays:
     """:class:`_Arrays` of a plan's segments (:func:`_plan_segments`), equal to
     ``_msg_arrays`` of :func:`_plan_messages` staged and timed as :func:`simulate` does
-    (tests/test_simulate.py checks every float): each tree's :func:`_chunk_template` is staged and
+    (tests/test_linksim.py checks every float): each tree's :func:`_chunk_template` is staged and
     given its protocol latencies once, then tiled over its chunks by numpy, chunk j of every tree in
     turn. A staged send's two copies share its priority, so the reference orders them by index, as
     (fraction, index) of the tiled list does."""
@@ -590,8 +589,9 @@ def _tiled_arrays(segs, topology, protocol_latency_us) -> _Arrays:
     size = np.array([len(t) for t in tmpls], dtype=np.int64)
     start = np.concatenate(([0], np.cumsum(size)[:-1]))
     ks = np.array([s[4] for s in segs], dtype=np.int64)
-    blk_seg = np.concatenate([np.flatnonzero(ks > j) for j in range(int(ks.max()))])
-    blk_j = np.repeat(np.arange(int(ks.max()), dtype=np.int64), [int((ks > j).sum()) for j in range(int(ks.max()))])
+    active = [np.flatnonzero(ks > j) for j in range(int(ks.max()))]  # trees with a chunk j, in order
+    blk_seg = np.concatenate(active)
+    blk_j = np.repeat(np.arange(len(active), dtype=np.int64), [len(a) for a in active])
     blk_size = size[blk_seg]
     blk_base = np.concatenate(([0], np.cumsum(blk_size)[:-1]))
     total = int(blk_size.sum())
