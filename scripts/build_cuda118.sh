@@ -10,8 +10,9 @@
 # .ci/run runs it once per CI run (x86_64): 827 MB of .deb (12 s here), the layout (65 s) and the
 # module's compile (1-2 min on 2 cores), then the cubin list and an import of the module.
 # Nothing of the toolkit is committed: it lives in $JAX_BLINK_CUDA118_DIR
-# (default ~/.cache/jax_blink/cuda118). The package lists are fetched into that folder too; the
-# system's apt sources are left as they are. Needs root for `apt-get install g++-11` when g++-11 is
+# (default ~/.cache/jax_blink/cuda118). The package lists are fetched into that folder too, from the
+# machine's own Debian bookworm apt entries (APT_ETC, default /etc/apt) with contrib and non-free added
+# (scripts/debian_sources.py); the system's apt configuration is left as it is. Needs root for `apt-get install g++-11` when g++-11 is
 # missing. Environment: PYTHON (default: python3 on PATH, with jaxlib and nanobind installed),
 # BUILD_DIR (default build/cuda118), CMAKE_BUILD_PARALLEL_LEVEL (default 1).
 set -euo pipefail
@@ -33,8 +34,10 @@ toolkit() {
   fi
   command -v apt-get >/dev/null || die "apt-get not found: this script needs Debian bookworm (or lay out a CUDA 11.8 toolkit yourself and pass CUDACXX)"
   mkdir -p "$CACHE/lists/partial" "$CACHE/cache/archives/partial" "$CACHE/debs"
-  echo "deb http://deb.debian.org/debian bookworm main contrib non-free" > "$CACHE/sources.list"
-  local o=(-o "Dir::Etc::SourceList=$CACHE/sources.list" -o Dir::Etc::SourceParts=/dev/null
+  # The machine's own bookworm entries (its mirror, proxy, keyring) with contrib and non-free added.
+  "$PYTHON" "$ROOT_DIR/scripts/debian_sources.py" "${APT_ETC:-/etc/apt}" "$CACHE/apt" ||
+    die "no apt source for Debian bookworm to fetch the toolkit from (above)"
+  local o=(-o "Dir::Etc::SourceList=$CACHE/apt/sources.list" -o "Dir::Etc::SourceParts=$CACHE/apt/sources.list.d"
            -o "Dir::State::Lists=$CACHE/lists" -o "Dir::Cache=$CACHE/cache")
   local t0=$SECONDS pkgs=(nvidia-cuda-toolkit nvidia-cuda-dev libnvvm4 libcudart11.0 libcu++-dev) p
   for p in "${pkgs[@]}"; do

@@ -44,3 +44,17 @@ def test_demo_bad_batch_size_is_a_clear_error():
     p = _demo("--epochs", "1", "--batch-size", "1600")
     assert p.returncode == 2
     assert "larger than the training split (1437 images)" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_demo_plan_lines_list_the_trees_only_when_verbose():
+    from jax_blink import Topology
+    from jax_blink.cli.demo_cmd import _plan_lines
+
+    topo = Topology.preset("dgx1v")
+    short = _plan_lines(topo, 8)
+    assert len(short) == 1 and short[0].startswith("plan: 24 trees, rate 85.37 GB/s"), short
+    long = _plan_lines(topo, 8, verbose=True)
+    assert long[1:] == short
+    assert sum(ln.startswith("  tree ") for ln in long[0].splitlines()) == 24
+    sharded = _plan_lines(topo, 8, "allgather")
+    assert len(sharded) == 1 and sharded[0].startswith("plan (allgather): "), sharded

@@ -40,6 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--min-accuracy", type=number_type(float, low=0, high=1), default=0.95,
                    help="exit status 1 when the held-out accuracy ends below this (default 0.95)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print every tree of the plan (one line each; 24 on the dgx1v preset)")
     p.add_argument("--fsdp", action="store_true",
                    help="train the fully sharded MLP instead (parameters all-gathered with jax_blink.all_gather, "
                         "gradients reduce-scattered; --mode is ignored)")
@@ -117,22 +119,23 @@ def choose_devices(topology_source: str | None):
         f"(CPU device i plays GPU i); the plan is {name}'s, the timings are this CPU's")
 
 
-def _plan_lines(topo, ndevices: int, collective: str = "allreduce") -> list[str]:
+def _plan_lines(topo, ndevices: int, collective: str = "allreduce", verbose: bool = False) -> list[str]:
+    """The plan's summary line; with ``verbose`` first its full description (a line per tree)."""
     from ..planner.rings import ring_rate
     from ..planning import plan
 
     gpus = tuple(topo.gpus[:ndevices])
     pl = plan(topo, collective, devices=gpus)
+    lines = [pl.describe().rstrip()] if verbose else []
     if collective != "allreduce":
-        return [pl.describe().rstrip(), f"plan ({collective}): {len(pl.trees)} trees, rate {pl.rate_gbps:.2f} GB/s, "
-                f"bound {pl.bound_gbps:.2f} GB/s ({pl.algorithm})"]
-    lines = [pl.describe().rstrip()]
+        return lines + [f"plan ({collective}): {len(pl.trees)} trees, rate {pl.rate_gbps:.2f} GB/s, "
+                        f"bound {pl.bound_gbps:.2f} GB/s ({pl.algorithm}; --verbose lists the trees)"]
     ring = ring_rate(topo, gpus)
     n = len(gpus)
     summary = (f"plan: {len(pl.trees)} trees, rate {pl.rate_gbps:.2f} GB/s, bound {pl.bound_gbps:.2f} GB/s "
                f"({pl.algorithm}); best ring packing: rings of {ring:.2f} GB/s in total, so an all-reduce ring rate "
                f"of at most {ring * n / (2 * (n - 1)):.2f} GB/s (ring time 2(n-1)/n * S / B; NCCL's rings "
-               "reach at most this)")
+               "reach at most this; --verbose lists the trees)")
     lines.append(summary)
     return lines
 
@@ -156,7 +159,7 @@ def run_fsdp(args) -> int:
         raise BlinkError(f"--batch-size {args.batch_size} does not split over {len(devices)} devices: "
                          f"use a multiple of {len(devices)}")
     print(f"devices: {why}")
-    for line in _plan_lines(topo, len(devices), "allgather"):
+    for line in _plan_lines(topo, len(devices), "allgather", verbose=args.verbose):
         print(line)
     print(f"lowering: {_lowering_name(args.impl, devices[0].platform)}")
     print(f"training: Flax MLP on scikit-learn digits, parameters sharded over {len(devices)} devices (FSDP), "
@@ -187,7 +190,7 @@ def run(args) -> int:
         raise BlinkError(f"--batch-size {config.batch_size} does not split over {len(devices)} devices: "
                          f"use a multiple of {len(devices)}")
     print(f"devices: {why}")
-    for line in _plan_lines(topo, len(devices)):
+    for line in _plan_lines(topo, len(devices), verbose=args.verbose):
         print(line)
     print(f"lowering: {_lowering_name(args.impl, devices[0].platform)}")
     print(f"training: Flax CNN on scikit-learn digits, {config.mode}, {config.epochs} epochs, "
