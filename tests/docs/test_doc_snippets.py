@@ -8,7 +8,8 @@ Conventions (docs/architecture.md, "Documentation"):
   ``text`` (doctest's rules: ``...`` matches anything, runs of whitespace are equal). A block of
   ``>>>`` lines runs as a doctest in the same namespace.
 - ```bash blocks run line by line (``\\`` continues a line; each line in its own ``bash -o pipefail``
-  in the repository root); ``# -> text`` checks a line's standard output the same way.
+  in the repository root, so lines must not depend on each other; a few at a time); ``# -> text``
+  checks a line's standard output the same way.
 - A block right after ``<!-- no-run: reason -->`` is not run (installs, GPU-only and cluster commands,
   runs of minutes); the reason is required. Other fence languages (text, json, ...) are shown, not
   run; a fence without a language is refused, so nothing runnable slips through unmarked.
@@ -208,21 +209,28 @@ def _bash_lines(code: str, first_line: int):
 @pytest.mark.parametrize("path", _files_with("bash"), ids=lambda p: str(p.relative_to(REPO)))
 def test_bash_blocks_run_and_print_what_they_show(path, tmp_path):
     import doctest
+    from concurrent.futures import ThreadPoolExecutor
 
-    todo = _runnable(path, "bash")
     env = _env(tmp_path)
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this venv's tools
     checker = doctest.OutputChecker()
-    for b in todo:
-        for line, cmd, exp in _bash_lines(b.code, b.line):
-            where = f"{path.relative_to(REPO)}:{line}"
-            p = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, cwd=REPO,
-                               env=env, timeout=LINE_TIMEOUT_S)
-            assert p.returncode == 0, f"{where}: `{cmd}` exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-            if exp:
-                flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-                assert checker.check_output("\n".join(exp) + "\n", p.stdout, flags), \
-                    f"{where}: `{cmd}` printed\n{p.stdout}which is not what the block shows:\n" + "\n".join(exp)
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+
+    def check(item) -> str | None:
+        line, cmd, exp = item
+        where = f"{path.relative_to(REPO)}:{line}"
+        p = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, cwd=REPO,
+                           env=env, timeout=LINE_TIMEOUT_S)
+        if p.returncode != 0:
+            return f"{where}: `{cmd}` exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        if exp and not checker.check_output("\n".join(exp) + "\n", p.stdout, flags):
+            return f"{where}: `{cmd}` printed\n{p.stdout}which is not what the block shows:\n" + "\n".join(exp)
+        return None
+
+    lines = [item for b in _runnable(path, "bash") for item in _bash_lines(b.code, b.line)]
+    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 1))) as pool:  # independent processes
+        failures = [f for f in pool.map(check, lines) if f]
+    assert not failures, "\n\n".join(failures)
 
 
 def test_every_block_is_run_or_marked_with_a_reason():
