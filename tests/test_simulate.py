@@ -115,7 +115,7 @@ def test_cuda_schedule_free_running_runs_as_predicted():
     plan's shares tie only up to their last bits: 3.5% on dgx1v at 4 MiB, 112 one- or two-chunk ring
     trees; test_nccl_ring_schedule_simulates_as_its_plan). Served in row (round) order the same
     schedule is slower on dgx-a100 (the reduce-scatter + all-gather forests at 16 MiB)."""
-    from jax_blink import costmodel, lowering, mapping
+    from jax_blink import costmodel, dispatch, lowering
     from jax_blink.lowering import ffi  # registers the records
     from jax_blink.simulate import plan_chunks
 
@@ -124,7 +124,7 @@ def test_cuda_schedule_free_running_runs_as_predicted():
     for name, nbytes in (("dgx1v", 4 << 20), ("dgx-a100", 16 << 20)):
         topo = preset(name)
         devs = sorted(topo.gpus)
-        plans = mapping.candidate_plans(topo, "allreduce", devs, None)
+        plans = dispatch.candidate_plans(topo, "allreduce", devs, None)
         chosen, sched, predicted = costmodel.lowering_schedule(
             plans, nbytes // 4, itemsize=4, step_latency_s=step, round_synchronous=False, topology=topo,
             chunks_as_simulated=True, peer_routes=True)
