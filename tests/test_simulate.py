@@ -154,7 +154,7 @@ def test_even_split_chunks_simulate_at_their_mean_size():
     """Chunk lengths one element apart (the integer rounding of equal shares) are simulated at their
     mean size, so a schedule ties where its plan's exact shares tie. Hand-counted: 10 elements in 4
     chunks (3, 3, 2, 2) and 9 in 2 (5, 4) pair {2, 3} and {4, 5}; 7 stays; bytes are kept."""
-    from jax_blink.simulate import _tied_sizes
+    from jax_blink.simulate.messages import _tied_sizes
     got = _tied_sizes([3, 3, 2, 2, 5, 4, 7], 4.0)
     assert got == pytest.approx([10.0, 10.0, 10.0, 10.0, 18.0, 18.0, 28.0], rel=1e-15)
     assert sum(got) == pytest.approx(4.0 * 26, rel=1e-15)
