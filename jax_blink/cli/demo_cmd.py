@@ -3,7 +3,7 @@
 reduce-scatter gradients; ``examples/flax_fsdp/train.py``).
 
 The training code is the example ``examples/flax_digits/train.py`` itself, loaded from the source
-checkout (the README's main command is ``pip install -e ".[examples]" && jax-blink demo`` in the
+checkout (the README's set-up command is ``pip install -e ".[examples]" && jax-blink demo`` in the
 repository). Keeping one copy there means the demo runs exactly what a user reads and copies, and the
 package itself never imports flax, optax or scikit-learn.
 """
@@ -20,7 +20,6 @@ from ._args import HOST_FLAG, force_host_devices, number_type, positive_int
 HOST_DEVICES = 8
 EXAMPLES = {"digits": pathlib.Path("examples") / "flax_digits" / "train.py",
             "fsdp": pathlib.Path("examples") / "flax_fsdp" / "train.py"}
-EXAMPLE = EXAMPLES["digits"]
 
 
 def add_arguments(p) -> None:

@@ -202,10 +202,6 @@ def _solve(struct: NodeStructure, leader: str):
     return cols, res.weights, res.rate, res.dual_bound, table
 
 
-def _mapped(route, m) -> tuple:
-    return tuple(m[v] for v in route)
-
-
 def _pieces(n: int, cols, weights) -> list:
     """[(column, centre node, weight)]: per (centre route, component count) group, the columns end to
     end, cut into N equal pieces centred at nodes 0..N-1 (at most columns + N - 1 per group).

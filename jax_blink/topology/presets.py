@@ -47,7 +47,7 @@ NVLINK5_GBPS = 50.0   # B200 / GB200 (NVLink5: 18 links, 1.8 TB/s bidirectional)
 NVLINK_LINE_GBPS = {1: NVLINK1_GBPS, 2: NVLINK_GBPS, 3: NVLINK_GBPS, 4: NVLINK_GBPS, 5: NVLINK5_GBPS}
 
 # Achieved fraction of the NVLink line rate per generation (NCCL, large messages; direct links and
-# NVSwitch ports alike). The published runs are cited in README.md, "Simulator fidelity":
+# NVSwitch ports alike). The published runs are cited in docs/benchmarks.md, "Simulator fidelity":
 # - 2 (V100): 22.90 of 25 GB/s: NCCL 2.7.8 broadcast of 1 GiB from GPU 0 to GPU 1 over one NVLink of a
 #   DGX-1V (UCBerkeley-Spring2022-CS267-project/blinkplus, test_bandwidth/logs; 45.77 over a double link).
 # - 3 (A100): 208 of 300 GB/s: all_reduce_perf busbw of 2 A100 PCIe joined by 12 NVLinks (a run
@@ -68,7 +68,7 @@ PCIE_EFFICIENCY = 12.0 / (8.0 * 16 * 128 / 130 / 8)
 
 # Network: achieved fraction of a NIC's line rate: 3 nodes of 8 A100 with 4 HDR (200 Gb/s) NICs each,
 # all_reduce_perf peak busbw about 96 GB/s of the 100 GB/s per node (a run posted to NVIDIA/nccl-tests;
-# cited in README.md, "Simulator fidelity").
+# cited in docs/benchmarks.md, "Simulator fidelity").
 NET_EFFICIENCY = 96.0 / 100.0
 
 
