@@ -268,3 +268,15 @@ def test_the_readme_is_short_and_its_test_command_is_what_ci_runs():
 def test_bash_lines_join_continuations_and_take_expected_output():
     code = "# a comment\njax-blink a \\\n  --b  # -> out\n# -> more\n\necho x\n"
     assert _bash_lines(code, 5) == [(6, "jax-blink a \n  --b", ["out", "more"]), (10, "echo x", [])]
+
+
+def test_the_files_the_docs_name_exist():
+    # `tests/...`, `jax_blink/...`, `ffi/...`, ... in backticks: a moved or deleted file must take its docs along
+    roots = ("tests/", "jax_blink/", "ffi/", "scripts/", "benchmarks/", "examples/", "docs/", ".ci/")
+    missing = []
+    for path in FILES:
+        for ref in re.findall(r"`([^`\s]+)`", path.read_text()):
+            ref = ref.split("::", 1)[0].rstrip(".,:;)")
+            if ref.startswith(roots) and not re.search(r"[{}*<>$]", ref) and not (REPO / ref).exists():
+                missing.append(f"{path.relative_to(REPO)}: {ref}")
+    assert not missing, missing
