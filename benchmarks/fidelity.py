@@ -5,7 +5,7 @@ Every row of :data:`PUBLISHED` is one public nccl-tests / NCCL measurement: the 
 bus bandwidth and where it was posted. The simulated figure is ``jax_blink.simulate`` of the plan
 NCCL runs there (its rings on the links NCCL uses, :func:`jax_blink.planner.rings.nccl_ring_plan`; one
 row is Blink's three-path broadcast), busbw as nccl-tests computes it (all-reduce: algbw x 2(n-1)/n;
-broadcast: algbw). Each row must be within :data:`TOLERANCE` (tests/test_fidelity.py).
+broadcast: algbw). Each row must be within :data:`TOLERANCE` (tests/simulate/test_fidelity.py).
 
 Rows marked "calibrates" are the measurements a constant of the model was taken from (the NVLink
 fractions in ``jax_blink.topology.presets.NVLINK_EFFICIENCY``, ``jax_blink.simulate.HOST_STAGING_GBPS``); the

@@ -61,7 +61,7 @@ def check_versions(jax_version: str | None = None, jaxlib_version: str | None = 
 
 check_versions()
 
-# Internals below this line: the only jax._src imports of the package (tests/test_jax_compat.py).
+# Internals below this line: the only jax._src imports of the package (tests/jax/test_jax_compat.py).
 from jax._src import api_util as _api_util  # noqa: E402
 from jax._src import config as _config  # noqa: E402
 from jax._src import (  # noqa: E402,F401

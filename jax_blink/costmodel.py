@@ -64,7 +64,7 @@ from .topology import symmetry
 CANDIDATE_MAX_TREES = (None, 4, 2, 1)
 #: ``cost="auto"`` across nodes: candidates within this fraction of the fastest by the flow-level
 #: closed form are ranked again by the link-level simulator (its fill estimate is off by up to ~16%
-#: at 64 KiB against the link-level model, tests/test_flow_model.py), when that simulates at most
+#: at 64 KiB against the link-level model, tests/simulate/test_flow_model.py), when that simulates at most
 #: LINK_RANK_MAX_MESSAGES messages over the candidates: the native event model (ffi/src/linksim.cc)
 #: takes about 0.65 us per message with the messages' construction, and the candidates run in
 #: threads (:func:`_link_times`), so the budget costs about 0.25 s of wall time on two cores (0.4 s
@@ -78,7 +78,7 @@ LINK_RANK_MAX_GPUS = 64
 #: A free-running executor's lowering (the CUDA interpreter: ``lowering_schedule`` with
 #: ``chunks_as_simulated`` and ``peer_routes``) simulates the schedules of the plans within this
 #: fraction of the fastest plan and runs the fastest schedule (schedules and their plans differ by up
-#: to 4%: tests/test_simulate.py).
+#: to 4%: tests/simulate/test_simulate.py).
 SCHEDULE_RANK_MARGIN = 0.05
 #: The cost model's default predictor, "auto": "flow" (:func:`jax_blink.simulate.flow_time`, the
 #: closed form, cost independent of chunks and links) on topologies with a network (several nodes),
@@ -303,7 +303,7 @@ def ranked(plans, nbytes: float, topology, latency_us: float = DEFAULT_LATENCY_U
     most LINK_RANK_MAX_MESSAGES simulated messages (:func:`jax_blink.simulate.link_level_messages`) over
     at most LINK_RANK_MAX_GPUS GPUs:
     where the closed form's pipeline-fill estimate can misorder close candidates (mid sizes, many
-    trees; tests/test_flow_model.py), the link-level simulator decides wherever it is affordable.
+    trees; tests/simulate/test_flow_model.py), the link-level simulator decides wherever it is affordable.
     ``peer_routes``: the link-level timings send tree edges over peer-to-peer paths (:func:`simulated_time`)."""
     plans = list(plans)
     if not plans:

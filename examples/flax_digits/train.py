@@ -16,7 +16,7 @@ Run from the repository root (8 host CPU devices are forced when the script is t
 
     python examples/flax_digits/train.py --mode shard_map --epochs 10 --compare-lax
 
-The same functions back ``jax-blink demo`` and ``tests/test_example_digits.py``.
+The same functions back ``jax-blink demo`` and ``tests/examples/test_example_digits.py``.
 """
 
 from __future__ import annotations

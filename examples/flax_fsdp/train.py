@@ -16,7 +16,7 @@ parameter difference reported). Run from the repository root::
 
     python examples/flax_fsdp/train.py --epochs 10
 
-``jax-blink demo --fsdp`` runs the same code; ``tests/test_example_fsdp.py`` a short run.
+``jax-blink demo --fsdp`` runs the same code; ``tests/examples/test_example_fsdp.py`` a short run.
 """
 
 from __future__ import annotations

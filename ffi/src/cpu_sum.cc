@@ -3,7 +3,7 @@
 // that runs before the CPU check: no tables, no static initialisers. Everything lives in that
 // namespace (the templates in an unnamed one: internal linkage) and uses no inline function from
 // outside it (only builtins): an inline function shared by two builds would be merged by the linker,
-// and the AVX-512 copy could then run on a CPU without it. tests/test_cpu_portability.py checks the
+// and the AVX-512 copy could then run on a CPU without it. tests/native/test_cpu_portability.py checks the
 // built modules' disassembly for exactly that.
 #include "cpu_sum.h"
 

@@ -1,6 +1,6 @@
 // Python module jax_blink._native._gpusim: CI entries for the CUDA executor's plain C++ parts, no GPU
 // needed: the device interpreter's program of a schedule over a bucket of leaves, run on the host with
-// a thread per (rank, block) (tests/test_gpu_program.py, jax_blink.lowering.gpu_program_check), and the
+// a thread per (rank, block) (tests/native/test_gpu_program.py, jax_blink.lowering.gpu_program_check), and the
 // program cache's eviction (program_cache.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>

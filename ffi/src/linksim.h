@@ -1,7 +1,7 @@
 // The link-level event model of jax_blink.simulate (`_run` there is the Python reference): per-link
 // queues that serve one message at a time, store-and-forward over each message's hops, an alpha and
 // protocol latency once per message after its last hop, dependencies between messages. Plain C++, no
-// Python, so the sanitizer builds (tests/test_sanitizers.py) and the nanobind module share it.
+// Python, so the sanitizer builds (tests/native/test_sanitizers.py) and the nanobind module share it.
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,7 @@
 // The CUDA executor's program cache (cuda_executor.cu): GPU programs and their staging scratch, kept
 // per call site, bounded by call sites (least recently used first out), released only once their
 // work completed. Plain C++ (no CUDA headers) so CI tests the eviction logic without a GPU
-// (tests/test_gpu_program.py through jax_blink._native._gpusim.program_cache_trace).
+// (tests/native/test_gpu_program.py through jax_blink._native._gpusim.program_cache_trace).
 //
 // Why deferred release: an evicted program's last call may still run on the GPU (its ops read the
 // scratch, its CUDA graphs may be launched), and the host returns from a call long before the

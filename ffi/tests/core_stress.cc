@@ -1,6 +1,6 @@
 // Stress driver for the native rendezvous (blink_core.cc) and the CPU executor (cpu_executor.cc),
 // without XLA or Python, so they can be built with ThreadSanitizer and with Address +
-// UndefinedBehaviorSanitizer (tests/test_sanitizers.py builds and runs all three variants).
+// UndefinedBehaviorSanitizer (tests/native/test_sanitizers.py builds and runs all three variants).
 //
 // Each trial is one collective on a device table of 1-2 groups, every device a thread of its own
 // that arrives the way the XLA handler does (cpu_module.cc: NextGeneration, Arrive, the last

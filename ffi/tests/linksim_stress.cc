@@ -1,5 +1,5 @@
 // The link-level event model (ffi/src/linksim.cc) on random message graphs, for the sanitizer builds
-// (tests/test_sanitizers.py): every message finishes, each link's busy time and bytes are the sums of
+// (tests/native/test_sanitizers.py): every message finishes, each link's busy time and bytes are the sums of
 // what crosses it, the end is no earlier than any message's own path, a cycle leaves messages undone,
 // bad input is refused. Prints "<trials> trials, <failures> check failures".
 #include <algorithm>

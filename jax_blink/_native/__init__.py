@@ -41,7 +41,7 @@ def cpu_isa() -> str:
     ``"avx2"`` (AVX2 + FMA + F16C, e.g. Haswell and later, AMD Zen 1-3) or ``"avx512"`` (F, BW, VL, DQ;
     e.g. Skylake-SP, Ice Lake, AMD Zen 4): the widest this build holds and this CPU runs (checked at
     run time with the CPU's feature bits and the OS's register state), capped by
-    ``JAX_BLINK_CPU_ISA``. Every choice gives the same bits (tests/test_ffi.py).
+    ``JAX_BLINK_CPU_ISA``. Every choice gives the same bits (tests/native/test_ffi.py).
 
     Raises:
       RuntimeError: the native CPU module is not built (``cpu_error`` says why).

@@ -28,7 +28,7 @@ average only when every node is the centre for 1/N of the column's weight. Colum
 centre route and component count are laid end to end and cut into N equal pieces, piece k
 centred at node k (at most columns + N - 1 trees per such group), so every node carries exactly
 the averaged load: the plan meets the LP bound, and the bound (the LP dual) is the exact optimum of
-the flat packing over all GPUs on the route model of one node (``tests/test_symmetric.py`` checks it
+the flat packing over all GPUs on the route model of one node (``tests/planner/test_symmetric.py`` checks it
 against the flat LP certificate at 2-4 nodes). Cost: an LP over one node's links, pricing on G + 1
 vertices, whatever N is. The plan keeps the composition (:class:`~jax_blink.planner.model.ComposedTrees`:
 the columns, their weights and the node maps); its O(N) trees of N G GPUs, O(N^2) hops in all, are

@@ -32,13 +32,13 @@ The model (an alpha-beta model per link, evaluated as a discrete event simulatio
   grows with Python objects per chunk (about 0.65 us per message on one core: a 64-GPU cluster's
   258,000 messages in 0.17 s, 17x the Python loop; benchmarks/simulator.py). The Python event
   loop ``_run`` is its reference and runs where the module is not built; both give the same floats
-  (tests/test_linksim.py).
+  (tests/simulate/test_linksim.py).
 
-Closed forms it reproduces exactly (tests/test_simulate.py; ``alpha`` = ``latency_us`` + the protocol
+Closed forms it reproduces exactly (tests/simulate/test_simulate.py; ``alpha`` = ``latency_us`` + the protocol
 latency): one link ``S/B + alpha``; a pipelined chain broadcast of k chunks over n GPUs
 ``(k + n - 2) c/B + (n - 1) alpha``; an unpipelined ring all-reduce ``2(n-1) (S/(n B) + alpha)``
 (Patarasuk & Yuan 2009; NCCL's ring); a send without peer access ``2 S/B + 2 S/H + 2 alpha`` over
-PCIe links of B and the staging path H (tests/test_fidelity.py). Agreement with measured machines:
+PCIe links of B and the staging path H (tests/simulate/test_fidelity.py). Agreement with measured machines:
 ``benchmarks/fidelity.py``.
 
 Bandwidth figures follow nccl-tests (doc/PERFORMANCE.md): ``algbw = S / t``; all-reduce

@@ -70,7 +70,7 @@ def _gather(ptr: np.ndarray, values: np.ndarray, rows: np.ndarray):
 def _tiled_arrays(segs, topology, protocol_latency_us) -> _Arrays:
     """:class:`_Arrays` of a plan's segments (:func:`_plan_segments`), equal to
     ``_msg_arrays`` of :func:`_plan_messages` staged and timed as :func:`simulate` does
-    (tests/test_linksim.py checks every float): each tree's :func:`_chunk_template` is staged and
+    (tests/simulate/test_linksim.py checks every float): each tree's :func:`_chunk_template` is staged and
     given its protocol latencies once, then tiled over its chunks by numpy, chunk j of every tree in
     turn. A staged send's two copies share its priority, so the reference orders them by index, as
     (fraction, index) of the tiled list does."""

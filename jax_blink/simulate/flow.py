@@ -133,7 +133,7 @@ def flow_time(plan, nbytes: float, topology, *, latency_us: float = DEFAULT_LATE
     the pipeline fill (Johnsson & Ho 1989; Blink s. 4.2). Cost: one pass over each tree's hops
     (cached per tree, or per shape: :func:`jax_blink.planner.model.tree_shape`), independent of the
     chunk count and of the link count. Agreement with :func:`simulate`'s link-level model:
-    ``tests/test_flow_model.py``. Host staging (GPUs without peer access) is not modelled: plans
+    ``tests/simulate/test_flow_model.py``. Host staging (GPUs without peer access) is not modelled: plans
     with such sends should use ``method="link"``.
     """
     return max((tt for tt, _ in _flow_trees(plan, nbytes, topology, latency_us, max_chunks)), default=0.0)
