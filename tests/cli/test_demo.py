@@ -63,14 +63,13 @@ def test_demo_plan_lines_list_the_trees_only_when_verbose():
 
 @pytest.mark.slow
 def test_demo_fsdp_in_a_fresh_process():
-    """`jax-blink demo --fsdp` as a user runs it: plan of the all-gather, FSDP training, lockstep.
-    One epoch: the command's wiring in a fresh process; the accuracy the training reaches (>= 0.95
-    in 4 epochs, the same ``train``) is tests/examples/test_example_fsdp.py's."""
-    p = _demo("--fsdp", "--epochs", "1", "--min-accuracy", "0.5", timeout=600)
+    """`jax-blink demo --fsdp` as a user runs it: plan of the all-gather, FSDP training, lockstep
+    (4 epochs, as tests/examples/test_example_fsdp.py trains in process)."""
+    p = _demo("--fsdp", "--epochs", "4", timeout=600)
     out = p.stdout
     assert p.returncode == 0, out + p.stderr
     m = re.search(r"plan \(allgather\): (\d+) trees, rate ([\d.]+) GB/s, bound ([\d.]+) GB/s", out)
     assert m and int(m[1]) >= 8 and abs(float(m[2]) - float(m[3])) <= 1e-6 * float(m[3]), out
-    assert re.search(r"\[jax_blink fsdp\] held-out accuracy 0\.\d+ after 1 epochs", out), out
+    assert re.search(r"\[jax_blink fsdp\] held-out accuracy 0\.9[5-9]", out), out
     m = re.search(r"largest loss difference (\S+) rel \(within", out)
     assert m and float(m[1]) <= 1e-5, out
