@@ -179,7 +179,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     from ._jax_compat import detected_cluster, distributed_client
 
     if distributed_client() is not None:  # the user called jax.distributed.initialize() already
-        faults.check_cpu_collectives()
+        if jax.default_backend() == "cpu":
+            faults.check_cpu_collectives()
         joined = Joined(jax.process_index(), jax.process_count(), "jax.distributed.initialize() called before")
         faults.install()
         return joined
@@ -371,6 +372,9 @@ def exchange(value: str, *, timeout_s: float = 60.0) -> list[str]:
     if client is None:
         raise DistributedError("jax.distributed is not initialised: call jax_blink.distributed.initialize() "
                                "first (one process per node)")
+    from . import faults
+
+    faults.install()  # where the program joined through jax.distributed.initialize() itself
     gen = _exchange_generation
     _exchange_generation += 1
     me, n = jax.process_index(), jax.process_count()

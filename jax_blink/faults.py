@@ -6,10 +6,11 @@ collective (gloo or NCCL wait for minutes, NCCL forever). Once :func:`install` r
 processes), each process:
 
 - publishes its own failure in the job's key-value store (``jax_blink/fault/event/<k>``, the
-  ``k``-th event of the job, first writer wins): an uncaught exception from ``sys.excepthook`` (then
+  ``k``-th event of the job, first writer wins): an uncaught exception from ``sys.excepthook`` (after
   Python's own traceback is printed as usual), ``sys.exit(code)`` with a code other than 0 / None
-  at exit; then it exits at once with its status (1 for an exception) instead of waiting in
-  jax's shutdown barrier for peers that are about to stop;
+  at exit (a ``SystemExit`` that the program catches and survives is still reported at its exit);
+  then it exits at once with its status (1 for an exception) instead of going through jax's
+  shutdown barrier, which would wait for peers that are about to stop;
 - publishes a normal exit (the program ended, or ``raise SystemExit``) at exit;
 - runs one daemon thread blocked on the next event (a key-value get, no polling): on a peer's
   failure it prints ``jax_blink.faults.PeerFailedError: process <p> of <n> (host <h>) failed:
@@ -49,6 +50,8 @@ ENV_FAULTS = "JAX_BLINK_FAULTS"
 _PREFIX = "jax_blink/fault"
 #: how long one blocking key-value get of the listener lasts before it asks again (ms)
 _GET_CHUNK_MS = 60_000
+#: how long a process stopped by a peer's failure waits before it exits (s)
+_LET_GO_FIRST_S = 0.5
 #: how long a probe waits for each peer's answer (s)
 _ANSWER_S = 3.0
 
@@ -157,7 +160,11 @@ class _Watch:
                f"{ev.get('pid')}) failed: {ev.get('what')} (at {ev.get('where')}); process {self.me} stops "
                f"too (its main thread was at {_where(frame)}): a collective with process {p} can never "
                f"complete. Process {p}'s own output has its traceback.")
-        _die(msg, 1)
+        print(msg, file=sys.stderr, flush=True)
+        # The failed process exits right after publishing; let it go first: where this process hosts
+        # the coordination service, leaving first would make jax abort that process (SIGABRT).
+        time.sleep(_LET_GO_FIRST_S)
+        _die(None, 1)
 
     # ------------------------------------------------------------------ probes
     def _state(self) -> dict:
@@ -233,21 +240,27 @@ class _Watch:
 
     # ------------------------------------------------------------------ this process's end
     def on_exception(self, exc: BaseException) -> None:
+        """An uncaught exception ends the program (its traceback already printed): publish, exit 1.
+
+        Exiting at once (not through jax's shutdown) keeps the status: once the peers stop, jax's
+        client in this process would abort it (SIGABRT) for the lost coordination service."""
         if self.failed or self.stopping:
             return
         self.failed = True
         what, where = _exception_text(exc)
+        sys.stdout.flush()
+        sys.stderr.flush()
         self.post({"kind": "fault", "what": what, "where": where})
+        _die(None, 1)
 
     def on_exit(self) -> None:
-        """atexit: publish this process's end; after a failure, exit now with its status."""
+        """atexit: publish this process's end; after ``sys.exit(code)``, exit now with that code."""
         self.stopping = True
-        if self.failed:
-            _die(None, 1)
         if self.exit_code is not None:
             self.failed = True
             print(f"SystemExit: process {self.me} of {self.n} exits with sys.exit({self.exit_code!r}) at "
-                  f"{self.exit_where}", file=sys.stderr)
+                  f"{self.exit_where}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
             self.post({"kind": "fault", "what": f"SystemExit: sys.exit({self.exit_code!r})",
                        "where": self.exit_where or "unknown"})
             _die(None, self.exit_code if isinstance(self.exit_code, int) else 1)
@@ -300,9 +313,9 @@ def install(timeout_s: float | None = None) -> bool:
         prev_hook = sys.excepthook
 
         def excepthook(etype, value, tb):
-            if value is not None and not isinstance(value, SystemExit):
-                w.on_exception(value)
-            prev_hook(etype, value, tb)
+            prev_hook(etype, value, tb)  # Python's traceback first, as without the watch
+            if value is not None and not isinstance(value, SystemExit) and not hasattr(sys, "ps1"):
+                w.on_exception(value)  # (an interactive interpreter goes on after an error)
 
         sys.excepthook = excepthook
         prev_exit = sys.exit

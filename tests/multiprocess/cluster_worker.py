@@ -2,8 +2,8 @@
 
 Started by ``python -m jax_blink.launch``, ``srun`` or ``mpirun``; joins the job with
 ``jax_blink.distributed.initialize()`` without arguments (or, with ``--jax-init``, with
-``jax.distributed.initialize()`` itself first), builds ``cluster_topology()`` and prints
-``RESULT {json}`` lines.
+``jax.distributed.initialize()`` alone, as a program that knows nothing of jax_blink's entry point),
+builds ``cluster_topology()`` and prints ``RESULT {json}`` lines.
 
 Modes:
   collectives: jax_blink.psum / all_gather / psum_scatter over every device of every process
@@ -27,19 +27,36 @@ ap.add_argument("mode", choices=["collectives", "fault"])
 ap.add_argument("--how", choices=["raise", "exit", "kill", "stall"], default="raise")
 ap.add_argument("--when", choices=["before", "during"], default="before")
 ap.add_argument("--kill", action="store_true", help="collectives: then the last process SIGKILLs itself")
-ap.add_argument("--jax-init", action="store_true", help="call jax.distributed.initialize() first")
+ap.add_argument("--jax-init", action="store_true",
+                help="join with jax.distributed.initialize() (jax_blink.launch's address), not jax_blink's")
 ap.add_argument("--heartbeat", type=int, default=10)
+ap.add_argument("--hosts", type=int, default=0,
+                help="stand-in hosts: JAX_BLINK_HOST=host<k>, the processes split evenly in process order")
+ap.add_argument("--claim-gpus", action="store_true",
+                help="CUDA_VISIBLE_DEVICES: each process of a host claims the next local-device-count GPUs, as "
+                     "SLURM's --gpus-per-task does")
 a = ap.parse_args()
 T0 = time.monotonic()
-
-if a.jax_init:
-    import jax
-
-    jax.distributed.initialize(heartbeat_timeout_seconds=a.heartbeat)
+if a.hosts or a.claim_gpus:  # before cluster_topology reads them (jax_blink.launch's variables)
+    rank, n = int(os.environ["JAX_BLINK_PROCESS_ID"]), int(os.environ["JAX_BLINK_NUM_PROCESSES"])
+    per_host = n // max(1, a.hosts)
+    if a.hosts:
+        os.environ["JAX_BLINK_HOST"] = f"host{rank // per_host}"
+    if a.claim_gpus:
+        g = int(os.environ["JAX_BLINK_LOCAL_DEVICES"])
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str((rank % per_host) * g + i) for i in range(g))
 
 from jax_blink import distributed  # noqa: E402
 
-joined = distributed.initialize(heartbeat_timeout_s=a.heartbeat)
+if a.jax_init:  # the program joins the job itself; jax_blink is used only afterwards
+    import jax
+
+    env = os.environ
+    jax.distributed.initialize(env["JAX_BLINK_COORDINATOR"], int(env["JAX_BLINK_NUM_PROCESSES"]),
+                               int(env["JAX_BLINK_PROCESS_ID"]), heartbeat_timeout_seconds=a.heartbeat)
+    source = "the program's jax.distributed.initialize()"
+else:
+    source = distributed.initialize(heartbeat_timeout_s=a.heartbeat).source
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -59,47 +76,46 @@ def emit(**kw):
     print("RESULT " + json.dumps(kw), flush=True)
 
 
-emit(case="joined", source=joined.source, process=me, processes=nproc, topology=cluster.topology.name,
-     hosts=list(cluster.hosts), local_devices=len(jax.local_devices()))
+emit(case="joined", source=source, process=me, processes=nproc, topology=cluster.topology.name,
+     hosts=list(cluster.hosts), local_devices=len(jax.local_devices()), node=cluster.node.name,
+     node_fingerprint=cluster.node.fingerprint(), topology_gpus=list(cluster.topology.gpus),
+     node_of_process=list(cluster.node_of_process), device_map=sorted(cluster.device_map.items()),
+     gpus_of_process={str(p): sorted(cluster.device_map[d.id] for d in devs if d.process_index == p)
+                      for p in range(nproc)})
 
 
 def sharded(host):
     return jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("i")), lambda idx: host[idx])
 
 
-def both(fn_blink, fn_lax, host):
-    """(jax_blink's, lax's) results gathered to every process as NumPy arrays."""
-    from jax.experimental import multihost_utils
-
-    outs = []
-    for fn in (fn_blink, fn_lax):
-        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
-        outs.append(np.asarray(multihost_utils.process_allgather(f(sharded(host)), tiled=True)))
-    return outs
-
-
 kw = dict(topology=cluster.topology, device_map=cluster.device_map)
 if a.mode == "collectives":
+    from jax.experimental import multihost_utils
+
     rng = np.random.default_rng(7)  # the same on every process: one consistent global input
-    cases = {
-        "psum_i32": (lambda x: jax_blink.psum(x, "i", **kw), lambda x: jax.lax.psum(x, "i"),
-                     rng.integers(-1000, 1000, (N * 3, 37)).astype(np.int32)),
-        "psum_f32_integers": (lambda x: jax_blink.psum(x, "i", **kw), lambda x: jax.lax.psum(x, "i"),
-                              rng.integers(-1000, 1000, (N * 2, 29)).astype(np.float32)),
-        "all_gather_f32": (lambda x: jax_blink.all_gather(x, "i", tiled=True, **kw),
-                           lambda x: jax.lax.all_gather(x, "i", tiled=True),
-                           rng.standard_normal((N * 2, 13)).astype(np.float32)),
-        "psum_scatter_i32": (lambda x: jax_blink.psum_scatter(x, "i", tiled=True, **kw),
-                             lambda x: jax.lax.psum_scatter(x, "i", tiled=True),
-                             rng.integers(-1000, 1000, (N * N, 11)).astype(np.int32)),
-    }
-    for name, (fb, fl, host) in cases.items():
-        yb, yl = both(fb, fl, host)
-        emit(case=name, shape=list(yb.shape), bitwise_equal=bool(yb.dtype == yl.dtype and yb.shape == yl.shape
-                                                                   and yb.tobytes() == yl.tobytes()))
-    host = rng.standard_normal((N * 3, 41)).astype(np.float32)
-    yb, yl = both(lambda x: jax_blink.psum(x, "i", **kw), lambda x: jax.lax.psum(x, "i"), host)
-    emit(case="psum_f32_random", max_abs_vs_lax=float(np.max(np.abs(yb.astype(np.float64) - yl))))
+    inputs = {"psum_i32": rng.integers(-1000, 1000, (N * 3, 37)).astype(np.int32),
+              "psum_f32_integers": rng.integers(-1000, 1000, (N * 2, 29)).astype(np.float32),
+              "all_gather_f32": rng.standard_normal((N * 2, 13)).astype(np.float32),
+              "psum_scatter_i32": rng.integers(-1000, 1000, (N * N, 11)).astype(np.int32),
+              "psum_f32_random": rng.standard_normal((N * 3, 41)).astype(np.float32)}
+
+    def program(m):
+        extra = kw if m is jax_blink else {}
+
+        def fn(xi, xf, xg, xs, xr):
+            return (m.psum(xi, "i", **extra), m.psum(xf, "i", **extra), m.all_gather(xg, "i", tiled=True, **extra),
+                    m.psum_scatter(xs, "i", tiled=True, **extra), m.psum(xr, "i", **extra))
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("i"),) * 5, out_specs=(P("i"),) * 5, check_vma=False))
+        outs = f(*[sharded(h) for h in inputs.values()])
+        return [np.asarray(multihost_utils.process_allgather(o, tiled=True)) for o in outs]
+
+    yb, yl = program(jax_blink), program(jax.lax)
+    for (name, _), b, lx in zip(inputs.items(), yb, yl):
+        if name == "psum_f32_random":  # summation orders differ: within rounding
+            emit(case=name, max_abs_vs_lax=float(np.max(np.abs(b.astype(np.float64) - lx))))
+        else:
+            emit(case=name, shape=list(b.shape), bitwise_equal=bool(b.dtype == lx.dtype and b.shape == lx.shape
+                                                                    and b.tobytes() == lx.tobytes()))
     emit(case="done", seconds=time.monotonic() - T0)
     if not a.kill:
         sys.exit(0)
