@@ -115,11 +115,14 @@ def detected_cluster() -> str | None:
     """The cluster environment ``jax.distributed.initialize()`` would use without arguments (the
     first of jax's ``ClusterEnv`` types, not opt-in only, whose variables are present), named for
     people ("SLURM", "Open MPI", "Kubernetes", ...), or None."""
-    from jax._src import clusters
-
-    for env in clusters.ClusterEnv._cluster_types:
+    try:
+        from jax._src import clusters
+        types = list(clusters.ClusterEnv._cluster_types)
+    except (ImportError, AttributeError):  # a jax without this registry: let jax itself try
+        return None
+    for env in types:
         try:
-            if not env.opt_in_only_method and env.is_env_present():
+            if not getattr(env, "opt_in_only_method", False) and env.is_env_present():
                 return _CLUSTER_NAMES.get(env.__name__, env.__name__)
         except Exception:  # noqa: BLE001 - a detector that fails to look is not present
             continue
