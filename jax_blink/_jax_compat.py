@@ -106,6 +106,35 @@ def distributed_client():
     return jd.global_state.client
 
 
+#: jax's cluster environments by class name -> the launcher's name in messages
+_CLUSTER_NAMES = {"SlurmCluster": "SLURM", "OmpiCluster": "Open MPI", "K8sCluster": "Kubernetes",
+                  "GkeTpuCluster": "GKE TPU", "GceTpuCluster": "GCE TPU", "Mpi4pyCluster": "mpi4py"}
+
+
+def detected_cluster() -> str | None:
+    """The cluster environment ``jax.distributed.initialize()`` would use without arguments (the
+    first of jax's ``ClusterEnv`` types, not opt-in only, whose variables are present), named for
+    people ("SLURM", "Open MPI", "Kubernetes", ...), or None."""
+    try:
+        from jax._src import clusters
+        types = list(clusters.ClusterEnv._cluster_types)
+    except (ImportError, AttributeError):  # a jax without this registry: let jax itself try
+        return None
+    for env in types:
+        try:
+            if not getattr(env, "opt_in_only_method", False) and env.is_env_present():
+                return _CLUSTER_NAMES.get(env.__name__, env.__name__)
+        except Exception:  # noqa: BLE001 - a detector that fails to look is not present
+            continue
+    return None
+
+
+def cpu_collectives_implementation() -> str | None:
+    """jax's ``jax_cpu_collectives_implementation`` setting (None where unset and without a default)."""
+    import jax
+    return getattr(jax.config, "jax_cpu_collectives_implementation", None)
+
+
 # ----------------------------------------------------------------------------- lax's typing rules
 #: lax's state of an operand over ``axes`` ("varying", "unreduced", "reduced" or "invarying"); raises
 #: ValueError (lax's message) when the axes disagree. ``get_from(aval, axes, api_name)``.

@@ -319,7 +319,11 @@ def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mes
     frame = _user_location(ctx.traceback)
     loc = ir.Location.name(f"{ctx.name_stack}/{name}" if ctx.name_stack.stack else name, childLoc=frame)
     sub = ctx.replace(name_stack=ctx.name_stack.extend(name))
-    from . import peerwatch
+    from . import faults, peerwatch
+    if processes > 1:
+        if "cpu" in ctx.module_context.platforms:
+            faults.check_cpu_collectives()
+        faults.install()  # also where the job was joined by jax.distributed.initialize() itself
     with loc, _lowering.naming_site(f"{name} at {source}" if source else name):
         if processes > 1 and peerwatch.enabled() and rec.watches_phases:
             with _lowering.guarding_phases(peerwatch.phase_guard(mesh=mesh, groups=first.groups,

@@ -72,14 +72,28 @@ class ProcessResult:
         return f"exit code {rc}"
 
     def error_line(self) -> str:
-        """The most telling error line of stderr (jax.distributed's fatal message, a Python
-        exception, ...), or the last non-empty line."""
+        """The process's first real error on stderr: the first Python exception line (``Type: msg``,
+        the cause of a chain; also ``SystemExit`` / ``KeyboardInterrupt``), else jax.distributed's
+        fatal message ("Terminating process because ..."), else the first F / E log line, else the
+        last non-empty line. A peer's failure reported by :mod:`jax_blink.faults` ranks below the
+        process's own exception."""
         lines = [ln.strip() for ln in self.stderr.splitlines() if ln.strip() and not ln.startswith("    @")]
-        for pat in (r"Terminating process because", r"^\w*(Error|Exception)\b.*:", r"\bF\d{4} ", r"\bE\d{4} "):
+        for pat in (r"^(?!jax_blink\.faults\.PeerFailedError)[\w.]*(Error|Exception|Exit|Interrupt)\b[^\s]*:",
+                    r"^[\w.]*(Error|Exception|Exit|Interrupt)\b[^\s]*:", r"^KeyboardInterrupt$",
+                    r"Terminating process because", r"\bF\d{4} ", r"\bE\d{4} "):
             hits = [ln for ln in lines if re.search(pat, ln)]
             if hits:
-                return hits[-1][:400]
+                return hits[0][:400]
         return lines[-1][:400] if lines else "(no output on stderr)"
+
+    @property
+    def stopped_by_peer(self) -> bool:
+        """True when the process stopped because a peer failed (jax_blink.faults said so)."""
+        return PEER_FAILED in self.stderr
+
+
+#: The marker :mod:`jax_blink.faults` prints when a process stops because a peer failed.
+PEER_FAILED = "jax_blink.faults.PeerFailedError:"
 
 
 @dataclasses.dataclass
@@ -244,7 +258,8 @@ def _failure_message(result: LaunchResult, timeout_s: float, grace_s: float) -> 
     failed = [p for p in result.processes if p.returncode != 0 and not p.killed_by_watchdog]
     lines = []
     if failed:
-        first = min(failed, key=lambda p: p.wall_s)
+        # the process that failed by itself first; one stopped by a peer's failure only if all were
+        first = min(failed, key=lambda p: (p.stopped_by_peer, p.wall_s))
         lines.append(f"process {first.process_id} of {len(result.processes)} failed first "
                      f"({first.how} after {first.wall_s:.1f} s): {first.error_line()}")
         for p in failed:

@@ -14,8 +14,11 @@ processes (:func:`phase_guard`), so the message names the phase its peers wait i
   last call site it completed, and the processes that did arrive.
 - after: the process publishes ``jax_blink/watch/done/<process>`` = the call site it completed.
 
-So a process that stalls or never calls is named by every peer that waits for it, at the call site
-where they wait, instead of a hang inside the collective (gloo / NCCL wait for minutes or forever).
+Without it, :mod:`jax_blink.faults` (on by default) already stops the peers of a process that raises
+or exits, naming it, and prints where every process is once one waits at one instruction past the
+timeout; this module adds the call site and generation where each peer waits. So a process that
+stalls or never calls is named by every peer that waits for it, at the call site where they wait,
+instead of a hang inside the collective (gloo / NCCL wait for minutes or forever).
 Cost: one key-value round trip to the coordinator per call site and step (and a host
 synchronisation), hence opt-in. Keys two generations old are deleted as the job goes.
 The key-value store is ``jax.distributed``'s (the coordination service); hosts are

@@ -1,6 +1,13 @@
 """One process of the multi-process digits training (started by ``launch.py``; see its docstring).
 
-Joins the jax.distributed job (``jax_blink.distributed.initialize``), exchanges node topologies and
+Also runs as it is under cluster launchers (docs/cluster.md), e.g. with 4 CPU devices per process
+(``JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4``)::
+
+    srun -n 2 --overcommit python examples/multiprocess/worker.py --epochs 1 --min-accuracy 0.5
+    mpirun -n 2 -x JAX_PLATFORMS -x XLA_FLAGS python examples/multiprocess/worker.py --epochs 1 --min-accuracy 0.5
+
+Joins the jax.distributed job (``jax_blink.distributed.initialize``: jax_blink.launch's variables, else
+jax's cluster detection: SLURM, Open MPI, ...), exchanges what each process knows of its host and
 builds the multi-node topology every process plans on (``cluster_topology``: nodes joined by NICs of
 ``--nic-gbps`` GB/s), maps every JAX device of every process onto it (``jax_blink.set_device_map``),
 then runs the single-process training code of ``examples/flax_digits/train.py`` unchanged over all

@@ -35,14 +35,17 @@ _NVML_LEVEL = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 
 
 def detect(*, nvlink_gbps: float | None = None, pcie_gbps: float | None = None, inter_socket_gbps: float = 20.0,
-           use_nvml: bool = True, use_nvidia_smi: bool = True) -> Topology:
+           use_nvml: bool = True, use_nvidia_smi: bool = True, all_gpus: bool = False) -> Topology:
     """This machine's GPU topology.
 
     Tries NVML (nvidia-ml-py), then ``nvidia-smi topo -m`` (+ ``topo -p2p r``). ``nvlink_gbps``
     overrides the achieved per-link rate (default: from the NVLink version / GPU model).
+    ``all_gpus``: every GPU of the machine in NVML numbering, ignoring ``CUDA_VISIBLE_DEVICES``
+    (the host's topology that several processes, each with its own GPUs, share).
     Raises TopologyError when neither works, saying why each failed and how to pass a topology.
     """
     reasons = []
+    visible = (lambda t: t) if all_gpus else _apply_visible_devices
     if use_nvml:
         try:
             import pynvml  # nvidia-ml-py
@@ -55,7 +58,7 @@ def detect(*, nvlink_gbps: float | None = None, pcie_gbps: float | None = None, 
                 reasons.append(f"NVML: cannot initialise ({err})")
             else:
                 try:
-                    return _apply_visible_devices(
+                    return visible(
                         from_nvml(pynvml, nvlink_gbps=nvlink_gbps, pcie_gbps=pcie_gbps,
                                   inter_socket_gbps=inter_socket_gbps))
                 except TopologyError as err:
@@ -77,7 +80,7 @@ def detect(*, nvlink_gbps: float | None = None, pcie_gbps: float | None = None, 
                 except TopologyError:
                     pass  # older drivers lack -p2p: assume peer-to-peer works
                 kw = {} if nvlink_gbps is None else {"nvlink_gbps": nvlink_gbps}
-                return _apply_visible_devices(parse_topo(text, pcie_gbps=pcie_gbps,
+                return visible(parse_topo(text, pcie_gbps=pcie_gbps,
                                                          inter_socket_gbps=inter_socket_gbps,
                                                          name="detected", **kw))
             except TopologyError as err:

@@ -242,9 +242,11 @@ def test_killed_process_makes_the_others_fail_fast():
     msg = str(ei.value)
     assert victim.returncode == -9 and "process 1 of 2 failed first (signal SIGKILL" in msg, msg
     assert "kill_step0" in survivor.stdout and "kill_survived" not in survivor.stdout
-    # The survivor aborts by itself (heartbeat), not by the launcher's watchdog, within a bound.
+    # The survivor fails by itself (gloo's broken connection raises in its psum, or jax.distributed's
+    # heartbeat aborts it), not by the launcher's watchdog, within a bound.
     assert not survivor.killed_by_watchdog and survivor.returncode != 0, msg
-    assert "another task died" in survivor.stderr or "unhealthy" in survivor.stderr, survivor.stderr[-3000:]
+    assert any(s in survivor.stderr for s in ("another task died", "unhealthy", "Connection closed by peer",
+                                              "Connection reset by peer")), survivor.stderr[-3000:]
     assert survivor.wall_s - victim.wall_s < 25, (survivor.wall_s, victim.wall_s)
     assert elapsed < 90
 
