@@ -65,6 +65,7 @@ from .errors import BlinkError
 from .lowering import ffi as _ffi  # noqa: F401  (registers the "ffi" records)
 from .lowering import hierarchical as _hierarchical  # noqa: F401  (registers the "hierarchical" record)
 from .lowering import ppermute as _ppermute  # registers the "ppermute" record
+from .lowering import xla as _xla  # noqa: F401  (registers the "xla" record)
 from .planner.model import clear_on_reset
 
 _log = logging.getLogger("jax_blink.lowering")
