@@ -216,6 +216,16 @@ def lowering_reason(impl: str, rec, platforms, processes: int) -> str:
     return f"{first} ({where}{''.join('; skipped ' + s for s in skipped)})"
 
 
+def _why(info: dict, rec) -> str:
+    """The report's reason for ``rec``: the dispatcher's (``auto`` handing the site to XLA's collective),
+    else the registry's order, with the dispatcher's comparison appended when it kept ``rec``."""
+    note = info.get("why")
+    if note and rec.auto_priority is None:
+        return note
+    base = lowering_reason(info["impl"], rec, info["platforms"], info["processes"])
+    return f"{base}; {note}" if note else base
+
+
 def _sim(plan, nbytes, topology):
     # the simulator as `jax-blink bench` runs it (simulate's own method="auto"), so the row equals bench's
     from .simulate import DEFAULT_LATENCY_US, simulate
@@ -265,7 +275,7 @@ def describe(info: dict, requests: list, index: int) -> CallSite:
         group_size=len(main.groups[0]), groups=len(main.groups), dtype=str(info["dtype"]),
         leaves=int(info["leaves"]), nbytes=nbytes, lowering=rec.name, platform="/".join(info["platforms"]),
         processes=int(info["processes"]),
-        why=lowering_reason(info["impl"], rec, info["platforms"], info["processes"]),
+        why=_why(info, rec),
         algorithm=plan.algorithm if plan is not None else "trivial",
         shape=plan.shape() if plan is not None else "-",
         trees=sum(1 for t in plan.trees if t.weight_gbps > 0) if plan is not None else 0,
@@ -294,13 +304,15 @@ def label(collective: str, dtype, nbytes: int, request, lowering_name: str) -> s
 
 
 # ------------------------------------------------------------------------------ the hook
-def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mesh, nelems: int):
+def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mesh, nelems: int,
+             why: str | None = None):
     """Run lowering record ``rec``'s rule on a bucket, named, described and watched (module docstring).
 
     Args: ``rec`` the chosen ``Lowering``; ``ctx``, ``xs``, ``request_for`` what the rule takes;
     ``collective``, ``axes``, ``impl`` the primitive's; ``mesh`` the call site's device mesh;
-    ``nelems`` the elements per device of one schedule over the bucket (sharded: the full buffer).
-    Returns the rule's results.
+    ``nelems`` the elements per device of one schedule over the bucket (sharded: the full buffer);
+    ``why``: the dispatcher's reason for ``rec`` beyond the registry's order (``auto`` weighing XLA's
+    collective against jax_blink's plan), shown in the report. Returns the rule's results.
     """
     dtype = ctx.avals_in[0].dtype
     itemsize = np.dtype(dtype).itemsize
@@ -335,7 +347,7 @@ def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mes
     if listeners is not None or logging_on:
         info = dict(collective=collective, axes=axes, dtype=np.dtype(dtype).name, leaves=len(xs), nelems=nelems,
                     itemsize=itemsize, record=rec, impl=impl, platforms=tuple(ctx.module_context.platforms),
-                    processes=processes, source=source, label=name)
+                    processes=processes, source=source, label=name, why=why)
         site = describe(info, seen or [first], len(listeners) if listeners is not None else 0)
         if listeners is not None:
             listeners.append(site)

@@ -65,7 +65,7 @@ from .errors import BlinkError
 from .lowering import ffi as _ffi  # noqa: F401  (registers the "ffi" records)
 from .lowering import hierarchical as _hierarchical  # noqa: F401  (registers the "hierarchical" record)
 from .lowering import ppermute as _ppermute  # registers the "ppermute" record
-from .lowering import xla as _xla  # noqa: F401  (registers the "xla" record)
+from .lowering import xla as _xla  # registers the "xla" record
 from .planner.model import clear_on_reset
 
 _log = logging.getLogger("jax_blink.lowering")
@@ -449,6 +449,28 @@ def _site_lowering(ctx, mesh, impl, axes=None, axis_index_groups=None, collectiv
     return choose_lowering(impl, ctx.module_context.platforms, nproc, site=site)
 
 
+def _auto_xla(rec, ctx, mesh, impl, axes, axis_index_groups, collective, key, root, nbytes):
+    """(record, reason or None): ``impl="auto"``'s record ``rec``, or XLA's own collective (the "xla"
+    record) where :func:`jax_blink.lowering.xla.decide` predicts it strictly faster than ``rec``'s
+    schedule at this call site (one process; ``algorithm`` left to ``auto``)."""
+    platforms = list(ctx.module_context.platforms)
+    xla_rec = _lowering.find_lowering(_xla.NAME, platforms[0])
+    nproc = len({d.process_index for d in mesh.devices.flat})
+    if (impl != "auto" or xla_rec is None or rec.name == _xla.NAME or nproc > 1 or len(platforms) != 1
+            or (key.algorithm != "auto" and key.algorithm_strict) or nbytes <= 0):
+        return rec, None
+    itemsize = np.dtype(ctx.avals_in[0].dtype).itemsize
+    req = build_request(collective, mesh, tuple(axes), axis_index_groups, root, key, max(1, nbytes // itemsize),
+                        itemsize, platforms[0], rec.name, auto_axes(ctx, mesh))
+    if not req.predicted_s or len(req.groups[0]) < 2:
+        return rec, None
+    devices = list(req.plans[0].devices) if req.plans else None
+    use, why = _xla.decide(platforms[0], collective, nbytes, len(req.groups[0]), rec.name, max(req.predicted_s),
+                           req.topology, devices)
+    _log.info("jax_blink impl='auto' at %s %d B: %s", collective, nbytes, why)
+    return (xla_rec, why) if use else (rec, why)
+
+
 @functools.lru_cache(maxsize=256)
 def _estimate(collective, mesh, axes, axis_index_groups, root, key, nbytes, platform, impl) -> float:
     """Predicted seconds of lowering ``impl`` at a call site of ``nbytes`` per device (the slowest
@@ -501,6 +523,7 @@ def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=N
     mesh = _concrete_mesh(collective, ctx)
     nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ctx.avals_in)
     rec = _site_lowering(ctx, mesh, impl, axes, axis_index_groups, collective, key, root, nbytes)
+    rec, why = _auto_xla(rec, ctx, mesh, impl, axes, axis_index_groups, collective, key, root, nbytes)
     # Zero-size leaves take no part (their results are themselves); the rest go to the rule as they are.
     live = [i for i, a in enumerate(ctx.avals_in) if math.prod(a.shape) > 0]
     outs = list(xs)
@@ -518,7 +541,7 @@ def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=N
     sub = ctx.replace(avals_in=avals, avals_out=[ctx.avals_out[i] for i in live])
     total = sum(math.prod(a.shape) for a in avals)
     for i, o in zip(live, callsites.run_rule(rec, sub, [xs[i] for i in live], request_for, collective=collective,
-                                             axes=axes, impl=impl, mesh=mesh, nelems=total)):
+                                             axes=axes, impl=impl, mesh=mesh, nelems=total, why=why)):
         outs[i] = o
     return outs
 
@@ -564,6 +587,8 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
                         avals_out=[core.ShapedArray(aval_out.shape, aval_out.dtype)]), x)
     rec = _site_lowering(ctx, mesh, impl, axes, axis_index_groups, collective, key, None,
                          n * m * np.dtype(aval_in.dtype).itemsize)
+    rec, why = _auto_xla(rec, ctx, mesh, impl, axes, axis_index_groups, collective, key, None,
+                         n * m * np.dtype(aval_in.dtype).itemsize)
     request_for = _request_for(collective, mesh, axes, axis_index_groups, None, key, np.dtype(aval_in.dtype).itemsize,
                                ctx.module_context.platforms[0], rec.name, auto_axes(ctx, mesh))
 
@@ -586,7 +611,7 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
             me = jnp.asarray(ranks)[_ppermute._position_p.bind()]
             return lax.dynamic_slice(v, (me * m,), (m,)).reshape(aval_out.shape)
     shard = core.ShapedArray((m,), aval_in.dtype)
-    site = dict(collective=collective, axes=axes, impl=impl, mesh=mesh, nelems=n * m)
+    site = dict(collective=collective, axes=axes, impl=impl, mesh=mesh, nelems=n * m, why=why)
     if gather and rec.shard_input:  # the executor places the shard itself
         out, = callsites.run_rule(rec, ctx.replace(avals_in=[shard], avals_out=[full]), [mlir.reshape(ctx, x, shard)],
                                   request_for, **site)

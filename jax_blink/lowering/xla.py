@@ -25,6 +25,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from .. import calibration, nccl_model
 from .._jax_compat import all_gather_p, core, ir, lax_lowering_rule, lower_fun_plain, mlir, psum_p, reduce_scatter_p
 from . import Lowering, register
 from .ppermute import _position_p
@@ -114,6 +115,59 @@ def xla_lowering(ctx, xs, request_for):
             raise NotImplementedError(f"impl='xla': no XLA lowering for {coll!r}")
         outs.append(y)
     return outs
+
+
+#: Platforms whose XLA collective is NCCL (the tuner model predicts it).
+NCCL_PLATFORMS = ("cuda", "gpu")
+
+
+def xla_time_s(platform: str, collective: str, nbytes: float, group_size: int, topology=None, devices=None,
+               cal: calibration.Calibration | None = None) -> tuple[float | None, str]:
+    """Predicted seconds of XLA's collective at a call site and where the figure comes from: this
+    machine's calibration (``cal``, :mod:`jax_blink.calibration`) when it has a fit for the collective
+    and group size; else on GPUs NCCL's tuner model (:func:`jax_blink.nccl_model.predict`, its
+    back-to-back time) over ``devices`` of ``topology``; else (None, why). Broadcast runs as an
+    all-gather of ``group_size x nbytes`` (what this lowering emits), reduce as an all-reduce."""
+    if cal is not None:
+        t = cal.time_s(NAME, collective, group_size, nbytes)
+        if t is not None:
+            return t, "this machine's calibration"
+    if platform not in NCCL_PLATFORMS:
+        return None, f"no calibration of XLA's {platform} collectives here (run `jax-blink calibrate`)"
+    if topology is None:
+        return None, "no topology to model NCCL on"
+    coll, size = {"broadcast": ("allgather", nbytes * group_size), "reduce": ("allreduce", nbytes)}.get(
+        collective, (collective, nbytes))
+    try:
+        ch = nccl_model.predict(topology, coll, size, devices=devices)
+    except ValueError as err:
+        return None, f"NCCL's tuner model does not apply ({err})"
+    if ch is None:
+        return None, "the topology describes no GPUs (no NCCL to model)"
+    return ch.steady_us * 1e-6, f"NCCL's tuner model: {ch.algorithm}/{ch.protocol}"
+
+
+def decide(platform: str, collective: str, nbytes: float, group_size: int, blink_name: str,
+           blink_predicted_s: float, topology=None, devices=None) -> tuple[bool, str]:
+    """Whether ``impl="auto"`` hands a call site to XLA's collective instead of jax_blink's lowering
+    ``blink_name`` (its cost model's ``blink_predicted_s``), and the reason (for ``explain`` and
+    ``JAX_BLINK_LOG``). With a calibration of this machine holding fits of both lowerings, the fits
+    decide; otherwise XLA's :func:`xla_time_s` against ``blink_predicted_s``. XLA takes the site only
+    when predicted strictly faster."""
+    cal = calibration.load(platform)
+    t_blink, how = blink_predicted_s, "cost model"
+    if cal is not None:
+        fitted = cal.time_s(blink_name, collective, group_size, nbytes)
+        if fitted is not None:
+            t_blink, how = fitted, "this machine's calibration"
+    t_xla, src = xla_time_s(platform, collective, nbytes, group_size, topology, devices, cal)
+    note = "" if calibration.note() is None else f" ({calibration.note()})"
+    if t_xla is None:
+        return False, f"XLA's collective not modelled: {src}{note}"
+    us = f"{nbytes:.0f} B: XLA {t_xla * 1e6:.3g} us ({src}) vs {blink_name} {t_blink * 1e6:.3g} us ({how})"
+    if t_xla < t_blink:
+        return True, f"auto: xla, XLA's collective predicted faster than every jax_blink plan at {us}{note}"
+    return False, f"jax_blink predicted no slower than XLA at {us}{note}"
 
 
 # step_latency_s only sizes the jax_blink schedule the call-site report describes beside it; XLA runs
