@@ -110,7 +110,8 @@ def main(argv=None) -> int:
                           f"plans {r['plans_s'] * 1e6:10.1f} us  {'ok' if r['ok'] else 'SLOWER'}", flush=True)
     bad = [r for r in rows if not r["ok"]]
     if args.json:
-        print(json.dumps(rows, indent=1, default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else v))
+        clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()} for r in rows]
+        print(json.dumps(clean, indent=1))
     else:
         xla = sum(r["auto"] == "xla" for r in rows)
         print(f"\n{len(rows)} cells, {len({r['topology'] for r in rows})} topologies: auto hands {xla} to XLA; "

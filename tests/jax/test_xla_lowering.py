@@ -23,7 +23,8 @@ def _x(shape, seed=0):
     return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
 
 
-def _smap(f, mesh, spec=P("d")):
+def _smap(f, mesh, spec=None):
+    spec = P("d") if spec is None else spec
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
