@@ -110,7 +110,9 @@ def main(argv=None) -> int:
                           f"plans {r['plans_s'] * 1e6:10.1f} us  {'ok' if r['ok'] else 'SLOWER'}", flush=True)
     bad = [r for r in rows if not r["ok"]]
     if args.json:
-        clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()} for r in rows]
+        def finite(v):
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+        clean = [{k: finite(v) for k, v in r.items()} for r in rows]
         print(json.dumps(clean, indent=1))
     else:
         xla = sum(r["auto"] == "xla" for r in rows)
