@@ -10,7 +10,7 @@ Every baseline and "rsag" is a Plan the schedule format runs (one tree per segme
 broadcast phases), so whichever wins runs as a schedule.
 Users: ``jax_blink.plan(nbytes=...)`` and ``jax-blink plan --size`` (:func:`choose_plan`),
 ``jax-blink bench`` (blink column = :func:`choose_plan` per size), and the lowerings
-(:func:`lowering_schedule`, from ``primitives.build_request``).
+(:func:`lowering_schedule`, from ``dispatch.build_request``).
 
 Predicted time of a plan (:func:`simulated_time`): the link-level simulator
 (:func:`jax_blink.simulate.simulate`, per-send latency ``latency_us``). Lowerings without a global

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_blink
 import jax_blink.api  # noqa: F401  (imports the lowerings, so "ffi" is registered before IMPLS is read)
-from jax_blink import lowering, mapping
+from jax_blink import dispatch, lowering
 
 IMPLS = ["ppermute"] + (["ffi"] if lowering.find_lowering("ffi", "cpu") is not None else [])
 PERM8 = [3, 1, 0, 2, 7, 5, 4, 6]
@@ -147,7 +147,7 @@ def test_2d_mesh_permuted(impl, axes):
 
 def test_hlo_one_collective_permute_per_round():
     """A 2x4 mesh reducing over 'b': both groups' round r share one collective_permute."""
-    from jax_blink.primitives import build_request
+    from jax_blink.dispatch import build_request
     devs = np.array(jax.devices())[PERM8].reshape(2, 4)
     mesh = Mesh(devs, ("a", "b"))
     f = jax.jit(jax.shard_map(lambda v: jax_blink.psum(v, "b", impl="ppermute", chunk_elems=16), mesh=mesh,
@@ -232,7 +232,7 @@ def test_env_algorithm_is_a_preference_where_it_applies(monkeypatch):
     (found by a user test); the explicit algorithm= argument still raises (test above)."""
     mesh = mesh1(range(8))
     x = per_device(8, (3, 7), "int32", seed=9)
-    monkeypatch.setattr(mapping, "_WARNED", set())  # each fallback warns once per process
+    monkeypatch.setattr(dispatch, "_WARNED", set())  # each fallback warns once per process
     for env in ("ring", "hierarchical"):
         monkeypatch.setenv("JAX_BLINK_ALGORITHM", env)
         def bc(v):

@@ -139,7 +139,7 @@ def _plan_lines(topo, ndevices: int, collective: str = "allreduce") -> list[str]
 
 def _lowering_name(impl: str, platform: str) -> str:
     from .. import api  # noqa: F401  (importing it registers the lowerings that exist)
-    from ..primitives import choose_lowering
+    from ..dispatch import choose_lowering
 
     rec = choose_lowering(impl, [platform])
     return f"{rec.name} ({rec.description or rec.name}) on {platform}"

@@ -42,7 +42,7 @@ import numpy as np
 from .. import _native, collectives
 from .._jax_compat import call_in_function, ir
 from ..errors import BlinkError, warn_user
-from . import Lowering, LoweringRequest, register, selftest_record, site_text
+from . import Lowering, LoweringRequest, host_memory_candidates, register, selftest_record, site_text
 
 CPU_TARGET = "jax_blink_cpu"
 CUDA_TARGET = "jax_blink_cuda"
@@ -398,7 +398,7 @@ def _register(platform: str, xla_platform: str, module, target: str, missing: st
                       description="native XLA FFI custom call", unavailable=why, **fields))
 
 
-_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule, CPU_STEP_LATENCY_S, host_memory=True,
-          shard_input=True, shard_output=True)
+_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule, CPU_STEP_LATENCY_S,
+          candidates=host_memory_candidates, shard_input=True, shard_output=True)
 _register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error, _cuda_rule, CUDA_STEP_LATENCY_S,
           chunks_as_simulated=True, peer_routes=True)

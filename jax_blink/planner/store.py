@@ -44,7 +44,7 @@ from .model import ComposedTrees, Plan, decode_composition
 ENV_PLAN_CACHE = "JAX_BLINK_PLAN_CACHE"
 _LOG = logging.getLogger(__name__)
 #: The code that decides a plan: any edit to it makes older entries stale.
-_PLANNING_CODE = ("planner", "costmodel.py", "simulate.py", "schedule.py", "collectives.py")
+_PLANNING_CODE = ("planner", "costmodel.py", "simulate", "schedule.py", "collectives.py")
 
 
 @functools.lru_cache(maxsize=1)
