@@ -175,3 +175,24 @@ def test_gpu_decision_uses_the_nccl_model():
     assert not use and "ring/LL" in why
     use, why = xla_lowering.decide("cpu", "allreduce", 4096, 8, "ffi", 1.0, None, None)
     assert not use and "jax-blink calibrate" in why
+
+
+def test_cuda_lowering_hands_large_allreduce_to_nccl(mesh):
+    """Lowered for CUDA on a DGX H100 topology (no GPU needed): 4 KiB per GPU stays a jax_blink custom
+    call, 256 MiB becomes XLA's all-reduce (NCCL's NVLS by the tuner model beats every tree schedule)."""
+    f = jax.shard_map(lambda v: jax_blink.psum(v, "d", topology="dgx-h100"), mesh=mesh, in_specs=P("d"),
+                      out_specs=P("d"))
+    small = jax_blink.lowered_text(f, jax.ShapeDtypeStruct((N * 1024,), jnp.float32), native_auto=True)
+    big = jax_blink.lowered_text(f, jax.ShapeDtypeStruct((N * (64 << 20),), jnp.float32), native_auto=True)
+    assert "jax_blink_cuda" in small and "all-reduce" not in small
+    assert "all-reduce" in big and "jax_blink_cuda" not in big
+
+
+def test_reason_in_jax_blink_log(cal_dir, monkeypatch, caplog):
+    _write(xla_s=1e-6, ffi_s=1e-3)
+    monkeypatch.setenv("JAX_BLINK_LOG", "info")
+    jax.clear_caches()
+    with caplog.at_level("INFO", logger="jax_blink"):
+        jax.pmap(lambda v: jax_blink.psum(v, "i"), axis_name="i").lower(jnp.ones((N, 32)))
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "lowering xla (auto: xla, XLA's collective predicted faster" in text
