@@ -46,17 +46,17 @@ class Figure:
 
 PUBLISHED = (
     Figure("DGX H100, 8 GPUs, all-reduce, NVLS", "dgx-h100", None, "allreduce", 8 * GIB, "busbw GB/s", 480.0,
-           "NVIDIA/nccl-tests issue 212 (an NCCL maintainer: 'On 8 GPUs, you should reach a peak busBw of "
-           "~480GB/s' with NVLink SHARP); NVIDIA/nccl issue 1374 (GTC S62129: 480 GB/s)"),
+           "NVIDIA/nccl-tests#212 (an NCCL maintainer: 'On 8 GPUs, you should reach a peak busBw of "
+           "~480GB/s' with NVLink SHARP); NVIDIA/nccl#1374 (GTC S62129: 480 GB/s)"),
     Figure("DGX H100, 8 GPUs, all-reduce, NCCL_ALGO=Ring", "dgx-h100", None, "allreduce", 8 * GIB, "busbw GB/s",
-           370.0, "NVIDIA/nccl-tests issue 212 ('an effective NVLink bandwidth of 370GB/s ... when running "
+           370.0, "NVIDIA/nccl-tests#212 ('an effective NVLink bandwidth of 370GB/s ... when running "
            "with NCCL_ALGO=RING')", algorithms=("ring",)),
     Figure("8x A100 SXM4 (NVSwitch), all-reduce", "dgx-a100", None, "allreduce", GIB, "busbw GB/s", 200.0,
-           "NVIDIA/nccl-tests issue 149 (8x A100-SXM4-80GB, all_reduce_perf to 1 GiB: 'a busbw of ~200 GB/s')"),
+           "NVIDIA/nccl-tests#149 (8x A100-SXM4-80GB, all_reduce_perf to 1 GiB: 'a busbw of ~200 GB/s')"),
     Figure("DGX A100, 8 GPUs, all-reduce", "dgx-a100", None, "allreduce", 8 * GIB, "busbw GB/s", 231.0,
            "public nccl-tests runs on DGX A100 (quoted as ~231 GB/s in the project's design notes)"),
     Figure("4 H800 on NVLink, 1 KiB all-reduce, NCCL_ALGO=Ring", "dgx-h100", (0, 1, 2, 3), "allreduce", 1024, "us",
-           3.5, "NVIDIA/nccl issue 1984 (all_reduce_perf -b 1024 on 4 H800, without CUDA graphs: 3.5 us)",
+           3.5, "NVIDIA/nccl#1984 (all_reduce_perf -b 1024 on 4 H800, without CUDA graphs: 3.5 us)",
            algorithms=("ring",)),
     Figure("8 PCIe gen3 GPUs, 4 KiB all-reduce", "pcie-2socket", None, "allreduce", 4096, "us", 19.0,
            "public reports of NCCL on 8 PCIe GPUs against one-shot custom all-reduce kernels (~19 us "

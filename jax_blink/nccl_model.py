@@ -303,7 +303,7 @@ def algo_time_us(system: System, collective: str, algorithm: str, protocol: str,
 
     ``steady``: leave out ``baseLatencies`` (the per-call part of NCCL's latency). nccl-tests issues
     its calls back to back, and published small-message times match the hardware part alone: 4 H800 on
-    NVLink, 1 KiB ring all-reduce 3.5 us (NVIDIA/nccl issue 1984) against 6 x 0.6 = 3.6 us here, where
+    NVLink, 1 KiB ring all-reduce 3.5 us (NVIDIA/nccl#1984) against 6 x 0.6 = 3.6 us here, where
     the full estimate says 10.2 us (``benchmarks/nccl_model.py``)."""
     got = _corrected(system, collective, algorithm, protocol, nbytes)
     if got is None:
