@@ -20,7 +20,6 @@ from ._args import HOST_FLAG, force_host_devices, number_type, positive_int
 HOST_DEVICES = 8
 EXAMPLES = {"digits": pathlib.Path("examples") / "flax_digits" / "train.py",
             "fsdp": pathlib.Path("examples") / "flax_fsdp" / "train.py"}
-EXAMPLE = EXAMPLES["digits"]
 
 
 def add_arguments(p) -> None:

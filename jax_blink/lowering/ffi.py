@@ -361,7 +361,7 @@ def _register_target(platform: str, module, target: str, xla_platform: str, miss
 #: for a chunk a peer thread wrote (a few us, estimate).
 CPU_STEP_LATENCY_S = 5e-6
 #: Seconds of one schedule step of the CUDA executor's device-side interpreter (one kernel per device
-#: per call, issue 25): a chunk hop is the sender's stores, a release fence and a flag store in
+#: per call): a chunk hop is the sender's stores, a release fence and a flag store in
 #: peer-visible memory, seen by the receiver's acquire poll, the synchronisation of NCCL's Simple
 #: protocol. NCCL prices a Simple-protocol ring step over NVLink at 3.4 us (src/graph/tuning.cc, hwLat
 #: [NVLINK][RING][SIMPLE], NCCL 2.19-2.23; LL's flag-in-every-8-bytes steps 0.6 us); the simulator
