@@ -303,3 +303,12 @@ def trace_to_closed_jaxpr(fun, in_avals, name: str = "jax_blink.transform"):
     control-flow body."""
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrap_fun(fun, name, in_avals), list(in_avals))
     return ClosedJaxpr(jaxpr, consts)
+
+
+def lax_lowering_rule(prim, platform: str):
+    """The MLIR lowering rule lax registered for its primitive ``prim`` on ``platform`` ("cpu",
+    "cuda", ...): the platform's own rule where lax registered one (all-gather on GPUs), else the
+    generic one. Calling it emits exactly the op ``lax`` emits (``jax.lax.psum`` -> ``all-reduce``)."""
+    rules = getattr(mlir, "_platform_specific_lowerings", {}).get(platform, {})
+    entry = rules.get(prim) or mlir._lowerings[prim]
+    return getattr(entry, "rule", entry)  # a LoweringRuleEntry (rule, inline) in newer jax

@@ -67,9 +67,11 @@ class CallSite:
       sim_s: the link simulator's time of the plan at ``nbytes`` (``jax-blink bench --plan``'s blink
         column); bound_gbps: the certified rate (``jax_blink.plan(...).bound_gbps``); bound_s:
         ``nbytes / bound``; ring_s / tree_s: NCCL's rings / double binary tree (all-reduce) on the
-        same links, simulated as ``bench`` does (None where they do not exist); speedup: the faster
-        NCCL baseline's ``sim`` time over ``sim_s``; auto_shape / auto_s: ``jax_blink.plan(nbytes=)``'s
-        choice and its simulated time (``bench``'s blink column).
+        same links, simulated as ``bench`` does (None where they do not exist); nccl_s / nccl_choice:
+        what NCCL itself runs there by its tuner (:func:`jax_blink.nccl_model.predict`: algorithm /
+        protocol and its back-to-back time; None on a topology of host CPU devices); speedup: NCCL's
+        time (``nccl_s``, else the faster simulated NCCL baseline) over ``sim_s``; auto_shape / auto_s:
+        ``jax_blink.plan(nbytes=)``'s choice and its simulated time (``bench``'s blink column).
       source: "file:line (function)" of the call in the user's code; label: the name its ops carry.
       plan: the ``Plan`` of the first group (not in :meth:`to_dict`).
     """
@@ -105,6 +107,8 @@ class CallSite:
     source: str
     label: str
     plan: object = dataclasses.field(default=None, repr=False)
+    nccl_s: float | None = None
+    nccl_choice: str | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready fields (no Plan object; inf becomes None)."""
@@ -121,7 +125,9 @@ class CallSite:
                 f" [{self.leaves} leaf{'s' if self.leaves != 1 else ''}]: lowering {self.lowering} ({self.why}); "
                 f"plan {self.shape}, {self.chunks} chunks, {self.rounds} rounds; predicted {t(self.predicted_s)}, "
                 f"simulated {t(self.sim_s)}, bound {t(self.bound_s)}, NCCL ring {t(self.ring_s)}, "
-                f"NCCL tree {t(self.tree_s)}; at {self.source}")
+                f"NCCL tree {t(self.tree_s)}"
+                f"{'' if self.nccl_s is None else f', NCCL tuner {self.nccl_choice} {t(self.nccl_s)}'}; "
+                f"at {self.source}")
 
 
 # ------------------------------------------------------------------------------ listeners
@@ -216,6 +222,16 @@ def lowering_reason(impl: str, rec, platforms, processes: int) -> str:
     return f"{first} ({where}{''.join('; skipped ' + s for s in skipped)})"
 
 
+def _why(info: dict, rec) -> str:
+    """The report's reason for ``rec``: the dispatcher's (``auto`` handing the site to XLA's collective),
+    else the registry's order, with the dispatcher's comparison appended when it kept ``rec``."""
+    note = info.get("why")
+    if note and rec.auto_priority is None:
+        return note
+    base = lowering_reason(info["impl"], rec, info["platforms"], info["processes"])
+    return f"{base}; {note}" if note else base
+
+
 def _sim(plan, nbytes, topology):
     # the simulator as `jax-blink bench` runs it (simulate's own method="auto"), so the row equals bench's
     from .simulate import DEFAULT_LATENCY_US, simulate
@@ -235,6 +251,7 @@ def describe(info: dict, requests: list, index: int) -> CallSite:
     """The :class:`CallSite` of one bucket from the requests its rule ran (``info``: what
     :func:`run_rule` knows: collective, axes, dtype, leaves, nelems, itemsize, lowering record,
     impl, platforms, processes, traceback)."""
+    from . import nccl_model
     from .costmodel import choose_plan
     from .planner.dbtree import nccl_tree_plan
     from .planner.rings import nccl_ring_plan
@@ -246,7 +263,7 @@ def describe(info: dict, requests: list, index: int) -> CallSite:
     sched = main.schedules[0]
     topo = main.topology
     nbytes = int(info["nelems"]) * int(info["itemsize"])
-    sim = bound = ring = tree = speed = auto_shape = auto_s = None
+    sim = bound = ring = tree = speed = auto_shape = auto_s = nccl_s = nccl_choice = None
     if plan is not None and topo is not None and len(plan.devices) > 1 and nbytes > 0:
         sim = _sim(plan, nbytes, topo)
         bound = float(main.bounds_gbps[0]) if main.bounds_gbps else None
@@ -255,6 +272,13 @@ def describe(info: dict, requests: list, index: int) -> CallSite:
         if coll == "allreduce":
             tree = _baseline(lambda: nccl_tree_plan(topo, devices=devs), nbytes, topo)
         nccl = [t for t in (ring, tree) if t is not None]
+        try:
+            ch = nccl_model.predict(topo, coll, nbytes, devices=devs)
+        except ValueError:  # uneven nodes: no NCCL tuner figure
+            ch = None
+        if ch is not None:
+            nccl_s, nccl_choice = ch.steady_us * 1e-6, f"{ch.algorithm}/{ch.protocol}"
+            nccl = [nccl_s]
         speed = min(nccl) / sim if nccl and sim > 0 else None
         auto = choose_plan(topo, coll, nbytes, devices=devs, root=plan.root, latency_us=DEFAULT_LATENCY_US)
         auto_shape, auto_s = auto.shape(), _sim(auto, nbytes, topo)
@@ -265,14 +289,15 @@ def describe(info: dict, requests: list, index: int) -> CallSite:
         group_size=len(main.groups[0]), groups=len(main.groups), dtype=str(info["dtype"]),
         leaves=int(info["leaves"]), nbytes=nbytes, lowering=rec.name, platform="/".join(info["platforms"]),
         processes=int(info["processes"]),
-        why=lowering_reason(info["impl"], rec, info["platforms"], info["processes"]),
+        why=_why(info, rec),
         algorithm=plan.algorithm if plan is not None else "trivial",
         shape=plan.shape() if plan is not None else "-",
         trees=sum(1 for t in plan.trees if t.weight_gbps > 0) if plan is not None else 0,
         chunks=len(sched.chunk_seg), rounds=int(sched.num_rounds), schedules=len(requests),
         predicted_s=float(sum(max(r.predicted_s) if r.predicted_s else 0.0 for r in requests)),
         sim_s=sim, bound_gbps=bound, bound_s=bound_s, ring_s=ring, tree_s=tree, speedup=speed,
-        auto_shape=auto_shape, auto_s=auto_s, source=info["source"], label=info["label"], plan=plan)
+        auto_shape=auto_shape, auto_s=auto_s, source=info["source"], label=info["label"], plan=plan,
+        nccl_s=nccl_s, nccl_choice=nccl_choice)
 
 
 def human_bytes(n: float) -> str:
@@ -294,13 +319,15 @@ def label(collective: str, dtype, nbytes: int, request, lowering_name: str) -> s
 
 
 # ------------------------------------------------------------------------------ the hook
-def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mesh, nelems: int):
+def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mesh, nelems: int,
+             why: str | None = None):
     """Run lowering record ``rec``'s rule on a bucket, named, described and watched (module docstring).
 
     Args: ``rec`` the chosen ``Lowering``; ``ctx``, ``xs``, ``request_for`` what the rule takes;
     ``collective``, ``axes``, ``impl`` the primitive's; ``mesh`` the call site's device mesh;
-    ``nelems`` the elements per device of one schedule over the bucket (sharded: the full buffer).
-    Returns the rule's results.
+    ``nelems`` the elements per device of one schedule over the bucket (sharded: the full buffer);
+    ``why``: the dispatcher's reason for ``rec`` beyond the registry's order (``auto`` weighing XLA's
+    collective against jax_blink's plan), shown in the report. Returns the rule's results.
     """
     dtype = ctx.avals_in[0].dtype
     itemsize = np.dtype(dtype).itemsize
@@ -339,7 +366,7 @@ def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mes
     if listeners is not None or logging_on:
         info = dict(collective=collective, axes=axes, dtype=np.dtype(dtype).name, leaves=len(xs), nelems=nelems,
                     itemsize=itemsize, record=rec, impl=impl, platforms=tuple(ctx.module_context.platforms),
-                    processes=processes, source=source, label=name)
+                    processes=processes, source=source, label=name, why=why)
         site = describe(info, seen or [first], len(listeners) if listeners is not None else 0)
         if listeners is not None:
             listeners.append(site)

@@ -8,7 +8,10 @@ At lowering, the primitives' rules (``jax_blink.primitives``) hand each call sit
 per group, the least predicted time among the group's :func:`candidate_plans` (plan selection:
 :func:`effective_algorithm`, :func:`plan_group`) for that record (:func:`build_request`, cached per
 call-site shape). Where the record's executor has its own policy over the candidates (the CPU
-executor in host memory), the record's ``candidates`` hook applies it. No JAX rule lives here.
+executor in host memory), the record's ``candidates`` hook applies it. :func:`site_choice` adds
+``impl="auto"``'s per-site choice of XLA's own collective (the "xla" record) where the cost model
+predicts it faster than the record's schedule (:func:`jax_blink.lowering.xla.decide`), with the reason.
+No JAX rule lives here.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .errors import BlinkError, TopologyError, warn_user
 from .lowering import ffi as _ffi  # noqa: F401  (registers the "ffi" records)
 from .lowering import hierarchical as _hierarchical  # noqa: F401  (registers the "hierarchical" record)
 from .lowering import ppermute as _ppermute  # noqa: F401  (registers the "ppermute" record)
+from .lowering import xla as _xla  # registers the "xla" record
 from .planner.model import clear_on_reset
 from .planner.threephase import node_groups
 from .planning import plan
@@ -275,6 +279,32 @@ def site_lowering(ctx, mesh, impl, axes=None, axis_index_groups=None, collective
                               process_of=tuple(int(d.process_index) for d in mesh.devices.flat),
                               estimate=estimate, root=root)
     return choose_lowering(impl, ctx.module_context.platforms, nproc, site=site)
+
+
+def site_choice(ctx, mesh, impl, axes, axis_index_groups, collective, key, root, nbytes):
+    """(record, reason or None) for a call site: :func:`site_lowering`'s record, or under ``impl="auto"``
+    XLA's own collective (the "xla" record) where :func:`jax_blink.lowering.xla.decide` predicts it
+    strictly faster than that record's schedule (:func:`build_request`'s predicted time). Only inside one
+    process, one platform, and with ``algorithm`` left to ``auto`` (a forced algorithm is a jax_blink
+    plan). The reason (kept or handed over, with both times) goes to the call-site report and is
+    logged (logger ``jax_blink.lowering``, INFO)."""
+    rec = site_lowering(ctx, mesh, impl, axes, axis_index_groups, collective, key, root, nbytes)
+    platforms = list(ctx.module_context.platforms)
+    xla_rec = _lowering.find_lowering(_xla.NAME, platforms[0])
+    nproc = len({d.process_index for d in mesh.devices.flat})
+    if (impl != "auto" or xla_rec is None or rec.name == _xla.NAME or nproc > 1 or len(platforms) != 1
+            or (key.algorithm != "auto" and key.algorithm_strict) or nbytes <= 0):
+        return rec, None
+    itemsize = np.dtype(ctx.avals_in[0].dtype).itemsize
+    req = build_request(collective, mesh, tuple(axes), axis_index_groups, root, key, max(1, nbytes // itemsize),
+                        itemsize, platforms[0], rec.name, auto_axes(ctx, mesh))
+    if not req.predicted_s or len(req.groups[0]) < 2:
+        return rec, None
+    devices = list(req.plans[0].devices) if req.plans else None
+    use, why = _xla.decide(platforms[0], collective, nbytes, len(req.groups[0]), rec.name, max(req.predicted_s),
+                           req.topology, devices)
+    _log.info("jax_blink impl='auto' at %s %d B: %s", collective, nbytes, why)
+    return (xla_rec, why) if use else (rec, why)
 
 
 @functools.lru_cache(maxsize=256)

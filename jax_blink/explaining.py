@@ -7,7 +7,8 @@ nothing executes) and reports
 - one row per jax_blink call site (one bucket of one collective): collective, axes and group size,
   dtype, bytes per device, the lowering chosen and why, the plan (algorithm, trees / rings, chunks),
   the cost model's predicted time, the link simulator's time of the plan, the bound's time (bytes /
-  certified rate), NCCL's ring and double binary tree on the same links, the predicted speedup and
+  certified rate), NCCL's ring and double binary tree on the same links, what NCCL's own tuner runs
+  there (:mod:`jax_blink.nccl_model`: algorithm / protocol, time), the predicted speedup and
   the source line of the call. The rows are the :class:`jax_blink.callsites.CallSite` records made
   by the lowering itself from the ``LoweringRequest`` it runs, so their numbers are those of
   ``jax_blink.plan(nbytes=)`` and ``jax-blink bench`` for the same topology, devices and size;
@@ -145,7 +146,8 @@ class Report:
         for col, just in (("#", "right"), ("call", "left"), ("axes (n)", "left"), ("dtype", "left"),
                           ("bytes/dev", "right"), ("lowering", "left"), ("plan", "left"), ("chunks", "right"),
                           ("predicted", "right"), ("simulated", "right"), ("bound", "right"),
-                          ("NCCL ring", "right"), ("NCCL tree", "right"), ("speedup", "right"),
+                          ("NCCL ring", "right"), ("NCCL tree", "right"), ("NCCL tuner", "right"),
+                          ("speedup", "right"),
                           ("source", "left")):
             tab.add_column(col, justify=just, overflow="fold")
         for s in self.sites:
@@ -153,6 +155,7 @@ class Report:
             tab.add_row(str(s.index), s.api.removeprefix("jax_blink."), axes, s.dtype,
                         callsites.human_bytes(s.nbytes), s.lowering, s.shape, str(s.chunks), t(s.predicted_s),
                         t(s.sim_s), t(s.bound_s), t(s.ring_s), t(s.tree_s),
+                        "-" if s.nccl_s is None else f"{t(s.nccl_s)} {s.nccl_choice}",
                         "-" if s.speedup is None else f"{s.speedup:.2f}x", _short(s.source))
         out.append(tab)
         if self.sites:

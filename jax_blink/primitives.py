@@ -232,7 +232,7 @@ def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=N
     """Lowering of the bucket primitives: the chosen record's rule over the non-empty leaves."""
     mesh = dispatch.concrete_mesh(collective, ctx)
     nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ctx.avals_in)
-    rec = dispatch.site_lowering(ctx, mesh, impl, axes, axis_index_groups, collective, key, root, nbytes)
+    rec, why = dispatch.site_choice(ctx, mesh, impl, axes, axis_index_groups, collective, key, root, nbytes)
     # Zero-size leaves take no part (their results are themselves); the rest go to the rule as they are.
     live = [i for i, a in enumerate(ctx.avals_in) if math.prod(a.shape) > 0]
     outs = list(xs)
@@ -251,7 +251,7 @@ def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=N
     sub = ctx.replace(avals_in=avals, avals_out=[ctx.avals_out[i] for i in live])
     total = sum(math.prod(a.shape) for a in avals)
     for i, o in zip(live, callsites.run_rule(rec, sub, [xs[i] for i in live], request_for, collective=collective,
-                                             axes=axes, impl=impl, mesh=mesh, nelems=total)):
+                                             axes=axes, impl=impl, mesh=mesh, nelems=total, why=why)):
         outs[i] = o
     return outs
 
@@ -295,8 +295,8 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
         return lower_fun_plain(f, multiple_results=False)(
             ctx.replace(primitive=None, avals_in=[core.ShapedArray(aval_in.shape, aval_in.dtype)],
                         avals_out=[core.ShapedArray(aval_out.shape, aval_out.dtype)]), x)
-    rec = dispatch.site_lowering(ctx, mesh, impl, axes, axis_index_groups, collective, key, None,
-                                 n * m * np.dtype(aval_in.dtype).itemsize)
+    rec, why = dispatch.site_choice(ctx, mesh, impl, axes, axis_index_groups, collective, key, None,
+                                    n * m * np.dtype(aval_in.dtype).itemsize)
     request_for = dispatch.request_for_site(collective, mesh, axes, axis_index_groups, None, key,
                                             np.dtype(aval_in.dtype).itemsize, ctx.module_context.platforms[0],
                                             rec.name, dispatch.auto_axes(ctx, mesh))
@@ -320,7 +320,7 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
             me = jnp.asarray(ranks)[_ppermute._position_p.bind()]
             return lax.dynamic_slice(v, (me * m,), (m,)).reshape(aval_out.shape)
     shard = core.ShapedArray((m,), aval_in.dtype)
-    site = dict(collective=collective, axes=axes, impl=impl, mesh=mesh, nelems=n * m)
+    site = dict(collective=collective, axes=axes, impl=impl, mesh=mesh, nelems=n * m, why=why)
     if gather and rec.shard_input:  # the executor places the shard itself
         out, = callsites.run_rule(rec, ctx.replace(avals_in=[shard], avals_out=[full]), [mlir.reshape(ctx, x, shard)],
                                   request_for, **site)

@@ -6,6 +6,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # every test plans afresh (tests of the on-disk plan cache turn it on in a temporary directory)
 os.environ.setdefault("JAX_BLINK_PLAN_CACHE", "0")
+# no test reads this machine's calibration (the calibration tests write their own in a temporary directory)
+os.environ.setdefault("JAX_BLINK_CALIBRATION", "0")
 
 import pathlib
 

@@ -20,6 +20,8 @@ COMMANDS = {
     "show": ("jax_blink.cli.show_cmd", "draw the trees of a plan to a PNG"),
     "demo": ("jax_blink.cli.demo_cmd", "plan + data-parallel Flax training with jax_blink.psum"),
     "selftest": ("jax_blink.cli.selftest_cmd", "check the native CUDA executor on this machine's GPUs"),
+    "calibrate": ("jax_blink.cli.calibrate_cmd",
+                  "measure this machine's collectives (jax_blink's executor and XLA's) and fit the costs auto uses"),
     "explain": ("jax_blink.cli.explain_cmd", "what every jax_blink call site of SCRIPT:FUNCTION runs (nothing runs)"),
 }
 

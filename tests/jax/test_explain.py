@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_blink
-from jax_blink import Topology, callsites, costmodel
+from jax_blink import Topology, callsites, costmodel, nccl_model
 from jax_blink import lowering as registry
 from jax_blink.cli import main
 from jax_blink.cli.bench_cmd import simulate_sweep
@@ -45,8 +45,10 @@ def _check_site(site, topo):
     assert site.tree_s == (None if swept["tree"] is None else swept["tree"].time_s)
     fixed, = simulate_sweep(topo, p, [site.nbytes], progress=False, fixed=True)  # `bench --plan <its plan>`
     assert site.sim_s == fixed["blink"].time_s
-    nccl = [t for t in (site.ring_s, site.tree_s) if t is not None]
-    assert site.speedup == pytest.approx(min(nccl) / site.sim_s, rel=1e-12)
+    # NCCL's own choice by its tuner (jax_blink.nccl_model), back to back, is the speedup's reference
+    ch = nccl_model.predict(topo, coll, site.nbytes, devices=devs)
+    assert (site.nccl_s, site.nccl_choice) == (ch.steady_us * 1e-6, f"{ch.algorithm}/{ch.protocol}")
+    assert site.speedup == pytest.approx(site.nccl_s / site.sim_s, rel=1e-12)
     # the lowering's own choice: the CPU executor keeps the packing (sharded: one star per owner) and
     # picks its chunks by the cost model with the ffi record's step latency
     rec = registry.record("ffi", "cpu")

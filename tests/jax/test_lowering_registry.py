@@ -32,8 +32,11 @@ def test_builtin_records():
         assert ffi.auto_priority < pp.auto_priority and ffi.auto_allowed is not None
     assert lowering.record("ffi", "cpu").candidates is lowering.host_memory_candidates
     assert lowering.record("ffi", "cuda").candidates is None
-    assert lowering.names() == ["ffi", "hierarchical", "ppermute"]
-    assert api.impls() == ["auto", "ffi", "hierarchical", "ppermute"]
+    assert lowering.names() == ["ffi", "hierarchical", "ppermute", "xla"]
+    assert api.impls() == ["auto", "ffi", "hierarchical", "ppermute", "xla"]
+    xla = lowering.record("xla", "cpu")  # lax's own op: auto takes it by the cost model only (dispatch.site_choice)
+    assert (xla.platform, xla.auto_priority, xla.multi_process, xla.shard_input, xla.shard_output) == (
+        None, None, True, True, True)
     for platform in ("cpu", "cuda"):  # across processes: native inside, XLA's collective between
         h = lowering.record("hierarchical", platform)
         assert (h.platform, h.multi_process, h.auto_priority, h.auto_fits is not None) == (platform, True, 0, True)
@@ -50,7 +53,7 @@ def test_unavailable_record_is_skipped_and_says_why(monkeypatch):
     assert lowering.find_lowering("ffi", "cpu") is None and lowering.record("ffi", "cpu") is broken
     assert choose_lowering("auto", ["cpu"]).name == "ppermute"
     with pytest.raises(BlinkError, match=r"no lowering registered for platform\(s\) \['cpu'\] \(registered impls: "
-                                         r"\['ppermute'\]; 'ffi' on cpu: native module not built \(test\)\)"):
+                                         r"\['ppermute', 'xla'\]; 'ffi' on cpu: native module not built \(test\)\)"):
         choose_lowering("ffi", ["cpu"])
     assert "ffi" in api.impls()  # still a valid impl name: it fails at lowering, saying why
 
