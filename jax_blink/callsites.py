@@ -22,6 +22,7 @@ rates GB/s = 1e9 B/s.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -71,6 +72,8 @@ class CallSite:
         NCCL baseline's ``sim`` time over ``sim_s``; auto_shape / auto_s: ``jax_blink.plan(nbytes=)``'s
         choice and its simulated time (``bench``'s blink column).
       source: "file:line (function)" of the call in the user's code; label: the name its ops carry.
+      sources: one "file:line (function)" per collective the bucket runs (``jax_blink.transform``'s
+        combined calls: each member's innermost line outside jax and jax_blink), else ``(source,)``.
       plan: the ``Plan`` of the first group (not in :meth:`to_dict`).
     """
 
@@ -104,12 +107,14 @@ class CallSite:
     auto_s: float | None
     source: str
     label: str
+    sources: tuple = ()
     plan: object = dataclasses.field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         """JSON-ready fields (no Plan object; inf becomes None)."""
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "plan"}
         d["axes"] = list(self.axes)
+        d["sources"] = list(self.sources)
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
 
     def log_line(self) -> str:
@@ -182,6 +187,43 @@ def _user_frames(traceback) -> list:
         return []
     return [f for f in source_info_util.user_frames(traceback)
             if not os.path.abspath(f.file_name).startswith(_PACKAGE_DIR)]
+
+
+def innermost_source(traceback) -> str:
+    """"file:line (function)" of the innermost frame outside jax and jax_blink, or "unknown"."""
+    frames = _user_frames(traceback)[:1]
+    return f"{frames[0].file_name}:{frames[0].start_line} ({frames[0].function_name})" if frames else "unknown"
+
+
+def short_source(source: str) -> str:
+    """Each "file:line (function)" of ``source`` (joined by " < ") with the file's last two path parts."""
+    out = []
+    for one in source.split(" < "):
+        path, sep, rest = one.partition(":")
+        out.append("/".join(path.replace("\\", "/").split("/")[-2:]) + sep + rest)
+    return " < ".join(out)
+
+
+# Buckets of combined equations (jax_blink.transform): the traceback their call is bound under ->
+# every member's source line. Strong references to the tracebacks, so an id is not reused while kept.
+_BUCKETS: collections.OrderedDict = collections.OrderedDict()
+
+
+def note_bucket(traceback, sources) -> None:
+    """Record that the call bound under ``traceback`` runs equations made at ``sources`` (a sequence
+    of "file:line (function)"), for the :class:`CallSite` of its lowering."""
+    if traceback is None:
+        return
+    _BUCKETS[id(traceback)] = (traceback, tuple(sources))
+    _BUCKETS.move_to_end(id(traceback))
+    while len(_BUCKETS) > 4096:
+        _BUCKETS.popitem(last=False)
+
+
+def bucket_sources(traceback) -> tuple:
+    """The member source lines :func:`note_bucket` recorded for ``traceback``, or ()."""
+    got = _BUCKETS.get(id(traceback)) if traceback is not None else None
+    return got[1] if got is not None and got[0] is traceback else ()
 
 
 def source_of(traceback) -> str:
@@ -272,7 +314,8 @@ def describe(info: dict, requests: list, index: int) -> CallSite:
         chunks=len(sched.chunk_seg), rounds=int(sched.num_rounds), schedules=len(requests),
         predicted_s=float(sum(max(r.predicted_s) if r.predicted_s else 0.0 for r in requests)),
         sim_s=sim, bound_gbps=bound, bound_s=bound_s, ring_s=ring, tree_s=tree, speedup=speed,
-        auto_shape=auto_shape, auto_s=auto_s, source=info["source"], label=info["label"], plan=plan)
+        auto_shape=auto_shape, auto_s=auto_s, source=info["source"], label=info["label"],
+        sources=tuple(info.get("sources") or (info["source"],)), plan=plan)
 
 
 def human_bytes(n: float) -> str:
@@ -335,7 +378,7 @@ def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mes
     if listeners is not None or logging_on:
         info = dict(collective=collective, axes=axes, dtype=np.dtype(dtype).name, leaves=len(xs), nelems=nelems,
                     itemsize=itemsize, record=rec, impl=impl, platforms=tuple(ctx.module_context.platforms),
-                    processes=processes, source=source, label=name)
+                    processes=processes, source=source, label=name, sources=bucket_sources(ctx.traceback))
         site = describe(info, seen or [first], len(listeners) if listeners is not None else 0)
         if listeners is not None:
             listeners.append(site)

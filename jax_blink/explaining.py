@@ -153,7 +153,7 @@ class Report:
             tab.add_row(str(s.index), s.api.removeprefix("jax_blink."), axes, s.dtype,
                         callsites.human_bytes(s.nbytes), s.lowering, s.shape, str(s.chunks), t(s.predicted_s),
                         t(s.sim_s), t(s.bound_s), t(s.ring_s), t(s.tree_s),
-                        "-" if s.speedup is None else f"{s.speedup:.2f}x", _short(s.source))
+                        "-" if s.speedup is None else f"{s.speedup:.2f}x", callsites.short_source(s.source))
         out.append(tab)
         if self.sites:
             why = Text()
@@ -169,7 +169,7 @@ class Report:
             for c in self.xla:
                 op = c.op + (" (SPMD partitioner)" if c.spmd_generated else "")
                 group = "-" if c.group_size is None else str(c.group_size)
-                x.add_row(op, c.dtype, callsites.human_bytes(c.nbytes), group, c.op_name, _short(c.source))
+                x.add_row(op, c.dtype, callsites.human_bytes(c.nbytes), group, c.op_name, callsites.short_source(c.source))
             out.append(x if self.xla else Text("no other XLA collectives"))
         return out
 
@@ -198,15 +198,6 @@ class _Null:
 
     def flush(self):
         pass
-
-
-def _short(source: str) -> str:
-    """Each "file:line (function)" of ``source`` (joined by " < ") with the file's last two path parts."""
-    out = []
-    for one in source.split(" < "):
-        path, sep, rest = one.partition(":")
-        out.append("/".join(path.replace("\\", "/").split("/")[-2:]) + sep + rest)
-    return " < ".join(out)
 
 
 def explain(fn, *args, compile: bool = True, **kwargs) -> Report:
