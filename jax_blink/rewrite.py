@@ -134,16 +134,18 @@ class _Rewriter:
                                               kwargs["algorithm"], kwargs["max_trees"])
 
     # ---------------------------------------------------------------- finding collectives
-    def wanted(self, jaxpr) -> bool:
-        """Whether ``jaxpr`` (open or closed) holds a collective to take over (or, combining, one of
-        jax_blink's to combine), at any depth (custom derivative rules are opaque functions and always
-        wrapped, so they do not count here)."""
+    def wanted(self, jaxpr, blink: bool = True) -> bool:
+        """Whether ``jaxpr`` (open or closed) holds a collective to take over (or, combining and with
+        ``blink``, one of jax_blink's own to combine), at any depth (custom derivative rules are opaque
+        functions and always wrapped, so they do not count here; their jaxprs are rewritten for lax
+        collectives only, ``blink=False``: re-tracing a rule's jaxpr for combining alone would only
+        risk its linearization)."""
         jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
-            if name in self.prims or name in _LAX_ONLY or (self.threshold and name in _BLINK_PSUMS):
+            if name in self.prims or name in _LAX_ONLY or (blink and self.threshold and name in _BLINK_PSUMS):
                 return True
-            if any(self.wanted(j) for j in _sub_jaxprs(eqn.params)):
+            if any(self.wanted(j, blink) for j in _sub_jaxprs(eqn.params)):
                 return True
         return False
 
@@ -346,7 +348,7 @@ class _Rewriter:
         0.10, an open Jaxpr on 0.12: new constants become leading inputs, counted in num_consts, which
         the rules skip); returns the inputs to bind."""
         cj = p["call_jaxpr"]
-        if not self.wanted(cj):
+        if not self.wanted(cj, blink=False):
             return invals
         if isinstance(cj, ClosedJaxpr):
             p["call_jaxpr"] = self.closed(cj, here)
@@ -364,8 +366,14 @@ class _Rewriter:
 
         def jvp_jaxpr_fun(*zeros):  # the JVP rule's jaxpr, built when differentiated: rewrite it then
             jaxpr, consts, out_zeros = jvp.call_wrapped(*zeros)
-            if self.wanted(jaxpr):
-                jaxpr, consts = self.open(jaxpr, consts, f"{here}/jvp")
+            if self.wanted(jaxpr, blink=False):
+                # not combined: a bucket of a primal's and a tangent's psum would make the primal
+                # output depend on the tangent, which linearization cannot split again
+                saved, self.threshold = self.threshold, 0
+                try:
+                    jaxpr, consts = self.open(jaxpr, consts, f"{here}/jvp")
+                finally:
+                    self.threshold = saved
             return jaxpr, consts, out_zeros
 
         p["jvp_jaxpr_fun"] = lu.wrap_init(jvp_jaxpr_fun, debug_info=jvp.debug_info)
@@ -379,7 +387,7 @@ class _Rewriter:
 
         def fwd_jaxpr_thunk(*nonzeros):
             jaxpr, consts = fwd.call_wrapped(*nonzeros)
-            if self.wanted(jaxpr):
+            if self.wanted(jaxpr, blink=False):
                 jaxpr, consts = self.open(jaxpr, consts, f"{here}/fwd")
             return jaxpr, consts
 
@@ -405,7 +413,7 @@ class _Rewriter:
                 return [o for o in outs if type(o) is not ad.Zero] + leaves
 
             cj = trace_to_closed_jaxpr(traced, [core.typeof(a) for a in args])
-            vals = iter(self.eval(cj.jaxpr, cj.consts, args, f"{here}/bwd") if self.wanted(cj)
+            vals = iter(self.eval(cj.jaxpr, cj.consts, args, f"{here}/bwd") if self.wanted(cj, blink=False)
                         else core.eval_jaxpr(cj.jaxpr, cj.consts, *args))
             cts = [z if z is not None else next(vals) for z in zeros]
             paired, tree = logs
@@ -595,10 +603,16 @@ def transform(fn, *, collectives=("psum", "pmean", "all_gather", "psum_scatter")
     return transformed
 
 
+def _left_alone(r: Rewrite) -> bool:
+    """Left on lax by design (a collective jax_blink has none of, or a kind not asked for), not
+    because jax_blink could not take it."""
+    return r.primitive in _NOT_JAX_BLINK or r.reason.startswith("not asked for")
+
+
 def _log(rw: _Rewriter) -> None:
     left = [r for r in rw.rewrites if r.by == "lax"]
     for r in left:
-        log.warning("jax_blink.transform(%s): %s", rw.name, r)
+        log.log(logging.INFO if _left_alone(r) else logging.WARNING, "jax_blink.transform(%s): %s", rw.name, r)
     log.info("jax_blink.transform(%s): %d lax collective(s) run by jax_blink in %d call(s), %d left on lax",
              rw.name, len(rw.rewrites) - len(left), rw.calls, len(left))
 
