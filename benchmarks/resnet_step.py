@@ -19,9 +19,10 @@ SGD with momentum), ``jax.pmap``-ed over 8 CPU devices on synthetic data. It run
 Printed: the gradient leaf count; XLA's all-reduces in lax's compiled step (after XLA's combiner)
 against the jax_blink custom calls and XLA all-reduces left in each jax_blink step; each step's
 median and least wall time and median CPU time (all threads of the process) over ``--reps`` rounds
-with the three called in turn (the order reversed every other round), the ratios to lax; the largest relative difference of the losses over ``--steps`` steps
-trained from one state. Targets: no more jax_blink calls than XLA's all-reduces, time ratio <= 0.95,
-losses within 1e-5 relative.
+with the three called in turn (the order reversed every other round), the ratios to lax; the
+largest relative difference of the losses over ``--steps`` steps trained from one state.
+Targets: no more jax_blink calls than XLA's all-reduces, time ratio <= 0.95, losses within 1e-5
+relative.
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ def main(argv=None) -> int:
     for name in ("transform", "rename"):
         ar, calls = c[name]
         verdict = "ok" if calls <= xla_ar else "MISSED"
-        print(f"  {name:9s}: {calls} jax_blink calls + {ar} XLA all-reduces left  (target: calls <= {xla_ar}: {verdict})")
+        print(f"  {name:9s}: {calls} jax_blink calls + {ar} XLA all-reduces left  "
+              f"(target: calls <= {xla_ar}: {verdict})")
 
     # losses: every variant trained from the same state for --steps steps
     worst = {k: 0.0 for k in ("transform", "rename")}

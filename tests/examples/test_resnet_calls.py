@@ -5,7 +5,6 @@ within 1e-5 relative of lax's."""
 
 import importlib.util
 import pathlib
-import re
 import sys
 
 import jax
