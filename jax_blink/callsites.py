@@ -22,12 +22,13 @@ rates GB/s = 1e9 B/s.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import os
+import re
 import threading
 
 import numpy as np
@@ -74,6 +75,9 @@ class CallSite:
       source: "file:line (function)" of the call in the user's code; label: the name its ops carry.
       sources: one "file:line (function)" per collective the bucket runs (``jax_blink.transform``'s
         combined calls: each member's innermost line outside jax and jax_blink), else ``(source,)``.
+      plan_why: why the lowering runs this plan where ``plan(nbytes=)`` (``auto_shape``) would choose
+        another ("" when they agree or no plan); gpu_topology: the topology describes GPUs (links
+        other than host memory).
       plan: the ``Plan`` of the first group (not in :meth:`to_dict`).
     """
 
@@ -108,6 +112,8 @@ class CallSite:
     source: str
     label: str
     sources: tuple = ()
+    plan_why: str = ""
+    gpu_topology: bool = False
     plan: object = dataclasses.field(default=None, repr=False)
 
     def to_dict(self) -> dict:
@@ -204,26 +210,27 @@ def short_source(source: str) -> str:
     return " < ".join(out)
 
 
-# Buckets of combined equations (jax_blink.transform): the traceback their call is bound under ->
-# every member's source line. Strong references to the tracebacks, so an id is not reused while kept.
-_BUCKETS: collections.OrderedDict = collections.OrderedDict()
+# Buckets of combined equations (jax_blink.transform): a name-stack token -> every member's source
+# line. The token is a hash of the sources, so the same program gets the same names on every trace.
+_BUCKETS: dict = {}
+_TOKEN = re.compile(r"jax_blink\.bucket\[([0-9a-f]{12})\]")
 
 
-def note_bucket(traceback, sources) -> None:
-    """Record that the call bound under ``traceback`` runs equations made at ``sources`` (a sequence
-    of "file:line (function)"), for the :class:`CallSite` of its lowering."""
-    if traceback is None:
-        return
-    _BUCKETS[id(traceback)] = (traceback, tuple(sources))
-    _BUCKETS.move_to_end(id(traceback))
-    while len(_BUCKETS) > 4096:
-        _BUCKETS.popitem(last=False)
+def bucket_scope(sources) -> str:
+    """The name-stack scope to bind a bucket's call under (``jax.named_scope``; it shows in the HLO
+    ``op_name`` and profiles as ``jax_blink.bucket[<hash>]``), recording that it runs collectives
+    made at ``sources`` (a sequence of "file:line (function)") for its :class:`CallSite`."""
+    sources = tuple(sources)
+    token = hashlib.blake2b("\n".join(sources).encode(), digest_size=6).hexdigest()
+    _BUCKETS[token] = sources
+    return f"jax_blink.bucket[{token}]"
 
 
-def bucket_sources(traceback) -> tuple:
-    """The member source lines :func:`note_bucket` recorded for ``traceback``, or ()."""
-    got = _BUCKETS.get(id(traceback)) if traceback is not None else None
-    return got[1] if got is not None and got[0] is traceback else ()
+def bucket_sources(name_stack) -> tuple:
+    """The member source lines :func:`bucket_scope` recorded for the innermost bucket scope of
+    ``name_stack`` (a jax NameStack or text), or ()."""
+    found = _TOKEN.findall(str(name_stack))
+    return _BUCKETS.get(found[-1], ()) if found else ()
 
 
 def source_of(traceback) -> str:
@@ -315,7 +322,22 @@ def describe(info: dict, requests: list, index: int) -> CallSite:
         predicted_s=float(sum(max(r.predicted_s) if r.predicted_s else 0.0 for r in requests)),
         sim_s=sim, bound_gbps=bound, bound_s=bound_s, ring_s=ring, tree_s=tree, speedup=speed,
         auto_shape=auto_shape, auto_s=auto_s, source=info["source"], label=info["label"],
-        sources=tuple(info.get("sources") or (info["source"],)), plan=plan)
+        sources=tuple(info.get("sources") or (info["source"],)), plan=plan,
+        plan_why=_plan_why(rec, plan, auto_shape),
+        gpu_topology=topo is not None and any(k != "host" for _, _, k in topo.graph.edges(data="kind")))
+
+
+def _plan_why(rec, plan, auto_shape) -> str:
+    """Why the lowering's plan differs from ``plan(nbytes=)``'s choice ``auto_shape`` ("" when it does not)."""
+    if plan is None or auto_shape is None or plan.shape() == auto_shape:
+        return ""
+    if rec.host_memory:
+        return (f"the {rec.name} executor works in host memory, where a tree hop is a pass over the chunk, not a "
+                f"link: it runs the rate-optimal packing ({plan.shape()}) at every size, which reads every input "
+                f"once and writes every output once, where plan(nbytes=) would pick {auto_shape} for links "
+                "(a ring writes every rank twice: 1.6-1.7x slower in host memory)")
+    return (f"the lowering's cost model (its step latency and synchronisation) chose {plan.shape()}; "
+            f"plan(nbytes=) (link simulator) would pick {auto_shape}")
 
 
 def human_bytes(n: float) -> str:
@@ -378,7 +400,7 @@ def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mes
     if listeners is not None or logging_on:
         info = dict(collective=collective, axes=axes, dtype=np.dtype(dtype).name, leaves=len(xs), nelems=nelems,
                     itemsize=itemsize, record=rec, impl=impl, platforms=tuple(ctx.module_context.platforms),
-                    processes=processes, source=source, label=name, sources=bucket_sources(ctx.traceback))
+                    processes=processes, source=source, label=name, sources=bucket_sources(ctx.name_stack))
         site = describe(info, seen or [first], len(listeners) if listeners is not None else 0)
         if listeners is not None:
             listeners.append(site)

@@ -195,6 +195,7 @@ class _Rewriter:
                 members = [jaxpr.eqns[i] for i in step.eqns]
                 first = members[0]
                 name_stack = source_info_util.current_name_stack() + first.source_info.name_stack
+                name_stack = name_stack.extend(callsites.bucket_scope(_source(e) for e in members))
                 with source_info_util.user_context(first.source_info.traceback, name_stack=name_stack), \
                         first.ctx.manager:
                     results = self.bucket(members, step, [[read(v) for v in e.invars] for e in members], where)
@@ -288,7 +289,6 @@ class _Rewriter:
             if e.primitive in _COLLECTIVE_PRIMS:
                 self.note(e.primitive.name, _axes_of(e.params), vals, where, source=src, call=call)
         flat = [x for vals in invals for x in vals]
-        callsites.note_bucket(eqns[0].source_info.traceback, sources)
         if key[0] == "psum":
             _, _, axes, groups, impl, plan_key, _ = key
             api._check_topology(plan_key, axes, "jax_blink.psum")
@@ -635,12 +635,13 @@ def transform_report(transformed) -> str:
     head = (f"transform({name}): {len(rs)} lax collective(s) met, {len(done)} run by jax_blink in "
             f"{transformed.calls} call(s)")
     if combined:
-        head += (f" ({len(combined)} combining {sum(c.equations for c in combined)} collectives, "
-                 f"jax_blink's own included)")
+        head += (f"; {len(combined)} of the calls combine {sum(c.equations for c in combined)} collectives "
+                 f"(jax_blink's own included)")
     head += f", {len(rs) - len(done)} left on lax"
     groups: dict = {}
     for r in rs:
-        g = groups.setdefault((r.by, r.primitive, r.axes, callsites.short_source(r.source), r.reason), [0, set()])
+        g = groups.setdefault((r.by, r.primitive, r.axes, _short_function(callsites.short_source(r.source)), r.reason),
+                              [0, set()])
         g[0] += 1
         if r.call is not None:
             g[1].add(r.call)
@@ -665,3 +666,9 @@ def _line_key(source: str) -> tuple:
     path, _, rest = source.partition(":")
     line = rest.split(" ", 1)[0]
     return (path, int(line) if line.isdigit() else 0, rest)
+
+
+def _short_function(source: str) -> str:
+    """"file:line (a.<locals>.b)" -> "file:line (b)"."""
+    head, sep, fn = source.partition(" (")
+    return head + (f" ({fn.rstrip(')').split('.')[-1]})" if sep else "")
