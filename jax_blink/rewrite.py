@@ -584,7 +584,7 @@ def transform(fn, *, collectives=("psum", "pmean", "all_gather", "psum_scatter")
                   algorithm=algorithm, max_trees=max_trees)
     if combine_threshold_bytes is not None:
         combine_threshold(combine_threshold_bytes)
-    name = getattr(fn, "__name__", None) or type(fn).__name__
+    name = _fn_name(fn)
 
     @functools.wraps(fn)
     def transformed(*args, **kw):
@@ -672,3 +672,10 @@ def _short_function(source: str) -> str:
     """"file:line (a.<locals>.b)" -> "file:line (b)"."""
     head, sep, fn = source.partition(" (")
     return head + (f" ({fn.rstrip(')').split('.')[-1]})" if sep else "")
+
+
+def _fn_name(fn) -> str:
+    """A function's name for reports: ``functools.partial`` unwrapped, no object repr."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
