@@ -2,7 +2,7 @@
 
 For every preset and every topology file in ``tests/data/topologies`` (all GPUs of the topology) and
 every size from 64 KiB to 1 GiB per GPU (float32), the schedule the CUDA ``"ffi"`` lowering builds
-(``costmodel.lowering_schedule`` over ``mapping.candidate_plans``, as ``primitives.build_request``
+(``costmodel.lowering_schedule`` over ``mapping.candidate_plans``, as ``dispatch.build_request``
 does, with the CUDA record's step latency and peer-to-peer routes) is simulated at that step latency
 as per-send latency (``jax_blink.simulate``: link-level, plus each link kind's protocol latency) the
 way the interpreter runs it: every send over its pair's peer-to-peer path (the interpreter loads its
@@ -11,7 +11,7 @@ the GPU's own link arbitration (the simulator serves a link's queue by segment p
 block's load throughput, HBM traffic, launch time. NCCL's rings
 (``planner.rings.nccl_ring_plan``) and, for all-reduce, its double binary tree
 (``planner.dbtree.nccl_tree_plan``), at the same latency. Columns: the CUDA schedule's time and its
-plan, NCCL's best, the ratio (target: <= 1.00 everywhere, issue 25), and the schedule the CUDA record
+plan, NCCL's best, the ratio (target: <= 1.00 everywhere: never slower than NCCL), and the schedule the CUDA record
 built before (the CPU executor's 5 us step latency, the round model's chunking under 48 chunks)
 simulated at the new latency.
 
@@ -28,7 +28,7 @@ import math
 import pathlib
 import sys
 
-from jax_blink import costmodel, lowering, mapping
+from jax_blink import costmodel, dispatch, lowering
 from jax_blink.cli.bench_cmd import human_bytes, human_time, parse_sizes
 from jax_blink.errors import PlanError
 from jax_blink.lowering import ffi as ffi_lowering
@@ -69,7 +69,7 @@ def lowering_time(topo, collective: str, devs, nbytes: int, step_s: float, sim_s
     send over its pair's peer-to-peer path, each tree's chunks free-running (no rounds). With
     ``with_rows``: also the same schedule with its links served in row (round) order, a second
     queue discipline (the GPU's arbitration is not modelled; the two bracket it)."""
-    plans = mapping.candidate_plans(topo, collective, list(devs), None)
+    plans = dispatch.candidate_plans(topo, collective, list(devs), None)
     plan, sched, _ = costmodel.lowering_schedule(plans, nbytes // 4, itemsize=4, step_latency_s=step_s,
                                                  round_synchronous=False, topology=topo,
                                                  chunks_as_simulated=chunks_as_simulated, peer_routes=peer_routes)

@@ -60,18 +60,18 @@ class Published:
 
 PUBLISHED = (
     Published("8x A100 PCIe, NVLink bridge pairs", "a100_pcie_nvlink_pairs.txt", "A100 PCIe", (0, 1),
-              "allreduce", GIB, 208.0, "NVIDIA/nccl-tests issue 178 (all_reduce_perf -t 2: busbw 208 GB/s)",
+              "allreduce", GIB, 208.0, "NVIDIA/nccl-tests#178 (all_reduce_perf -t 2: busbw 208 GB/s)",
               use="calibrates NVLINK_EFFICIENCY[3]"),
     Published("8x A100 PCIe, NVLink bridge pairs", "a100_pcie_nvlink_pairs.txt", "A100 PCIe", (0, 1, 2),
-              "allreduce", GIB, 20.0, "NVIDIA/nccl-tests issue 178 (all_reduce_perf -t 3: busbw ~20 GB/s)"),
+              "allreduce", GIB, 20.0, "NVIDIA/nccl-tests#178 (all_reduce_perf -t 3: busbw ~20 GB/s)"),
     Published("2x RTX 2080 Ti, one PCIe switch, no peer access", "two_gpus_pix_no_p2p.txt", "RTX 2080 Ti",
               (0, 1), "allreduce", GIB, 4.0,
               "Anthony-Hoo.github.io, posts/AutoDL_Multi-GPU_Interconnection_Test.md (busbw 4.0 GB/s)",
               use="calibrates HOST_STAGING_GBPS"),
     Published("8x A100 SXM4 80GB, NVSwitch (HPE Apollo 6500)", "dgx-a100", None, None, "allreduce", GIB,
-              200.0, "NVIDIA/nccl-tests issue 149 (all_reduce_perf -g 1 -t 8: busbw ~200 GB/s)"),
+              200.0, "NVIDIA/nccl-tests#149 (all_reduce_perf -g 1 -t 8: busbw ~200 GB/s)"),
     Published("8x H100 SXM, NVSwitch, NCCL_ALGO=RING", "dgx-h100", None, None, "allreduce", GIB, 370.0,
-              "NVIDIA/nccl-tests issue 212 (NCCL maintainer: 450 GB/s line rate, ~370 GB/s busbw "
+              "NVIDIA/nccl-tests#212 (NCCL maintainer: 450 GB/s line rate, ~370 GB/s busbw "
               "with NCCL_ALGO=RING)", use="calibrates NVLINK_EFFICIENCY[4]"),
     Published("DGX-1V, one NVLink (GPU 0 -> 1)", "dgx1v", None, (0, 1), "broadcast", GIB, 22.90, BLINKPLUS,
               use="calibrates NVLINK_EFFICIENCY[2]"),

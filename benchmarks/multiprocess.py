@@ -15,7 +15,7 @@ HLO: native custom calls + XLA collectives (all-reduce, all-gather, all-to-all, 
 The table gives, per size and collective, the median over the runs of the per-run ratio
 t(jax_blink) / t(lax) (lower is faster), its range over the runs, and lax's median time.
 
-Targets (issue 23): <= 0.8x lax from 1 MiB per device, <= 1.0x below, on 2 x 4 devices.
+Targets: <= 0.8x lax from 1 MiB per device, <= 1.0x below, on 2 x 4 devices.
 """
 
 from __future__ import annotations

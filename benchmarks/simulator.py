@@ -3,7 +3,7 @@
 For each case (a topology, the plan ``jax_blink.plan(topo, nbytes=S)`` or an ``algorithm=`` plan, a
 size S per GPU), ``simulate(plan, S, method="link")`` timed twice in this process: with the native
 event model (``jax_blink._native._linksim``; messages as arrays, a plan's tiled from one chunk
-template per tree) and with the Python reference (``jax_blink.simulate._native_linksim = None``: the
+template per tree) and with the Python reference (``jax_blink.simulate.events._native_linksim = None``: the
 message objects and the Python event loop). Columns: messages, CPU seconds of each (the least of
 ``--reps`` runs; ``time.process_time``), reference / native, and whether the two simulated times and
 per-link bytes are bitwise equal. Exit status 1 if any case differs.
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="the cases up to 16 GPUs only")
     a = ap.parse_args(argv)
-    if sim._native_linksim is None:
+    if sim.events._native_linksim is None:
         print(f"the native event model is not built: {jax_blink._native.linksim_error}", file=sys.stderr)
         return 1
     table = Table(title=f"simulate(method='link'): native event model vs Python reference (CPU s, least of {a.reps})")
@@ -63,11 +63,11 @@ def main(argv=None) -> int:
         p = jax_blink.plan(topo, "allreduce", nbytes=nbytes) if alg is None else jax_blink.plan(topo, algorithm=alg)
         run = lambda p=p, b=nbytes, t=topo: sim.simulate(p, b, topology=t, method="link")  # noqa: E731
         t_nat, nat = best_cpu(run, a.reps)
-        sim._native_linksim = None
+        sim.events._native_linksim = None
         try:
             t_ref, ref = best_cpu(run, a.reps)
         finally:
-            sim._native_linksim = jax_blink._native.linksim
+            sim.events._native_linksim = jax_blink._native.linksim
         same = nat.time_s == ref.time_s and list(nat.link_bytes.items()) == list(ref.link_bytes.items())
         bad += not same
         size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"

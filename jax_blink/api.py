@@ -22,8 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import collectives, lowering, mapping
-from . import primitives as P  # registers the lowerings (ppermute, ffi where built)
+from . import (
+    collectives,
+    lowering,
+    mapping,
+    primitives,  # registers the lowerings (ppermute, ffi where built)
+)
 from ._jax_compat import (
     ALL_GATHER_TO,
     ALL_GATHER_TO_NEEDS_VMA,
@@ -39,7 +43,6 @@ from ._jax_compat import (
 )
 from .errors import TopologyError
 from .lowering import ffi as _ffi_lowering
-from .topology import Topology
 
 _SUPPORTED = {np.dtype(t) for t in (
     np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -173,13 +176,13 @@ def _check_topology(key, axes, api) -> None:
     if spec is None:
         return
     try:
-        topo = spec if isinstance(spec, Topology) else mapping._load(spec)
+        topo = mapping.named_topology(spec)
     except TopologyError as err:
         raise TopologyError(f"{api}: topology={spec!r}: {err}") from None
     mesh = abstract_mesh()
     if mesh is None or not set(axes) <= set(mesh.axis_names):
         return  # a vmap axis is not devices: nothing to count
-    sizes = {"axes " + ", ".join(map(repr, axes)): math.prod(P.axis_sizes(axes)),
+    sizes = {"axes " + ", ".join(map(repr, axes)): math.prod(primitives.axis_sizes(axes)),
              "the mesh": math.prod(mesh.axis_sizes)}
     where, n = max(sizes.items(), key=lambda kv: kv[1])
     ngpus = len(topo.gpus)
@@ -268,9 +271,9 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
     axes = skip_one_sized_axes(_axes(axis_name))
     if not axes:
         return x
-    P.check_axis_names(axes, "jax_blink.psum")
+    primitives.check_axis_names(axes, "jax_blink.psum")
     groups = _groups(axis_index_groups)
-    size = math.prod(P.axis_sizes(axes))
+    size = math.prod(primitives.axis_sizes(axes))
     if groups is not None and sorted(i for g in groups for i in g) != list(range(size)):
         raise ValueError(f"jax_blink.psum: axis_index_groups {[list(g) for g in groups]} must cover every "
                          f"index of axes {axes} (size {size}) exactly once")
@@ -289,17 +292,17 @@ def psum_leaves(leaves, axes: tuple, groups, impl: str, key) -> list:
     with the operands of several combined psums."""
     leaves, _, constant = _prepare(list(leaves), axes, "jax_blink.psum")
     if constant:
-        size = len(groups[0]) if groups is not None else math.prod(P.axis_sizes(axes))
+        size = len(groups[0]) if groups is not None else math.prod(primitives.axis_sizes(axes))
         return [lax_const(leaf, size) * leaf for leaf in leaves]
     unreduced_bind = None
     if check_vma():
         if groups is not None:
             raise NotImplementedError("axis_index_groups is not supported with shard_map(check_vma=True) "
                                       "(as lax.psum); use check_vma=False")
-        bind = functools.partial(P.blink_psum_invariant_p.bind, axes=axes, impl=impl, key=key)
-        unreduced_bind = functools.partial(P.blink_unreduced_psum_p.bind, axes=axes, impl=impl, key=key)
+        bind = functools.partial(primitives.blink_psum_invariant_p.bind, axes=axes, impl=impl, key=key)
+        unreduced_bind = functools.partial(primitives.blink_unreduced_psum_p.bind, axes=axes, impl=impl, key=key)
     else:
-        bind = functools.partial(P.blink_psum_p.bind, axes=axes, impl=impl, key=key, axis_index_groups=groups)
+        bind = functools.partial(primitives.blink_psum_p.bind, axes=axes, impl=impl, key=key, axis_index_groups=groups)
     return _bucketed(leaves, axes, bind, "jax_blink.psum", unreduced_bind)
 
 
@@ -312,7 +315,7 @@ def pmean(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, dev
     s = psum(x, axis_name, axis_index_groups=axis_index_groups, topology=topology, impl=impl,
              device_map=device_map, chunk_elems=chunk_elems, algorithm=algorithm, max_trees=max_trees)
     axes = _axes(axis_name)
-    n = len(axis_index_groups[0]) if axis_index_groups is not None else math.prod(P.axis_sizes(axes))
+    n = len(axis_index_groups[0]) if axis_index_groups is not None else math.prod(primitives.axis_sizes(axes))
     return jax.tree_util.tree_map(lambda v: v / n, s)
 
 
@@ -323,8 +326,8 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
     axes = skip_one_sized_axes(_axes(axis_name))
     if not axes:
         return x
-    P.check_axis_names(axes, api)
-    root = _check_root(root, math.prod(P.axis_sizes(axes)), axes, api)
+    primitives.check_axis_names(axes, api)
+    root = _check_root(root, math.prod(primitives.axis_sizes(axes)), axes, api)
     impl = _impl(impl)
     key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm, max_trees)
     _check_topology(key, axes, api)
@@ -332,7 +335,7 @@ def _rooted(prim_name, x, axis_name, root, topology, impl, device_map, chunk_ele
         raise ValueError(f"{api}: algorithm 'ring' is an all-reduce algorithm; use "
                          "'auto', 'trees' or 'hierarchical'")
     leaves, treedef, constant = _prepare(x, axes, api)
-    prim = {"broadcast": P.blink_broadcast_p, "reduce": P.blink_reduce_p}[prim_name]
+    prim = {"broadcast": primitives.blink_broadcast_p, "reduce": primitives.blink_reduce_p}[prim_name]
     copies_only = not collectives.get(prim_name).reduces
     vma = bool(check_vma())
     if copies_only:
@@ -378,9 +381,9 @@ def _sharded_setup(x, axis_name, axis_index_groups, api, impl, topology, device_
     operand and topology checks of :func:`psum`."""
     _check_operand(x, api)
     axes = _axes(axis_name)
-    P.check_axis_names(axes, api)
+    primitives.check_axis_names(axes, api)
     groups = _groups(axis_index_groups)
-    size = math.prod(P.axis_sizes(axes))
+    size = math.prod(primitives.axis_sizes(axes))
     if groups is not None:
         if sorted(i for g in groups for i in g) != list(range(size)):
             raise ValueError(f"{api}: axis_index_groups {[list(g) for g in groups]} must cover every index of "
@@ -466,8 +469,8 @@ def all_gather(x, axis_name, *, axis=0, tiled=False, axis_index_groups=None, to=
 
     axis = _static_int(axis, "axis", api)
     to = _gather_to(to, params["axis_index_groups"], api)
-    prim = {"varying": P.blink_all_gather_p, "invarying": P.blink_all_gather_invariant_p,
-            "reduced": P.blink_all_gather_reduced_p}[to]
+    prim = {"varying": primitives.blink_all_gather_p, "invarying": primitives.blink_all_gather_invariant_p,
+            "reduced": primitives.blink_all_gather_reduced_p}[to]
     axes = params["axes"]
 
     def one(leaf):
@@ -525,14 +528,14 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False, axis_index_g
         dim = scatter_dimension
         if leaf.ndim and -leaf.ndim <= dim < 0:
             dim %= leaf.ndim
-        P.reduce_scatter_shape(leaf.shape, dim, params["axis_size"], bool(tiled), api)
+        primitives.reduce_scatter_shape(leaf.shape, dim, params["axis_size"], bool(tiled), api)
         if _unreduced(leaf, params["axes"], api):
             if params["axis_index_groups"] is not None:
                 raise NotImplementedError(f"{api}: axis_index_groups is not supported for an operand unreduced "
                                           f"over {params['axes']} (as lax.psum_scatter)")
-            return P.blink_unreduced_reduce_scatter_p.bind(leaf, tiled=bool(tiled), scatter_dimension=dim,
+            return primitives.blink_unreduced_reduce_scatter_p.bind(leaf, tiled=bool(tiled), scatter_dimension=dim,
                                                             **params)
         leaf = _vary(leaf, params["axes"])
-        return P.blink_reduce_scatter_p.bind(leaf, tiled=bool(tiled), scatter_dimension=dim, **params)
+        return primitives.blink_reduce_scatter_p.bind(leaf, tiled=bool(tiled), scatter_dimension=dim, **params)
 
     return jax.tree_util.tree_unflatten(treedef, [one(leaf) for leaf in leaves])

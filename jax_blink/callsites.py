@@ -331,7 +331,7 @@ def _plan_why(rec, plan, auto_shape) -> str:
     """Why the lowering's plan differs from ``plan(nbytes=)``'s choice ``auto_shape`` ("" when it does not)."""
     if plan is None or auto_shape is None or plan.shape() == auto_shape:
         return ""
-    if rec.host_memory:
+    if rec.candidates is _lowering.host_memory_candidates:  # the policy: lowering.host_memory_candidates
         return (f"the {rec.name} executor works in host memory, where a tree hop is a pass over the chunk, not a "
                 f"link: it runs the rate-optimal packing ({plan.shape()}) at every size, which reads every input "
                 f"once and writes every output once, where plan(nbytes=) would pick {auto_shape} for links "

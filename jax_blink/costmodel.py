@@ -10,7 +10,7 @@ Every baseline and "rsag" is a Plan the schedule format runs (one tree per segme
 broadcast phases), so whichever wins runs as a schedule.
 Users: ``jax_blink.plan(nbytes=...)`` and ``jax-blink plan --size`` (:func:`choose_plan`),
 ``jax-blink bench`` (blink column = :func:`choose_plan` per size), and the lowerings
-(:func:`lowering_schedule`, from ``primitives.build_request``).
+(:func:`lowering_schedule`, from ``dispatch.build_request``).
 
 Predicted time of a plan (:func:`simulated_time`): the link-level simulator
 (:func:`jax_blink.simulate.simulate`, per-send latency ``latency_us``). Lowerings without a global
@@ -53,11 +53,12 @@ import numpy as np
 
 from . import collectives
 from .errors import PlanError, ScheduleError
-from .planner import dbtree, facade, rings, store, symmetric, threephase
+from .planner import dbtree, facade, rings, store, threephase
 from .planner.model import cached, plan_cache
 from .schedule import DEFAULT_MAX_TOTAL_CHUNKS, DEFAULT_STEP_LATENCY_S, Schedule, _depth, build_schedule
 from .simulate import CHUNK_BUDGET, DEFAULT_LATENCY_US, flow_time, link_level_messages, plan_chunks, simulate
 from .simulate import DEFAULT_MAX_CHUNKS as SIM_MAX_CHUNKS
+from .topology import symmetry
 
 #: ``plan(max_trees=k)`` candidates; None is the bandwidth-optimal packing.
 CANDIDATE_MAX_TREES = (None, 4, 2, 1)
@@ -508,8 +509,8 @@ def process_phases(topology, collective: str, nbytes: float, *, devices=None,
     if L > 1:
         # identical nodes: node 0 alone, as "rsag" plans it (not the whole cluster, whose NICs give
         # detours through the network and other nodes' switches), so its packings are shared
-        struct = symmetric.node_structure(topology, devices)
-        view = topology if struct is None else symmetric.node_topology(struct)
+        struct = symmetry.node_structure(topology, devices)
+        view = topology if struct is None else symmetry.node_topology(struct)
         node = node if struct is None else list(struct.groups[0])
         for phase in phases:
             # the node's share: an all-reduce's local phases run on the full operand; an all-gather's on

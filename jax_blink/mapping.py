@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import TopologyError, warn_user
+from .errors import TopologyError
 from .planner.model import clear_on_reset
 from .topology import Topology, default_gpu_id
 
@@ -113,7 +113,7 @@ def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=No
     if topology is None and os.environ.get(ENV_TOPOLOGY):
         topology = os.environ[ENV_TOPOLOGY]
         try:
-            _load(topology)
+            named_topology(topology)
         except TopologyError as err:
             raise TopologyError(f"{ENV_TOPOLOGY}={topology!r}: {err}") from None
     if topology is not None and not isinstance(topology, (Topology, str, os.PathLike)):
@@ -140,15 +140,27 @@ def _load(spec: str) -> Topology:
     return load_topology(spec)
 
 
+def named_topology(spec) -> Topology | None:
+    """The Topology a :class:`PlanKey`'s ``topology`` names: itself for a Topology, the loaded preset
+    or file for a str, None for None (environment unset: detection or host, :func:`resolve_topology`).
+
+    The one resolution of a named topology a call site shares (``make_plan_key`` for
+    ``JAX_BLINK_TOPOLOGY``, the API's trace-time check, the dispatcher at lowering): a memo keyed by
+    the spec, emptied by ``jax_blink.clear_caches`` (after editing a topology file).
+    Raises TopologyError when a named topology cannot be loaded.
+    """
+    if spec is None or isinstance(spec, Topology):
+        return spec
+    return _load(spec)
+
+
 def resolve_topology(spec, platform: str, gpu_ids: list[int]) -> Topology:
     """The Topology to plan on for devices that map to ``gpu_ids`` on ``platform``.
 
     Raises TopologyError when a named topology cannot be loaded or detection fails on GPU.
     """
-    if isinstance(spec, Topology):
-        return spec
-    if isinstance(spec, str):
-        return _load(spec)
+    if spec is not None:
+        return named_topology(spec)
     if platform in ("cuda", "rocm", "gpu"):
         from .topology.nvml import detect
         return detect()
@@ -211,58 +223,3 @@ def split_by_process(devices_flat, groups) -> list[dict[int, list[int]]]:
     return out
 
 
-#: Collectives each forced algorithm plans (``jax_blink.plan`` raises PlanError for the others).
-_APPLIES = {"ring": ("allreduce", "allgather", "reducescatter"), "rsag": ("allreduce",),
-            "hierarchical": ("allreduce", "broadcast", "reduce")}
-_WARNED: set = set()
-
-
-def effective_algorithm(key: PlanKey, topology: Topology, collective: str, gpu_ids) -> str:
-    """``key.algorithm``, except that a preference from ``JAX_BLINK_ALGORITHM`` falls back to "auto"
-    where it does not apply: "ring" for broadcast / reduce, "rsag" for anything but all-reduce,
-    "hierarchical" for all-gather / reduce-scatter or a group on one node. Each fallback warns once
-    per (algorithm, collective, reason) in the process (RuntimeWarning). An explicit ``algorithm=``
-    argument is used as given (the planner raises PlanError if it cannot apply)."""
-    from .planner.threephase import node_groups
-    if key.algorithm_strict or key.algorithm == "auto":
-        return key.algorithm
-    why = None
-    if collective not in _APPLIES.get(key.algorithm, (collective,)):
-        why = f"it does not apply to {collective}"
-    elif key.algorithm == "hierarchical" and len(node_groups(topology, list(gpu_ids))) < 2:
-        why = "the group's GPUs are on one node"
-    if why is None:
-        return key.algorithm
-    if (key.algorithm, collective, why) not in _WARNED:
-        _WARNED.add((key.algorithm, collective, why))
-        warn_user(f"{ENV_ALGORITHM}={key.algorithm}: {why}; planning {collective} with 'auto' "
-                  f"(pass algorithm= to a call to require it)")
-    return "auto"
-
-
-def plan_group(topology: Topology, collective: str, gpu_ids: list[int], root_rank: int | None,
-               algorithm: str = "auto", max_trees: int | None = None):
-    """The packing plan for one group (:func:`jax_blink.plan` with ``algorithm`` and
-    ``max_trees``), with a clear coverage error (TopologyError); PlanError from the planner, e.g.
-    "hierarchical" on one node."""
-    from .planning import plan
-    missing = [g for g in gpu_ids if g not in set(topology.gpus)]
-    if missing:
-        raise TopologyError(
-            f"topology {getattr(topology, 'name', '')!r} has GPUs {topology.gpus} but the mesh devices map "
-            f"to GPUs {gpu_ids}; {missing} are not in it. Pass a topology covering these devices, or "
-            "device_map= / jax_blink.set_device_map to map JAX devices onto its GPUs")
-    root = gpu_ids[root_rank] if root_rank is not None else None
-    return plan(topology, collective, devices=list(gpu_ids), root=root, algorithm=algorithm,
-                max_trees=max_trees)
-
-
-def candidate_plans(topology: Topology, collective: str, gpu_ids: list[int], root_rank: int | None,
-                    algorithm: str = "auto", max_trees: int | None = None) -> list:
-    """Plans the cost model chooses among for one group (:func:`jax_blink.costmodel.candidate_plans`
-    with the group's GPUs and root): the plan of :func:`plan_group` first, then fewer trees, rings,
-    NCCL's baselines and three phases as ``algorithm`` and ``max_trees`` allow."""
-    from . import costmodel
-    best = plan_group(topology, collective, gpu_ids, root_rank, algorithm, max_trees)  # coverage errors
-    return costmodel.candidate_plans(topology, collective, devices=best.devices, root=best.root,
-                                     algorithm=algorithm, max_trees=max_trees)

@@ -2,10 +2,11 @@
 written like ``lax.psum``'s.
 
 Laid out as ``jax/_src/lax/parallel.py`` (jax 0.10) lays out ``psum_p`` / ``pmax_p``: the helpers the
-rules share first (axis checks, varying-axes typing, batching helpers, the choice of lowering,
-:func:`build_request`, the two lowering rules), then one block per primitive: its abstract eval,
-transpose, batcher and lowering, ending in one :func:`_define` call that creates the primitive and
-registers them all. Rules shared by primitives are one function bound with ``functools.partial``.
+rules share first (axis checks, varying-axes typing, batching helpers, the two lowering rules), then
+one block per primitive: its abstract eval, transpose, batcher and lowering, ending in one
+:func:`_define` call that creates the primitive and registers them all. Which lowering runs a call
+site and on which schedule is ``jax_blink.dispatch``'s (the lowering rules ask it). Rules shared
+by primitives are one function bound with ``functools.partial``.
 
 - ``blink_psum_p``: ``psum_p`` semantics (``shard_map(check_vma=False)`` and ``pmap``): each
   device's output cotangent is its own, so the transpose is again a psum.
@@ -25,7 +26,8 @@ bucket's total element count with the leaves where they are (no concatenate, no 
 All are linear (JVP applies the primitive to the tangents). Batching: a vmapped axis named in
 ``axes`` is reduced / selected locally on the batch dimension and the rest runs as a collective.
 Lowering: the schedule for each group (``jax_blink.schedule``) through a record of the registry
-``jax_blink.lowering`` (``impl``: "auto" | "ppermute" | "ffi" | any registered name).
+``jax_blink.lowering`` (``impl``: "auto" | "ppermute" | "ffi" | any registered name), both chosen by
+``jax_blink.dispatch``.
 Params: ``axes`` (tuple of mesh axis names), ``impl`` (str), ``key`` (:class:`mapping.PlanKey`),
 ``root`` (rank over ``axes``, broadcast/reduce), ``axis_index_groups`` (``blink_psum_p`` and the
 sharded ones), ``vma`` (broadcast/reduce/sharded: check_vma on).
@@ -34,40 +36,30 @@ sharded ones), ``vma`` (broadcast/reduce/sharded: check_vma on).
 from __future__ import annotations
 
 import functools
-import logging
 import math
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import callsites, collectives, costmodel, mapping
-from . import lowering as _lowering
+from . import callsites, collectives, dispatch
 from ._jax_compat import (
-    AbstractMesh,
-    SPMDAxisContext,
     ad,
     batching,
     check_unreduced_args,
     check_unreduced_sum,
     core,
-    dispatch,
     lax_const,
     lower_fun_plain,
-    manual_axes,
     mlir,
     preduced,
     with_unreduced,
 )
+from ._jax_compat import dispatch as _jax_dispatch
 from ._jax_compat import lax_roofline_rule as _compat_roofline_rule
 from ._jax_compat import register_roofline as _compat_register_roofline
 from .errors import BlinkError
-from .lowering import ffi as _ffi  # noqa: F401  (registers the "ffi" records)
-from .lowering import hierarchical as _hierarchical  # noqa: F401  (registers the "hierarchical" record)
-from .lowering import ppermute as _ppermute  # registers the "ppermute" record
-from .planner.model import clear_on_reset
-
-_log = logging.getLogger("jax_blink.lowering")
+from .lowering import ppermute as _ppermute
 
 # ================================================================================ shared helpers
 # -------------------------------------------------------------------------------- axes
@@ -235,271 +227,12 @@ def _no_batching(name):
     return batcher
 
 
-# -------------------------------------------------------------------------------- choice of lowering
-def _usable_everywhere(platforms) -> list:
-    """The records usable on every one of ``platforms`` (one record serving them all), by name."""
-    out = []
-    for name in _lowering.names():
-        recs = [_lowering.find_lowering(name, p) for p in platforms]
-        if recs and all(r is not None for r in recs) and len(set(recs)) == 1:
-            out.append(recs[0])
-    return out
-
-
-def choose_lowering(impl: str, platforms, processes: int = 1, site: _lowering.Site | None = None
-                    ) -> _lowering.Lowering:
-    """The lowering record for ``impl`` on the module's platforms. Raises BlinkError if unavailable.
-
-    "auto" = the usable record with the lowest ``auto_priority`` that is registered for every platform
-    of the module, runs on ``processes`` processes (``multi_process`` when more than one) and whose
-    ``auto_allowed`` predicate agrees: "ffi" (on GPUs only once the native executor passed
-    ``jax_blink.selftest()`` here, ``lowering.ffi.native_auto_allowed``) when the mesh lies in one
-    process; across processes "hierarchical" where every process holds two or more of each group's
-    devices (its ``auto_fits`` asks the ``site``: how the groups lie over the processes), else
-    "ppermute". A record's ``auto_fits`` refusal is logged (logger ``jax_blink.lowering``, INFO) with
-    its reason. An explicit ``impl`` must be usable on every platform, and multi-process capable when
-    ``processes > 1``.
-    """
-    platforms = list(platforms)
-    if impl == "auto":
-        candidates = [r for r in _usable_everywhere(platforms) if r.auto_priority is not None]
-        for rec in sorted(candidates, key=lambda r: r.auto_priority):
-            if ((processes == 1 or rec.multi_process)
-                    and all(rec.auto_allowed is None or rec.auto_allowed(p) for p in platforms)):
-                why = rec.auto_fits(site if processes > 1 else None) if rec.auto_fits is not None else None
-                if why is None:
-                    return rec
-                _log.info("jax_blink impl='auto': not %r: %s", rec.name, why)
-        raise BlinkError(f"jax_blink impl='auto': no registered lowering runs on platform(s) {platforms} over "
-                         f"{processes} process(es) (registered impls: {_lowering.usable_names()})")
-    known = _lowering.LOWERINGS.get(impl, {}).values()
-    if processes > 1 and known and not any(r.multi_process for r in known):
-        others = [f"impl={r.name!r} ({r.description})" for r in _usable_everywhere(platforms) if r.multi_process]
-        raise BlinkError(f"jax_blink impl={impl!r} runs inside one process, but this mesh spans {processes} "
-                         f"processes (jax.distributed); use impl='auto'"
-                         f"{''.join(' or ' + o for o in others)}, which run across processes")
-    recs = [_lowering.find_lowering(impl, p) for p in platforms]
-    if any(r is None for r in recs) or len(set(recs)) != 1:
-        why = [f"{impl!r} on {p}: {r.unavailable}" for p in platforms
-               if (r := _lowering.record(impl, p)) is not None and r.unavailable]
-        raise BlinkError(f"jax_blink impl={impl!r} has no lowering registered for platform(s) {platforms} "
-                         f"(registered impls: {_lowering.usable_names()}"
-                         f"{''.join('; ' + w for w in why)}). Build/install the native extension for the "
-                         "'ffi' impl, or use impl='ppermute' (portable) or impl='auto'")
-    return recs[0]
-
-
-# -------------------------------------------------------------------------------- lowering requests
-def _shared_memory_stars(plan):
-    """For the CPU executor: the sharded ``plan`` as one star per owner (owner -> every other rank
-    directly), each with the owner's total weight.
-
-    In host memory a tree hop is a pass over the chunk, not a link: a star makes every shard one
-    fused copy (all-gather: owner -> n - 1 outputs) or one fused sum (reduce-scatter: n - 1 inputs
-    added into the owner's output), the fewest memory passes, where a deeper packed tree would
-    materialise a partial result at every interior rank. Data flow and results are those of any
-    valid per-owner packing; only the shape of the trees differs."""
-    from .planner.model import Plan, Tree
-    weight = {}
-    for t in plan.trees:
-        weight[t.root] = weight.get(t.root, 0.0) + t.weight_gbps
-    trees = tuple(Tree(d, weight.get(d, 0.0), tuple((d, c) for c in plan.devices if c != d))
-                  for d in plan.devices)
-    return Plan(plan.collective, None, tuple(plan.devices), trees, plan.rate_gbps, plan.bound_gbps, plan.algorithm,
-                plan.notes + ("executed as one star per owner by the CPU executor (host memory)",))
-
-
-def _representatives(groups, shape, names, auto_axes) -> list[int]:
-    """Per group, the index of the group holding its first member with the ``auto_axes`` coordinates
-    set to 0 (itself when there are none)."""
-    if not auto_axes:
-        return list(range(len(groups)))
-    where = {p: g for g, members in enumerate(groups) for p in members}
-    auto = [names.index(a) for a in auto_axes]
-    out = []
-    for members in groups:
-        coords = list(np.unravel_index(members[0], shape))
-        for k in auto:
-            coords[k] = 0
-        out.append(where[int(np.ravel_multi_index(coords, shape))])
-    return out
-
-
-def auto_axes(ctx, mesh) -> tuple:
-    """The mesh axes a call site leaves to SPMD partitioning: those not manual in a shard_map over
-    some of the mesh's axes (empty when all are manual, under pmap, or outside shard_map)."""
-    manual = manual_axes(ctx)
-    return tuple(a for a in mesh.axis_names if a not in manual) if manual else ()
-
-
-@clear_on_reset
-@functools.lru_cache(maxsize=256)
-def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, key,
-                  nelems: int, itemsize: int, platform: str, impl: str = "ppermute",
-                  auto_axes: tuple = (), by_process: bool = False,
-                  schedules: bool = True) -> _lowering.LoweringRequest:
-    """The LoweringRequest for one call site: groups, device table, one schedule per group.
-
-    ``by_process``: the groups are each group's members inside THIS process (a group spanning P
-    processes gives this process one local group, members in rank order; ``root`` is then a rank
-    of that local group), and the device table lists this process's devices only: the request of a
-    native executor's intra-node phase (``lowering.hierarchical``, Blink section 5). Without a
-    given topology, a local group on host CPU devices plans on ``Topology.host(len(group))``.
-    ``schedules=False``: groups and device table only (no plan, ``schedules=()``), for a rule that
-    builds its phases from other requests.
-
-    Each group's schedule is the least predicted time over ``mapping.candidate_plans`` and chunk
-    counts (:func:`jax_blink.costmodel.lowering_schedule` with the step latency and round-synchronous
-    flag of lowering ``impl``'s record on ``platform``, usable here or not); a host-memory executor
-    (the record's ``host_memory``: the CPU "ffi") keeps the first candidate (the packing) and chooses
-    only its chunks. Raises BlinkError for an ``impl`` with no record.
-    ``auto_axes``: mesh axes left to SPMD partitioning (a shard_map over the other axes): devices that
-    differ only along them run one program with no partition id to tell them apart (lowering.ppermute's
-    ``mesh_position``), so every group takes the schedule of its representative, the group at
-    coordinate 0 of those axes (ranks correspond: the collective's axes are manual)."""
-    rec = _lowering.record(impl, platform)
-    if rec is None:
-        raise BlinkError(f"jax_blink: no lowering {impl!r} is registered (registered: {_lowering.names()})")
-    groups = mapping.mesh_groups(tuple(mesh.devices.shape), tuple(mesh.axis_names), axes,
-                                 axis_index_groups)
-    rep = _representatives(groups, tuple(mesh.devices.shape), tuple(mesh.axis_names), auto_axes)
-    flat = list(mesh.devices.flat)
-    if by_process:
-        me = _process_index()
-        groups = [split[me] for split in mapping.split_by_process(flat, groups) if me in split]
-        rep = list(range(len(groups)))  # each local group plans for itself
-    table = mapping.device_table(flat, groups)
-    if not schedules:
-        return _lowering.LoweringRequest(collective=collective, schedules=(), device_table=table,
-                                         groups=tuple(tuple(g) for g in groups), axis_names=tuple(axes), root=root)
-    all_ids = mapping.map_devices(flat, key)
-    if (key.topology is None and key.device_map is None and platform not in ("cuda", "rocm", "gpu")
-            and len({d.process_index for d in flat}) > 1):
-        # host CPU devices of several processes have sparse global ids (process p from p * 2048):
-        # Topology.host is symmetric, so number them densely by id
-        dense = {i: k for k, i in enumerate(sorted(all_ids))}
-        all_ids = [dense[i] for i in all_ids]
-    host_local = by_process and key.topology is None and platform not in ("cuda", "rocm", "gpu")
-    topo = (mapping.resolve_topology(None, platform, [max(len(g) for g in groups) - 1]) if host_local
-            else mapping.resolve_topology(key.topology, platform, all_ids))
-    schedules, cache = [], {}
-    for g in range(len(groups)):
-        members = groups[rep[g]]
-        gpus = tuple(range(len(members))) if host_local else tuple(all_ids[p] for p in members)
-        if gpus not in cache:
-            algorithm = mapping.effective_algorithm(key, topo, collective, gpus)
-            if by_process and algorithm == "hierarchical":
-                algorithm = "auto"  # the local phase of the three phases: the node's own plan
-            plans = mapping.candidate_plans(topo, collective, list(gpus), root, algorithm, key.max_trees)
-            bound = plans[0].bound_gbps  # the rate-optimal plan's certificate (jax_blink.plan's)
-            if rec.host_memory:
-                # The CPU executor walks each tile through the whole schedule while it is in cache, so
-                # its cost is memory passes, which the link simulator does not model: the packing
-                # (first candidate) reads every input once and writes every output once, a ring writes
-                # every rank twice (measured 1.6-1.7x slower at 1-16 MiB per device on 8 devices).
-                plans = plans[:1]
-                if collectives.get(collective).sharded:
-                    plans = [_shared_memory_stars(plans[0])]
-            chosen, sched, t = costmodel.lowering_schedule(
-                plans, nelems, itemsize=itemsize, step_latency_s=rec.step_latency_s,
-                round_synchronous=rec.round_synchronous, topology=topo, chunk_elems=key.chunk_elems,
-                chunks_as_simulated=rec.chunks_as_simulated, peer_routes=rec.peer_routes)
-            cache[gpus] = (sched, chosen, t, bound)
-        schedules.append(cache[gpus])
-    return _lowering.LoweringRequest(collective=collective, schedules=tuple(s[0] for s in schedules),
-                                     device_table=table, groups=tuple(tuple(g) for g in groups),
-                                     axis_names=tuple(axes), plans=tuple(s[1] for s in schedules),
-                                     predicted_s=tuple(s[2] for s in schedules),
-                                     bounds_gbps=tuple(s[3] for s in schedules), topology=topo,
-                                     root=root)
-
-
-def _concrete_mesh(collective, ctx):
-    """The device mesh of a call site; BlinkError when it has none (an abstract mesh, no mesh)."""
-    axis_ctx = ctx.module_context.axis_context
-    if not isinstance(axis_ctx, SPMDAxisContext) or isinstance(axis_ctx.mesh, AbstractMesh):
-        raise BlinkError(f"jax_blink.{collective} needs a concrete device mesh at lowering (jax.pmap or "
-                         f"jax.shard_map with a jax.sharding.Mesh); got axis context {type(axis_ctx).__name__}")
-    return axis_ctx.mesh
-
-
-def _process_index() -> int:
-    import jax
-    return int(jax.process_index())
-
-
-def _site_lowering(ctx, mesh, impl, axes=None, axis_index_groups=None, collective=None, key=None, root=None,
-                   nbytes=0) -> _lowering.Lowering:
-    """The lowering record for ``impl`` at a call site (its platforms, its mesh's process count and,
-    across processes, how the collective's groups lie over the processes: ``site``, with the cost
-    model's estimate of each lowering there: :func:`_estimate`)."""
-    nproc = len({d.process_index for d in mesh.devices.flat})
-    site = None
-    if nproc > 1 and axes is not None:
-        groups = mapping.mesh_groups(tuple(mesh.devices.shape), tuple(mesh.axis_names), tuple(axes),
-                                     axis_index_groups)
-        estimate = None
-        if collective is not None and key is not None:
-            estimate = functools.partial(_estimate, collective, mesh, tuple(axes), axis_index_groups, root, key,
-                                         int(nbytes), ctx.module_context.platforms[0])
-        site = _lowering.Site(processes=nproc, groups=tuple(map(tuple, groups)),
-                              process_of=tuple(int(d.process_index) for d in mesh.devices.flat),
-                              estimate=estimate, root=root)
-    return choose_lowering(impl, ctx.module_context.platforms, nproc, site=site)
-
-
-@functools.lru_cache(maxsize=256)
-def _estimate(collective, mesh, axes, axis_index_groups, root, key, nbytes, platform, impl) -> float:
-    """Predicted seconds of lowering ``impl`` at a call site of ``nbytes`` per device (the slowest
-    group): a tree-schedule lowering by ``costmodel.lowering_schedule`` with its record's step latency
-    over the group's candidate plans; a multi-process one (``multi_process`` and not round-synchronous:
-    "hierarchical") by ``costmodel.process_phases`` on the topology's NIC rates (inf on a topology
-    without a network, e.g. the default host CPU one)."""
-    rec = _lowering.record(impl, platform)
-    groups = mapping.mesh_groups(tuple(mesh.devices.shape), tuple(mesh.axis_names), axes, axis_index_groups)
-    flat = list(mesh.devices.flat)
-    ids = mapping.map_devices(flat, key)
-    topo = mapping.resolve_topology(key.topology, platform, ids) if key.topology is not None else None
-    if topo is None:
-        return math.inf if not rec.round_synchronous else 0.0
-    worst = 0.0
-    for members in groups:
-        gpus = [ids[p] for p in members]
-        if rec.round_synchronous:
-            plans = mapping.candidate_plans(topo, collective, gpus, root, key.algorithm if key.algorithm_strict
-                                            else "auto", key.max_trees)
-            itemsize = 4
-            _, _, t = costmodel.lowering_schedule(plans, max(1, nbytes // itemsize), itemsize=itemsize,
-                                                  step_latency_s=rec.step_latency_s, round_synchronous=True,
-                                                  topology=topo, chunk_elems=key.chunk_elems)
-        else:
-            phases = costmodel.process_phases(topo, collective, nbytes, devices=gpus)
-            t = math.inf if phases is None else phases.total_s
-        worst = max(worst, t)
-    return worst
-
-
-def _request_for(collective, mesh, axes, axis_index_groups, root, key, itemsize, platform, impl, auto_axes_=()):
-    """``request_for(nelems, collective_=None, *, by_process=False, impl_=None, root_=...,
-    schedules=True)`` of a call site: the (cached) :func:`build_request`. A rule may ask for
-    another collective over the same groups (the phases of a hierarchical lowering), for this
-    process's part of each group, and for the groups alone (no schedules)."""
-    def request_for(nelems: int, collective_: str | None = None, *, by_process: bool = False,
-                    impl_: str | None = None, root_=..., schedules: bool = True) -> _lowering.LoweringRequest:
-        if root_ is ...:  # the call site's root for its own collective, none for another one
-            root_ = root if collective_ in (None, collective) else None
-        return build_request(collective_ or collective, mesh, tuple(axes), axis_index_groups, root_, key,
-                             nelems, itemsize, platform, impl_ or impl, auto_axes_, by_process=by_process,
-                             schedules=schedules)
-    return request_for
-
-
 # -------------------------------------------------------------------------------- lowering rules
 def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=None, vma=None):
     """Lowering of the bucket primitives: the chosen record's rule over the non-empty leaves."""
-    mesh = _concrete_mesh(collective, ctx)
+    mesh = dispatch.concrete_mesh(collective, ctx)
     nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ctx.avals_in)
-    rec = _site_lowering(ctx, mesh, impl, axes, axis_index_groups, collective, key, root, nbytes)
+    rec = dispatch.site_lowering(ctx, mesh, impl, axes, axis_index_groups, collective, key, root, nbytes)
     # Zero-size leaves take no part (their results are themselves); the rest go to the rule as they are.
     live = [i for i, a in enumerate(ctx.avals_in) if math.prod(a.shape) > 0]
     outs = list(xs)
@@ -511,8 +244,9 @@ def _lower(collective, ctx, *xs, axes, impl, key, root=None, axis_index_groups=N
         raise BlinkError(f"jax_blink.{collective}: one call takes leaves of one dtype, got "
                          f"{sorted({str(a.dtype) for a in avals})} (the public API buckets by dtype)")
 
-    request_for = _request_for(collective, mesh, axes, axis_index_groups, root, key, np.dtype(dtype).itemsize,
-                               ctx.module_context.platforms[0], rec.name, auto_axes(ctx, mesh))
+    request_for = dispatch.request_for_site(collective, mesh, axes, axis_index_groups, root, key,
+                                            np.dtype(dtype).itemsize, ctx.module_context.platforms[0], rec.name,
+                                            dispatch.auto_axes(ctx, mesh))
 
     sub = ctx.replace(avals_in=avals, avals_out=[ctx.avals_out[i] for i in live])
     total = sum(math.prod(a.shape) for a in avals)
@@ -546,7 +280,7 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
     The lowering rules see full buffers, except where the record says ``shard_input`` (an all-gather
     rule takes the rank's shard as its operand and places it itself) or ``shard_output`` (a
     reduce-scatter rule returns the rank's shard as its result: no full-size result, no slice)."""
-    mesh = _concrete_mesh(collective, ctx)
+    mesh = dispatch.concrete_mesh(collective, ctx)
     aval_in, aval_out = ctx.avals_in[0], ctx.avals_out[0]
     n = axis_size
     gather = collectives.get(collective).input == "shard"  # all-gather: shard in, whole out
@@ -561,10 +295,11 @@ def _lower_sharded(collective, ctx, x, *, axes, impl, key, axis_index_groups, ax
         return lower_fun_plain(f, multiple_results=False)(
             ctx.replace(primitive=None, avals_in=[core.ShapedArray(aval_in.shape, aval_in.dtype)],
                         avals_out=[core.ShapedArray(aval_out.shape, aval_out.dtype)]), x)
-    rec = _site_lowering(ctx, mesh, impl, axes, axis_index_groups, collective, key, None,
-                         n * m * np.dtype(aval_in.dtype).itemsize)
-    request_for = _request_for(collective, mesh, axes, axis_index_groups, None, key, np.dtype(aval_in.dtype).itemsize,
-                               ctx.module_context.platforms[0], rec.name, auto_axes(ctx, mesh))
+    rec = dispatch.site_lowering(ctx, mesh, impl, axes, axis_index_groups, collective, key, None,
+                                 n * m * np.dtype(aval_in.dtype).itemsize)
+    request_for = dispatch.request_for_site(collective, mesh, axes, axis_index_groups, None, key,
+                                            np.dtype(aval_in.dtype).itemsize, ctx.module_context.platforms[0],
+                                            rec.name, dispatch.auto_axes(ctx, mesh))
 
     ranks = _rank_table(request_for(n * m, schedules=False), mesh.size)
     plain_in = core.ShapedArray(aval_in.shape, aval_in.dtype)
@@ -609,7 +344,7 @@ def _define(name: str, *, multiple_results: bool, abstract_eval, transpose, batc
     share a meeting)."""
     prim = core.Primitive(name)
     prim.multiple_results = multiple_results
-    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+    prim.def_impl(functools.partial(_jax_dispatch.apply_primitive, prim))
     prim.def_effectful_abstract_eval(abstract_eval)
     ad.deflinear2(prim, transpose)
     batching.fancy_primitive_batchers[prim] = functools.partial(batcher, prim)

@@ -2,7 +2,7 @@
 # Build the CUDA module for the GPUs and drivers users have: CUDA 11.8 (Debian bookworm's non-free
 # nvidia-cuda-toolkit, host compiler g++-11) gives cubins for sm_70 (V100) through sm_90 (H100/H200)
 # and a static CUDA 11.8 runtime that runs on R450+ drivers (minor-version compatibility), where
-# nvcc 13 has no sm_70 and its runtime needs R580+ (issue 25, item 8; docs/cuda.md).
+# nvcc 13 has no sm_70 and its runtime needs R580+ (docs/cuda.md).
 #
 #   bash scripts/build_cuda118.sh            # toolkit (cached) + build + cubin check
 #   bash scripts/build_cuda118.sh --toolkit  # only lay out the toolkit, print its nvcc

@@ -158,8 +158,8 @@ if a.mode == "check":
     except jax_blink.BlinkError as e:
         emit(case="ffi_refused", refused=True, message=str(e))
     if a.pmap_digits:
-        # examples/flax_digits --mode pmap over every process (issue 28: each process feeds pmap the
-        # rows of its own devices): one epoch, lax.pmean in lockstep from the same state each step.
+        # examples/flax_digits --mode pmap over every process (each process feeds pmap the rows of its
+        # own devices): one epoch, lax.pmean in lockstep from the same state each step.
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
                                         "flax_digits"))
         import train as digits

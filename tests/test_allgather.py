@@ -30,12 +30,12 @@ def test_batch(batch):
 
 def test_planless_shape_rules_match_lax():
     """The shape rules alone (no devices): lax.all_gather / psum_scatter output shapes."""
-    from jax_blink import primitives as Pm
-    assert Pm.all_gather_shape((3, 4), 1, 8, False) == (3, 8, 4)
-    assert Pm.all_gather_shape((3, 4), 1, 8, True) == (3, 32)
-    assert Pm.reduce_scatter_shape((8, 5), 0, 8, False) == (5,)
-    assert Pm.reduce_scatter_shape((3, 16), 1, 8, True) == (3, 2)
+    from jax_blink import primitives
+    assert primitives.all_gather_shape((3, 4), 1, 8, False) == (3, 8, 4)
+    assert primitives.all_gather_shape((3, 4), 1, 8, True) == (3, 32)
+    assert primitives.reduce_scatter_shape((8, 5), 0, 8, False) == (5,)
+    assert primitives.reduce_scatter_shape((3, 16), 1, 8, True) == (3, 2)
     for shape, dim, tiled in (((7, 5), 0, False), ((3, 12), 1, True), ((8,), 1, False)):
         with pytest.raises(ValueError):
-            Pm.reduce_scatter_shape(shape, dim, 8, tiled)
-    assert np.prod(Pm.all_gather_shape((0, 4), 0, 8, True)) == 0
+            primitives.reduce_scatter_shape(shape, dim, 8, tiled)
+    assert np.prod(primitives.all_gather_shape((0, 4), 0, 8, True)) == 0

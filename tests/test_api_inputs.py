@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_blink
-from jax_blink import mapping
+from jax_blink import dispatch, mapping
 from jax_blink.topology import Topology
 from jax_blink.topology.load import load_topology
 
@@ -24,12 +24,12 @@ from jax_blink.topology.load import load_topology
     ("hierarchical", "allgather", range(8), "auto"), ("trees", "broadcast", range(8), "trees")])
 def test_env_algorithm_falls_back_where_it_does_not_apply(monkeypatch, env, collective, gpus, expect):
     monkeypatch.setenv(mapping.ENV_ALGORITHM, env)
-    monkeypatch.setattr(mapping, "_WARNED", set())
+    monkeypatch.setattr(dispatch, "_WARNED", set())
     key = mapping.make_plan_key()
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
-        assert mapping.effective_algorithm(key, load_topology("dgx1v"), collective, list(gpus)) == expect
-        mapping.effective_algorithm(key, load_topology("dgx1v"), collective, list(gpus))
+        assert dispatch.effective_algorithm(key, load_topology("dgx1v"), collective, list(gpus)) == expect
+        dispatch.effective_algorithm(key, load_topology("dgx1v"), collective, list(gpus))
     msgs = [str(w.message) for w in got if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == (expect != env)  # warned once, not per call
     if msgs:
@@ -39,7 +39,7 @@ def test_env_algorithm_falls_back_where_it_does_not_apply(monkeypatch, env, coll
 def test_env_algorithm_hierarchical_applies_across_nodes(monkeypatch):
     monkeypatch.setenv(mapping.ENV_ALGORITHM, "hierarchical")
     key = mapping.make_plan_key()
-    assert mapping.effective_algorithm(key, load_topology("dgx1v-4node"), "allreduce", [0, 8]) == "hierarchical"
+    assert dispatch.effective_algorithm(key, load_topology("dgx1v-4node"), "allreduce", [0, 8]) == "hierarchical"
 
 
 def test_env_rsag_runs_broadcast_and_reduce(monkeypatch):

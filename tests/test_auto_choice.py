@@ -91,7 +91,7 @@ def test_psum_runs_the_baseline_auto_picks():
 
     import jax_blink
     from jax_blink import mapping
-    from jax_blink.primitives import build_request
+    from jax_blink.dispatch import build_request
 
     h100 = next(f for f in FILES if "h100" in f)
     mesh = Mesh(np.array(jax.devices()[:8]), ("i",))

@@ -12,8 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_blink
-import jax_blink.primitives  # noqa: F401  (registers the lowering records)
-from jax_blink import ScheduleError, costmodel, lowering, mapping
+from jax_blink import ScheduleError, costmodel, dispatch, lowering, mapping
 from jax_blink.errors import PlanError
 from jax_blink.planning import plan
 from jax_blink.schedule import build_schedule, execute
@@ -36,7 +35,7 @@ def test_predicted_time_by_hand():
 
 
 def test_small_operand_gets_fewer_rounds_than_optimal_plan():
-    plans = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)
+    plans = dispatch.candidate_plans(DGX1V, "allreduce", ALL8, None)
     opt = plans[0]
     assert len(opt.trees) == 24 and [len(p.trees) for p in plans[1:4]] == [4, 2, 1]
     # then the LP ring packing (NVLink + PCIe), NCCL's double binary tree, NCCL's NVLink rings and
@@ -55,7 +54,7 @@ def test_small_operand_gets_fewer_rounds_than_optimal_plan():
 
 def test_large_operand_keeps_optimal_rate():
     topo = Topology.host(8)
-    plans = mapping.candidate_plans(topo, "allreduce", ALL8, None)[:4]  # the packings
+    plans = dispatch.candidate_plans(topo, "allreduce", ALL8, None)[:4]  # the packings
     assert [len(p.trees) for p in plans] == [8, 4, 2, 1]
     for impl in ("ppermute", "ffi"):
         lat = lowering.record(impl, "cpu").step_latency_s
@@ -64,7 +63,7 @@ def test_large_operand_keeps_optimal_rate():
         assert len(sched.chunk_seg) > len(chosen.trees)  # pipelined
     # dgx1v: ppermute's latency keeps one tree; a negligible latency buys rate with more trees (not
     # all 17: the lightest trees' segments are too short to pipeline, the (k + d - 1) / k term)
-    dplans = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)[:4]
+    dplans = dispatch.candidate_plans(DGX1V, "allreduce", ALL8, None)[:4]
     slow, _, _ = costmodel.choose_schedule(dplans, 2**22, step_latency_s=1e-4)
     fast, _, _ = costmodel.choose_schedule(dplans, 2**22, step_latency_s=1e-9)
     assert len(slow.trees) == 1 and len(fast.trees) > 1 and fast.rate_gbps > slow.rate_gbps
@@ -78,12 +77,12 @@ def test_chunks_shrink_with_latency():
 
 
 def test_overrides_and_errors():
-    plans = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None, max_trees=2)
+    plans = dispatch.candidate_plans(DGX1V, "allreduce", ALL8, None, max_trees=2)
     assert len(plans) == 1 and len(plans[0].trees) == 2
     _, s, _ = costmodel.choose_schedule(plans, 1000, chunk_elems=100)
     assert len(s.chunk_seg) == 7 + 4  # segments 667 and 333 (weights 50:25) in chunks of <= 100
-    assert mapping.candidate_plans(DGX1V, "allreduce", ALL8, None, algorithm="ring")[0].algorithm == "ring"
-    assert len(mapping.candidate_plans(DGX1V, "allreduce", ALL8, None, algorithm="ring")) == 1
+    assert dispatch.candidate_plans(DGX1V, "allreduce", ALL8, None, algorithm="ring")[0].algorithm == "ring"
+    assert len(dispatch.candidate_plans(DGX1V, "allreduce", ALL8, None, algorithm="ring")) == 1
     with pytest.raises(ScheduleError, match="at least one plan"):
         costmodel.choose_schedule([], 10)
     for bad in (0, -1, 1.5, True, "2"):
@@ -99,7 +98,7 @@ def test_psum_max_trees_matches_lax(max_trees):
         return jax.jit(jax.shard_map(m, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
     got = f(lambda v: jax_blink.psum(v, "i", impl="ppermute", topology="dgx1v", max_trees=max_trees))(x)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(f(lambda v: lax.psum(v, "i"))(x)))
-    from jax_blink.primitives import build_request
+    from jax_blink.dispatch import build_request
     key = mapping.make_plan_key("dgx1v", None, None, None, max_trees)
     req = build_request("allreduce", mesh, ("i",), None, None, key, 300, 4, "cpu", "ppermute")
     want = {None: 2, 1: 1, 3: 3}[max_trees]  # cost model: NCCL's double binary tree for 1.2 KB on ppermute
@@ -113,24 +112,23 @@ def test_native_lowering_runs_the_simulators_fastest_candidate():
     operand's size with their step latency, every tree edge on its pair's peer-to-peer path (the CUDA
     interpreter loads its peers' memory); ppermute ranks the same candidates by rounds; the CPU
     executor keeps the packing (its cost is memory passes, not links: a ring measured 1.6x slower)."""
-    from jax_blink import primitives
 
     mesh = Mesh(np.array(jax.devices()), ("i",))
     key = mapping.make_plan_key("dgx1v")
-    cands = mapping.candidate_plans(DGX1V, "allreduce", ALL8, None)
+    cands = dispatch.candidate_plans(DGX1V, "allreduce", ALL8, None)
     rec = lowering.record("ffi", "cuda")
     assert rec.peer_routes and not lowering.record("ffi", "cpu").peer_routes
     lat_us = rec.step_latency_s * 1e6
     for nel in (2**14, 2**22):
         times = [simulate(p, nel * 4, topology=DGX1V, latency_us=lat_us, peer_routes=True).time_s for p in cands]
         best = cands[int(np.argmin(times))]
-        native = primitives.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cuda", "ffi")
+        native = dispatch.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cuda", "ffi")
         assert len(native.schedules[0].seg_root) == len(best.trees)
         assert sorted(native.schedules[0].seg_root.tolist()) == sorted(
             best.devices.index(t.root) for t in best.trees)
-        cpu = primitives.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cpu", "ffi")
+        cpu = dispatch.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cpu", "ffi")
         assert len(cpu.schedules[0].seg_root) == len(cands[0].trees)
-    portable = primitives.build_request("allreduce", mesh, ("i",), None, None, key, 2**22, 4, "cpu", "ppermute")
+    portable = dispatch.build_request("allreduce", mesh, ("i",), None, None, key, 2**22, 4, "cpu", "ppermute")
     assert len(portable.schedules[0].seg_root) < len(plan(DGX1V, "allreduce").trees)
 
 
@@ -139,7 +137,6 @@ def test_cuda_schedule_is_chunked_as_simulated():
     from the link simulator's rule (choose_chunks per tree, at most 64 per tree), past the round model's
     48-chunk cap, and predicts the schedule's simulated time as the interpreter runs it (free-running, on
     peer-to-peer paths), within 4% of its plan's; the CPU executor keeps the round model's cap."""
-    from jax_blink import primitives
     from jax_blink.simulate import CHUNK_BUDGET, DEFAULT_MAX_CHUNKS
 
     rec = lowering.record("ffi", "cuda")
@@ -147,7 +144,7 @@ def test_cuda_schedule_is_chunked_as_simulated():
     mesh = Mesh(np.array(jax.devices()), ("i",))
     key = mapping.make_plan_key("dgx1v")
     nel = 2**24  # 64 MiB of float32 per GPU
-    req = primitives.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cuda", "ffi")
+    req = dispatch.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cuda", "ffi")
     chosen, sched, predicted = req.plans[0], req.schedules[0], req.predicted_s[0]
     ntrees = sum(1 for t in chosen.trees if t.weight_gbps > 0)
     want = build_schedule(chosen, nel, itemsize=4, step_latency_s=rec.step_latency_s,
@@ -157,7 +154,7 @@ def test_cuda_schedule_is_chunked_as_simulated():
                                  devices=list(chosen.devices), free_running=True).time_s
     assert predicted == pytest.approx(simulate(chosen, nel * 4, topology=DGX1V, latency_us=rec.step_latency_s * 1e6,
                                                peer_routes=True).time_s, rel=0.04)
-    cpu = primitives.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cpu", "ffi")
+    cpu = dispatch.build_request("allreduce", mesh, ("i",), None, None, key, nel, 4, "cpu", "ffi")
     assert len(cpu.schedules[0].chunk_seg) <= 48
 
 

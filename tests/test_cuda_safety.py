@@ -13,10 +13,10 @@ import pytest
 import jax_blink.api  # noqa: F401  (registers the lowerings)
 from jax_blink import _native, gpu_selftest
 from jax_blink import lowering as _lowering
+from jax_blink.dispatch import choose_lowering
 from jax_blink.errors import BlinkError
 from jax_blink.lowering import ffi as ffi_lowering
 from jax_blink.lowering import selftest_record
-from jax_blink.primitives import choose_lowering
 
 cpu = _native.cpu
 FAT = "75-real,80-real,86-real,89-real,90"

@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 import jax_blink
 from jax_blink import Topology, callsites, costmodel
 from jax_blink import lowering as registry
-from jax_blink import primitives as prims
 from jax_blink.cli import main
 from jax_blink.cli.bench_cmd import simulate_sweep
 from jax_blink.cli.demo_cmd import load_example
@@ -51,7 +50,7 @@ def _check_site(site, topo):
     # the lowering's own choice: the CPU executor keeps the packing (sharded: one star per owner) and
     # picks its chunks by the cost model with the ffi record's step latency
     rec = registry.record("ffi", "cpu")
-    cands = [prims._shared_memory_stars(ref)] if site.collective in ("allgather", "reducescatter") else [ref]
+    cands = [registry.shared_memory_stars(ref)] if site.collective in ("allgather", "reducescatter") else [ref]
     chosen, sched, t = costmodel.lowering_schedule(cands, site.nbytes // 4, itemsize=4,
                                                    step_latency_s=rec.step_latency_s, round_synchronous=False,
                                                    topology=topo)

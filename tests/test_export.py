@@ -1,4 +1,4 @@
-"""jax.export of programs using jax_blink (issue 28): export / serialize / deserialize / call round
+"""jax.export of programs using jax_blink: export / serialize / deserialize / call round
 trips on the 8 host CPU devices, with the native custom call (``jax_blink.export_checks()``) and
 with the portable ppermute lowering (no checks to disable), also of a ``jax_blink.transform``ed
 function; and that jax refuses the native custom call without the checks, naming its target."""

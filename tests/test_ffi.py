@@ -96,7 +96,7 @@ def test_executor_collectives_odd_sizes(collective, root, n):
 def test_executor_shard_forms(collective):
     """One-leaf sharded calls as the CPU lowering makes them (one star per owner): all-gather from the
     rank's shard, reduce-scatter into the rank's shard alone, bitwise equal to the reference."""
-    from jax_blink.primitives import _shared_memory_stars
+    from jax_blink.lowering import shared_memory_stars as _shared_memory_stars
     n, m = 8, 12_347  # a shard of odd length: tiles end unaligned
     sched = build_schedule(_shared_memory_stars(plan(Topology.host(n), collective)), n * m, chunk_elems=5000)
     rng = np.random.default_rng(5)
@@ -122,7 +122,7 @@ def test_executor_block_order(collective):
     the (local rank, process) -> (process, local rank) transpose of 4 local ranks x 3 processes). The
     executor places (all-gather) or reads (reduce-scatter) them there itself: equal to the NumPy
     transpose of the plain shard-form result, bitwise; a bad order is refused, naming it."""
-    from jax_blink.primitives import _shared_memory_stars
+    from jax_blink.lowering import shared_memory_stars as _shared_memory_stars
     L, Pn, m = 4, 3, 1_001  # blocks of odd length: tiles end unaligned
     sched = build_schedule(_shared_memory_stars(plan(Topology.host(L), collective)), L * Pn * m, chunk_elems=900)
     order = [qi * L + i for i in range(L) for qi in range(Pn)]  # virtual k = i * P + qi -> buffer block

@@ -128,8 +128,8 @@ def test_pcie_rate_from_nccl_xml(speed, width, gbps):
 
 def test_rates_are_line_rate_times_achieved_fraction():
     assert nvlink_gbps(2) == pytest.approx(22.90)   # V100: blinkplus broadcast over one NVLink
-    assert 12 * nvlink_gbps(3) == pytest.approx(208.0)  # A100: nccl-tests issue 178
-    assert 18 * nvlink_gbps(4) == pytest.approx(370.0)  # H100: nccl-tests issue 212
+    assert 12 * nvlink_gbps(3) == pytest.approx(208.0)  # A100: NVIDIA/nccl-tests#178
+    assert 18 * nvlink_gbps(4) == pytest.approx(370.0)  # H100: NVIDIA/nccl-tests#212
     assert all(0.5 < f < 1 for f in NVLINK_EFFICIENCY.values())
     assert pcie_link_gbps(16, 16, efficiency=1.0) == pytest.approx(31.508, abs=1e-3)  # gen4 x16 line rate
     assert pcie_gen_gbps(4) == pytest.approx(24.0) and pcie_gen_gbps(3, 8) == pytest.approx(6.0)

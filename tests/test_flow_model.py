@@ -53,7 +53,7 @@ def test_simulate_method_auto_and_flow_result(cluster, monkeypatch):
     busiest = max(res.link_util.values())
     assert 0.0 < busiest <= 1.0 + 1e-9
     assert simulate.simulate(p, 1 << 20, topology=cluster).messages > 0  # auto: small enough for link-level
-    monkeypatch.setattr(simulate, "LINK_LEVEL_MAX_MESSAGES", 10)
+    monkeypatch.setattr(simulate.flow, "LINK_LEVEL_MAX_MESSAGES", 10)
     assert simulate.simulate(p, 1 << 20, topology=cluster).messages == 0  # auto: flow-level
     with pytest.raises(jax_blink.BlinkError, match="method"):
         simulate.simulate(p, 1 << 20, topology=cluster, method="fast")

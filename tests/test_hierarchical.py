@@ -13,8 +13,8 @@ import pytest
 import jax_blink.api  # noqa: F401,I001  (registers the lowerings)
 from jax_blink import launch
 from jax_blink import lowering as _lowering
+from jax_blink.dispatch import choose_lowering
 from jax_blink.lowering import hierarchical
-from jax_blink.primitives import choose_lowering
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "hierarchical_worker.py")

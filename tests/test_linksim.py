@@ -1,8 +1,8 @@
 """The native link-level event model (ffi/src/linksim.cc, with the array form of a plan's messages:
-simulate._tiled_arrays) against the Python reference (simulate._plan_messages / _schedule_messages
-and simulate._run): every float of every result bitwise equal, on presets, topology files (host
-staging without peer access included), clusters, every collective, schedules in round and
-free-running order, and rsag / hierarchical plans; and the native model's own input checks."""
+simulate.events._tiled_arrays) against the Python reference (simulate.messages._plan_messages /
+_schedule_messages and simulate.events._run): every float of every result bitwise equal, on presets,
+topology files (host staging without peer access included), clusters, every collective, schedules in
+round and free-running order, and rsag / hierarchical plans; and the native model's own input checks."""
 
 import pathlib
 
@@ -15,6 +15,7 @@ from jax_blink._native import linksim
 from jax_blink.errors import ScheduleError
 from jax_blink.planning import plan
 from jax_blink.schedule import build_schedule
+from jax_blink.simulate import events
 from jax_blink.topology.load import load_topology
 from jax_blink.topology.presets import multi_node
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.skipif(linksim is None, reason="the native _linksim mod
 def _both(monkeypatch, *args, **kw):
     native = sim.simulate(*args, **kw)
     with monkeypatch.context() as m:
-        m.setattr(sim, "_native_linksim", None)
+        m.setattr(events, "_native_linksim", None)
         ref = sim.simulate(*args, **kw)
     return native, ref
 
@@ -91,23 +92,25 @@ def test_native_model_checks_its_input():
 
 
 def test_a_dependency_cycle_is_an_error_not_a_hang():
-    from jax_blink.simulate import _Msg, _run_any
+    from jax_blink.simulate.events import _run_any
+    from jax_blink.simulate.messages import _Msg
     topo = load_topology("dgx1v")
     msgs = [_Msg(8.0, ((0, 1),), [1], (0.0, 0)), _Msg(8.0, ((1, 0),), [0], (0.0, 1))]
     for native in (linksim, None):
-        sim._native_linksim = native
+        events._native_linksim = native
         try:
             with pytest.raises(ScheduleError, match="2 transfers never became ready"):
                 _run_any(msgs, topo, 1e-6)
         finally:
-            sim._native_linksim = linksim
+            events._native_linksim = linksim
 
 
 def test_random_message_graphs_run_bitwise_as_the_reference():
     """Random messages on a 4-GPU ring (zero-byte sends, equal sizes that tie, zero latency, several
     dependencies, priorities with ties): the native loop's finish time and per-link busy time and
     bytes, in first-service order, equal the Python event loop's."""
-    from jax_blink.simulate import _Msg, _run, _run_any
+    from jax_blink.simulate.events import _run, _run_any
+    from jax_blink.simulate.messages import _Msg
     from jax_blink.topology import Topology
     topo = Topology("ring4")
     for g in range(4):

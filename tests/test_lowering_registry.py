@@ -13,8 +13,8 @@ from jax.sharding import Mesh
 
 import jax_blink.api as api
 from jax_blink import costmodel, lowering, mapping, primitives
+from jax_blink.dispatch import build_request, choose_lowering
 from jax_blink.errors import BlinkError
-from jax_blink.primitives import build_request, choose_lowering
 
 FFI_CPU = lowering.find_lowering("ffi", "cpu")
 needs_ffi = pytest.mark.skipif(FFI_CPU is None, reason="native CPU module not built")
@@ -30,7 +30,8 @@ def test_builtin_records():
         assert (ffi.platform, ffi.step_latency_s, ffi.round_synchronous, ffi.multi_process) == (platform, step, False,
                                                                                                  False)
         assert ffi.auto_priority < pp.auto_priority and ffi.auto_allowed is not None
-    assert lowering.record("ffi", "cpu").host_memory and not lowering.record("ffi", "cuda").host_memory
+    assert lowering.record("ffi", "cpu").candidates is lowering.host_memory_candidates
+    assert lowering.record("ffi", "cuda").candidates is None
     assert lowering.names() == ["ffi", "hierarchical", "ppermute"]
     assert api.impls() == ["auto", "ffi", "hierarchical", "ppermute"]
     for platform in ("cpu", "cuda"):  # across processes: native inside, XLA's collective between

@@ -206,7 +206,7 @@ def test_psum_across_processes_matches_lax(nproc, local):
             assert ex[k][0] == ex[k][1], (k, ex)
         assert recs["ffi_refused"]["refused"], recs["ffi_refused"]
         assert f"spans {nproc} processes" in recs["ffi_refused"]["message"]
-        # examples/flax_digits --mode pmap across processes (issue 28), every step vs lax.pmean
+        # examples/flax_digits --mode pmap across processes, every step vs lax.pmean
         d = recs["pmap_digits"]
         assert d["broadcast_ok"] and d["steps"] == 22, (p, d)  # 1437 training digits // batch 64
         assert d["max_rel_vs_lax"] <= 1e-5 and d["last_loss"] < d["first_loss"], (p, d)

@@ -274,7 +274,7 @@ def test_deterministic_json_roundtrip():
 def test_clear_caches_reaches_every_stage():
     """clear_caches() empties the plan caches and what later stages derived from plans: the cost
     model's choice (plan(nbytes=)), NCCL's ring level, loaded topology files, call-site requests."""
-    from jax_blink import mapping, primitives
+    from jax_blink import dispatch, mapping
     from jax_blink.planner import rings
     t = PRESETS["dgx1v"]()
     a = plan(t, "allreduce", devices=(0, 1, 2, 5), nbytes=1 << 20)
@@ -282,7 +282,7 @@ def test_clear_caches_reaches_every_stage():
     mapping._load("dgx1v")
     assert rings._nccl_level.cache_info().currsize > 0 and mapping._load.cache_info().currsize > 0
     jax_blink.clear_caches()
-    for fn in (rings._nccl_level, mapping._load, primitives.build_request):
+    for fn in (rings._nccl_level, mapping._load, dispatch.build_request):
         assert fn.cache_info().currsize == 0, fn
     b = plan(t, "allreduce", devices=(0, 1, 2, 5), nbytes=1 << 20)
     assert b is not a and b.to_json() == a.to_json()

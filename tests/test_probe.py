@@ -179,7 +179,7 @@ def test_cli_topology_probe_json(tmp_path, monkeypatch, capsys):
     assert len(list(tmp_path.glob("probe-*.json"))) == 1  # refreshed the cache JAX_BLINK_TOPOLOGY=probe reads
     assert main(["topology", "probe", "--probe-sizes", "4K", "--repeats", "1"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
-    # CPU devices are named as devices, and the figures as copy bandwidths, not links (issue 28)
+    # CPU devices are named as devices, and the figures as copy bandwidths, not links
     assert "probe-cpu8: 8 cpu devices," in out and "GPU" not in out.replace("not GPUs", "")
     assert "measured copy bandwidths between cpu devices (jax.device_put, host memory), not interconnect" in out
     assert "median one-way GB/s is one pair copying alone" in out

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_blink
 import jax_blink.api  # noqa: F401  (imports the lowerings, so "ffi" is registered before IMPLS is read)
-from jax_blink import lowering, mapping
+from jax_blink import dispatch, lowering
 
 IMPLS = ["ppermute"] + (["ffi"] if lowering.find_lowering("ffi", "cpu") is not None else [])
 PERM8 = [3, 1, 0, 2, 7, 5, 4, 6]
@@ -51,7 +51,7 @@ def per_device(n, shape, dtype, seed=0):
     return rand(np.random.default_rng(seed), (n, *shape), dtype)
 
 
-def assert_allreduce(got, x, want_fn=None):
+def assert_allreduce(got, x):
     """got: [n, ...] per-device results; x: [n, ...] inputs. Checks value and bitwise identity."""
     got = np.asarray(got)
     for d in range(1, got.shape[0]):
@@ -69,7 +69,7 @@ def assert_allreduce(got, x, want_fn=None):
         assert err.size == 0 or err.max() <= TOL[jnp.dtype(dtype).name], err.max()
 
 
-def shard_psum(mesh, impl, check_vma, n_leaves_tree):
+def shard_psum(mesh, impl, check_vma):
     """jit(shard_map) running jax_blink.psum over axis 'i' on a pytree of per-device blocks."""
     def body(tree):
         out = jax_blink.psum(jax.tree.map(lambda v: v[0], tree), "i", impl=impl)
@@ -83,7 +83,7 @@ def test_dtypes_shapes_8_devices_permuted(impl, check_vma):
     mesh = mesh1(PERM8)
     tree = {f"{dt}{i}": per_device(8, shape, dt, seed=i) for dt in DTYPES32
             for i, shape in enumerate(SHAPES[:4] if dt != "float32" else SHAPES)}
-    out = shard_psum(mesh, impl, check_vma, len(tree))(tree)
+    out = shard_psum(mesh, impl, check_vma)(tree)
     ref = jax.jit(jax.shard_map(lambda t: jax.tree.map(lambda v: lax.psum(v[0], "i")[None], t), mesh=mesh,
                                 in_specs=P("i"), out_specs=P("i"), check_vma=check_vma))(tree)
     for k in tree:
@@ -98,7 +98,7 @@ def test_x64_dtypes(impl):
     with jax.enable_x64(True):  # jax 0.10: the config state is a context manager
         mesh = mesh1(PERM8)
         tree = {dt: per_device(8, (9,), dt, seed=3) for dt in ("int64", "uint64", "float64", "complex128")}
-        out = shard_psum(mesh, impl, False, len(tree))(tree)
+        out = shard_psum(mesh, impl, False)(tree)
         for k in tree:
             assert out[k].dtype == jnp.dtype(k)
             assert_allreduce(out[k], tree[k])
@@ -111,7 +111,7 @@ def test_sub_meshes_odd_sizes(impl, perm):
     n = len(perm)
     tree = {"f": per_device(n, (1001,), "float32"), "i": per_device(n, (3, 5), "int32"),
             "z": per_device(n, (0, 5), "float32"), "b": per_device(n, (7,), "bool")}
-    out = shard_psum(mesh, impl, True, 4)(tree)
+    out = shard_psum(mesh, impl, True)(tree)
     for k in tree:
         assert_allreduce(out[k], tree[k])
 
@@ -147,7 +147,7 @@ def test_2d_mesh_permuted(impl, axes):
 
 def test_hlo_one_collective_permute_per_round():
     """A 2x4 mesh reducing over 'b': both groups' round r share one collective_permute."""
-    from jax_blink.primitives import build_request
+    from jax_blink.dispatch import build_request
     devs = np.array(jax.devices())[PERM8].reshape(2, 4)
     mesh = Mesh(devs, ("a", "b"))
     f = jax.jit(jax.shard_map(lambda v: jax_blink.psum(v, "b", impl="ppermute", chunk_elems=16), mesh=mesh,
@@ -232,7 +232,7 @@ def test_env_algorithm_is_a_preference_where_it_applies(monkeypatch):
     (found by a user test); the explicit algorithm= argument still raises (test above)."""
     mesh = mesh1(range(8))
     x = per_device(8, (3, 7), "int32", seed=9)
-    monkeypatch.setattr(mapping, "_WARNED", set())  # each fallback warns once per process
+    monkeypatch.setattr(dispatch, "_WARNED", set())  # each fallback warns once per process
     for env in ("ring", "hierarchical"):
         monkeypatch.setenv("JAX_BLINK_ALGORITHM", env)
         def bc(v):

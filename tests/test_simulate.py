@@ -115,7 +115,7 @@ def test_cuda_schedule_free_running_runs_as_predicted():
     plan's shares tie only up to their last bits: 3.5% on dgx1v at 4 MiB, 112 one- or two-chunk ring
     trees; test_nccl_ring_schedule_simulates_as_its_plan). Served in row (round) order the same
     schedule is slower on dgx-a100 (the reduce-scatter + all-gather forests at 16 MiB)."""
-    from jax_blink import costmodel, lowering, mapping
+    from jax_blink import costmodel, dispatch, lowering
     from jax_blink.lowering import ffi  # registers the records
     from jax_blink.simulate import plan_chunks
 
@@ -124,7 +124,7 @@ def test_cuda_schedule_free_running_runs_as_predicted():
     for name, nbytes in (("dgx1v", 4 << 20), ("dgx-a100", 16 << 20)):
         topo = preset(name)
         devs = sorted(topo.gpus)
-        plans = mapping.candidate_plans(topo, "allreduce", devs, None)
+        plans = dispatch.candidate_plans(topo, "allreduce", devs, None)
         chosen, sched, predicted = costmodel.lowering_schedule(
             plans, nbytes // 4, itemsize=4, step_latency_s=step, round_synchronous=False, topology=topo,
             chunks_as_simulated=True, peer_routes=True)
@@ -154,7 +154,7 @@ def test_even_split_chunks_simulate_at_their_mean_size():
     """Chunk lengths one element apart (the integer rounding of equal shares) are simulated at their
     mean size, so a schedule ties where its plan's exact shares tie. Hand-counted: 10 elements in 4
     chunks (3, 3, 2, 2) and 9 in 2 (5, 4) pair {2, 3} and {4, 5}; 7 stays; bytes are kept."""
-    from jax_blink.simulate import _tied_sizes
+    from jax_blink.simulate.messages import _tied_sizes
     got = _tied_sizes([3, 3, 2, 2, 5, 4, 7], 4.0)
     assert got == pytest.approx([10.0, 10.0, 10.0, 10.0, 18.0, 18.0, 28.0], rel=1e-15)
     assert sum(got) == pytest.approx(4.0 * 26, rel=1e-15)

@@ -1,5 +1,6 @@
-"""All-reduce over identical nodes planned by symmetry (jax_blink/planner/symmetric.py): the structure,
-the exact bound against the flat LP certificate, valid executable plans, the rsag cut bounds."""
+"""All-reduce over identical nodes planned by symmetry (jax_blink/planner/symmetric.py): the structure
+(jax_blink/topology/symmetry.py), the exact bound against the flat LP certificate, valid executable
+plans, the rsag cut bounds."""
 
 import pickle
 
@@ -10,6 +11,7 @@ import jax_blink
 from jax_blink.planner import bounds, symmetric
 from jax_blink.planner.trees import flat_plan
 from jax_blink.schedule import build_schedule, execute
+from jax_blink.topology import symmetry
 from jax_blink.topology.presets import multi_node
 
 
@@ -20,19 +22,19 @@ def _loads_within_capacity(plan, topo):
 
 def test_structure_of_identical_nodes_and_none_otherwise():
     topo = multi_node("dgx1v", 3, 12.5, 2)
-    st = symmetric.node_structure(topo, tuple(topo.gpus))
+    st = symmetry.node_structure(topo, tuple(topo.gpus))
     assert st is not None and st.n_nodes == 3
     assert st.groups == (tuple(range(8)), tuple(range(8, 16)), tuple(range(16, 24)))
     assert st.maps[2][0] == 16 and st.maps[2]["n0-nic1"] == "n2-nic1"
-    assert symmetric.node_structure(topo, tuple(range(8))) is None  # one node
+    assert symmetry.node_structure(topo, tuple(range(8))) is None  # one node
     # the same two GPU positions of every node: still identical nodes
     part = (0, 1, 8, 9, 16, 17)
-    assert symmetric.node_structure(topo, part).groups == ((0, 1), (8, 9), (16, 17))
-    assert symmetric.node_structure(topo, (0, 1, 8, 9, 10)) is None  # 2 GPUs vs 3
+    assert symmetry.node_structure(topo, part).groups == ((0, 1), (8, 9), (16, 17))
+    assert symmetry.node_structure(topo, (0, 1, 8, 9, 10)) is None  # 2 GPUs vs 3
     slower = multi_node("dgx1v", 3, 12.5, 2)
     slower.graph.edges[8, 9]["bandwidth_gbps"] /= 2  # node 1 differs from node 0
-    assert symmetric.node_structure(slower, tuple(slower.gpus)) is None
-    assert symmetric.node_structure(jax_blink.Topology.preset("dgx1v"), tuple(range(8))) is None
+    assert symmetry.node_structure(slower, tuple(slower.gpus)) is None
+    assert symmetry.node_structure(jax_blink.Topology.preset("dgx1v"), tuple(range(8))) is None
 
 
 @pytest.mark.parametrize("node, n, nics", [("dgx1v", 3, 1), ("dgx1v", 2, 4), ("pcie-2socket", 2, 2)])
@@ -42,7 +44,7 @@ def test_symmetric_bound_is_the_flat_lp_certificate(node, n, nics):
     topo = multi_node(node, n, 12.5, nics)
     devs = tuple(topo.gpus)
     flat = flat_plan(topo, "allreduce", devs, None, None, "trees")
-    st = symmetric.node_structure(topo, devs)
+    st = symmetry.node_structure(topo, devs)
     p = symmetric.symmetric_plan(topo, devs, st)
     assert p.bound_gbps == pytest.approx(flat.bound_gbps, rel=1e-6)
     assert p.rate_gbps == pytest.approx(flat.rate_gbps, rel=1e-6)
@@ -79,7 +81,7 @@ def test_composed_plans_execute_and_meet_their_bounds(node, n, nics):
 
 def test_sharded_bounds_match_the_flat_cut_bounds():
     topo = multi_node("dgx1v", 2, 12.5, 2)
-    st = symmetric.node_structure(topo, tuple(topo.gpus))
+    st = symmetry.node_structure(topo, tuple(topo.gpus))
     rs, ag = symmetric.sharded_bounds(st)
     assert ag == pytest.approx(bounds.allgather_bound(topo, topo.gpus), rel=1e-9)
     assert rs == pytest.approx(bounds.reducescatter_bound(topo, topo.gpus), rel=1e-9)
@@ -163,7 +165,7 @@ def test_stored_structure_hop_check_covers_every_node():
     the node where a hop is missing or slower (node 2 of 3 here), both directions of a hop checked."""
     topo = multi_node("dgx1v", 3, 12.5, 1)
     devs = tuple(topo.gpus)
-    st = symmetric.node_structure(topo, devs)
+    st = symmetry.node_structure(topo, devs)
     enc = symmetric.encode_structure(st)
     nic = next(v for v in st.template.graph.successors(st.x_id))
     _, check = symmetric.stored_structure(topo, devs, topo.fingerprint(), enc)

@@ -1,4 +1,4 @@
-"""jax_blink.transform: a program's own lax collectives run by jax_blink (issue 28).
+"""jax_blink.transform: a program's own lax collectives run by jax_blink.
 
 Every collective kind inside every construct against the same program on lax (values, and the
 compiled program has no XLA all-reduce / all-gather / reduce-scatter left), composition with jit,

@@ -12,7 +12,8 @@
 //
 // Successful completions wait in a barrier for every participant of their meeting, as a device's
 // program does when it enters an XLA collective right after the jax_blink one: if one thread
-// completed several devices in turn, the barrier would never fill (the deadlock of issue 11).
+// completed several devices in turn, the barrier would never fill (a deadlock: every device of a
+// meeting must complete on its own thread).
 //
 // Usage: core_stress [rounds]   exit 0 when every check passed, 1 otherwise, 3 on the global watchdog.
 #include <algorithm>

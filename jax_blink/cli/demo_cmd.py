@@ -20,7 +20,6 @@ from ._args import HOST_FLAG, force_host_devices, number_type, positive_int
 HOST_DEVICES = 8
 EXAMPLES = {"digits": pathlib.Path("examples") / "flax_digits" / "train.py",
             "fsdp": pathlib.Path("examples") / "flax_fsdp" / "train.py"}
-EXAMPLE = EXAMPLES["digits"]
 
 
 def add_arguments(p) -> None:
@@ -139,7 +138,7 @@ def _plan_lines(topo, ndevices: int, collective: str = "allreduce") -> list[str]
 
 def _lowering_name(impl: str, platform: str) -> str:
     from .. import api  # noqa: F401  (importing it registers the lowerings that exist)
-    from ..primitives import choose_lowering
+    from ..dispatch import choose_lowering
 
     rec = choose_lowering(impl, [platform])
     return f"{rec.name} ({rec.description or rec.name}) on {platform}"

@@ -5,8 +5,8 @@ that emits the MLIR, and what the cost model and ``impl="auto"`` need to know ab
 schedule step, whether it pays a barrier per round, whether it runs across processes, its rank for
 ``auto``). ``lowering.ppermute`` registers ``"ppermute"`` for every platform; ``lowering.ffi``
 registers ``"ffi"`` for ``"cpu"`` and ``"cuda"``, unavailable (with the reason) where its native
-target does not exist here. ``jax_blink.primitives`` imports both, then reads the registry:
-:func:`find_lowering` in ``choose_lowering``, the record's costs in ``build_request``.
+target does not exist here. ``jax_blink.dispatch`` imports them, then reads the registry:
+:func:`find_lowering` in ``choose_lowering``, the record's costs and ``candidates`` in ``build_request``.
 
 A rule is ``rule(ctx, xs, request_for) -> list[ir.Value]``: ``ctx`` is the ``mlir.LoweringRuleContext``
 (its ``avals_in`` / ``avals_out`` describe ``xs``), ``xs`` a bucket of non-empty operands of one dtype
@@ -26,6 +26,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .. import collectives
+from ..planner.model import Plan, Tree
+
 
 @dataclasses.dataclass(frozen=True)
 class Lowering:
@@ -44,9 +47,10 @@ class Lowering:
         never chosen by ``auto``.
       auto_allowed: ``auto_allowed(platform) -> bool``, asked last before ``auto`` takes it (e.g.
         the CUDA executor's self-test gate); None: always allowed.
-      host_memory: True when the executor works in host memory, where a tree hop is a pass over the
-        data, not a link: ``build_request`` keeps the bandwidth-optimal packing (sharded
-        collectives: one star per owner) instead of the link simulator's choice.
+      candidates: ``candidates(collective, plans) -> plans``: the executor's policy over the candidate
+        plans of a group (``dispatch.candidate_plans``, preferred first) before the cost model chooses
+        among them and their chunk counts; None keeps them all. For an executor whose costs the link
+        simulator does not model: :func:`host_memory_candidates` for one that works in host memory.
       shard_input: True when an all-gather may pass its shard as the only operand (the rule's
         executor places it), instead of a zero full buffer with the shard in place.
       shard_output: True when a reduce-scatter rule returns only the rank's shard (the executor
@@ -78,7 +82,7 @@ class Lowering:
     multi_process: bool = False
     auto_priority: int | None = None
     auto_allowed: Callable[[str], bool] | None = None
-    host_memory: bool = False
+    candidates: Callable[[str, list], list] | None = None
     shard_input: bool = False
     shard_output: bool = False
     auto_fits: Callable | None = None
@@ -111,6 +115,38 @@ class Site:
     process_of: tuple
     estimate: Callable | None = None
     root: int | None = None
+
+
+def host_memory_candidates(collective: str, plans: list) -> list:
+    """The ``candidates`` policy of an executor that works in host memory (the CPU "ffi"): the first
+    candidate (the rate-optimal packing) alone, as one star per owner for a sharded collective
+    (:func:`shared_memory_stars`); the cost model then chooses only its chunks.
+
+    Why: such an executor walks each tile through the whole schedule while it is in cache, so its
+    cost is memory passes, which the link simulator does not model. The packing reads every input
+    once and writes every output once; a ring writes every rank twice (1.6-1.7x slower at 1-16 MiB
+    per device on 8 host devices)."""
+    if collectives.get(collective).sharded:
+        return [shared_memory_stars(plans[0])]
+    return plans[:1]
+
+
+def shared_memory_stars(plan):
+    """For the CPU executor: the sharded ``plan`` as one star per owner (owner -> every other rank
+    directly), each with the owner's total weight.
+
+    In host memory a tree hop is a pass over the chunk, not a link: a star makes every shard one
+    fused copy (all-gather: owner -> n - 1 outputs) or one fused sum (reduce-scatter: n - 1 inputs
+    added into the owner's output), the fewest memory passes, where a deeper packed tree would
+    materialise a partial result at every interior rank. Data flow and results are those of any
+    valid per-owner packing; only the shape of the trees differs."""
+    weight = {}
+    for t in plan.trees:
+        weight[t.root] = weight.get(t.root, 0.0) + t.weight_gbps
+    trees = tuple(Tree(d, weight.get(d, 0.0), tuple((d, c) for c in plan.devices if c != d))
+                  for d in plan.devices)
+    return Plan(plan.collective, None, tuple(plan.devices), trees, plan.rate_gbps, plan.bound_gbps, plan.algorithm,
+                plan.notes + ("executed as one star per owner by the CPU executor (host memory)",))
 
 
 # name -> platform (None: every platform) -> record

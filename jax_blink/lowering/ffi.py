@@ -42,7 +42,7 @@ import numpy as np
 from .. import _native, collectives
 from .._jax_compat import call_in_function, ir
 from ..errors import BlinkError, warn_user
-from . import Lowering, LoweringRequest, register, selftest_record, site_text
+from . import Lowering, LoweringRequest, host_memory_candidates, register, selftest_record, site_text
 
 CPU_TARGET = "jax_blink_cpu"
 CUDA_TARGET = "jax_blink_cuda"
@@ -361,7 +361,7 @@ def _register_target(platform: str, module, target: str, xla_platform: str, miss
 #: for a chunk a peer thread wrote (a few us, estimate).
 CPU_STEP_LATENCY_S = 5e-6
 #: Seconds of one schedule step of the CUDA executor's device-side interpreter (one kernel per device
-#: per call, issue 25): a chunk hop is the sender's stores, a release fence and a flag store in
+#: per call): a chunk hop is the sender's stores, a release fence and a flag store in
 #: peer-visible memory, seen by the receiver's acquire poll, the synchronisation of NCCL's Simple
 #: protocol. NCCL prices a Simple-protocol ring step over NVLink at 3.4 us (src/graph/tuning.cc, hwLat
 #: [NVLINK][RING][SIMPLE], NCCL 2.19-2.23; LL's flag-in-every-8-bytes steps 0.6 us); the simulator
@@ -398,7 +398,7 @@ def _register(platform: str, xla_platform: str, module, target: str, missing: st
                       description="native XLA FFI custom call", unavailable=why, **fields))
 
 
-_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule, CPU_STEP_LATENCY_S, host_memory=True,
-          shard_input=True, shard_output=True)
+_register("cpu", "cpu", _native.cpu, CPU_TARGET, _native.cpu_error, _cpu_rule, CPU_STEP_LATENCY_S,
+          candidates=host_memory_candidates, shard_input=True, shard_output=True)
 _register("cuda", "CUDA", _native.cuda, CUDA_TARGET, _native.cuda_error, _cuda_rule, CUDA_STEP_LATENCY_S,
           chunks_as_simulated=True, peer_routes=True)

@@ -16,7 +16,7 @@ member of the group inside its process, in rank order):
   order (its ``block_order``: no reorder copy). reduce-scatter: the transpose: (a) native
   reduce-scatter inside the process, reading the blocks in (local rank, process) order from the
   rank-ordered operand, (b) XLA ``reduce-scatter`` over one local position (on CPU an XLA
-  ``all-to-all`` of the ``P`` blocks and their sum in process order: see "gloo's reduce-scatter"
+  ``all-to-all`` of the ``P`` blocks and their sum in process order: see the gloo rules
   below). Where the executor
   cannot order the blocks itself (the CUDA executor; groups whose ranks lie over the processes in
   different orders), one XLA copy (``jnp.take``) reorders them.
@@ -36,29 +36,12 @@ Device tables: each process's custom calls meet in its own memory, so the local 
 global in multi-process jobs, and XLA:CPU's FFI device ordinal is the global ``Device.id``
 (checked on 2 processes x 4 devices: ids 0-3 and 2048-2051).
 
-gloo's reduce-scatter (measured 2026-12-02, jax 0.10.2, 2 processes x 4 CPU devices): XLA:CPU runs
-an XLA ``reduce-scatter`` on gloo's old pair-buffer algorithm (``ReduceScatterHalvingDoubling``, built
-per call: its buffers are registered per call, and bytes that arrive before the peer registered its
-buffer are left in the socket while gloo's one receive thread per process polls again). From about
-128 KiB per partition its calls took multiples of ~45 ms (lax's own ``psum_scatter`` too), and the
-all-reduce / all-gather calls that followed on the same pair contexts then did as well (a 1 MiB psum:
-50-145 ms against 3-9 ms without a reduce-scatter earlier in the job). An all-to-all (gloo's unbound
-buffers, the same bytes on the wire as a reduce-scatter) and a local sum has neither effect, so the
-CPU form uses it; CUDA keeps XLA's reduce-scatter (NCCL).
-
-Mismatched gloo messages ("Received data size doesn't match expected size. 12 vs 4", seen 2026-12-01
-with the blocks reordered by ``jnp.swapaxes``), probable cause (read from XLA's and gloo's sources,
-not reproduced in isolation): XLA:CPU's ``GlooCommunicator`` sets no tags, so its all-reduces (and its
-all-gathers, its all-to-alls) share one gloo slot per kind and two of one kind on one replica group
-are matched by order alone; XLA:CPU's thunk executor orders only the start of collectives, in the
-compiled module's order (a "scheduling" edge on its collective-communicator resource). Each process
-compiles its own module, and jax_blink's differ between processes (each process's native calls carry
-its own device table), so the scheduler may order independent network phases of one kind
-differently in different processes; the test's programs hold several (psums of several dtypes and
-sizes, two all-gathers), and the reorder's form changes the schedule (the ``take`` form happened to
-keep one order). A 2 x 2 program of two independent lax all-reduces on the same groups (identical
-modules) ran 300 calls clean. If gloo reports mismatched sizes, order those collectives by data (an
-optimization barrier does not: XLA:CPU drops it).
+Two gloo rules (XLA:CPU's cross-process collectives; the observations behind them:
+docs/benchmarks-notes.md, "gloo on XLA:CPU"): the CPU form runs the network reduce-scatter as an
+XLA all-to-all plus a local sum, because gloo's reduce-scatter stalls from ~128 KiB per partition
+and slows the collectives after it on the same pairs; and XLA:CPU's gloo communicator sets no tags,
+so two network phases of one kind on one replica group are matched by order alone: if gloo reports
+mismatched sizes, order those phases by data (an optimization barrier does not: XLA:CPU drops it).
 """
 
 from __future__ import annotations

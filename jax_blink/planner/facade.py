@@ -21,11 +21,12 @@ import numbers
 from .. import collectives as _collectives
 from ..errors import PlanError
 from ..topology.model import Topology
+from ..topology.symmetry import node_structure
 from . import store
 from .model import COLLECTIVES, Plan, cached, clear_caches, job_devices, plan_cache
 from .rings import packed_ring_plan
 from .sharded import rsag_plan
-from .symmetric import node_structure, symmetric_plan, symmetric_rsag_plan
+from .symmetric import symmetric_plan, symmetric_rsag_plan
 from .threephase import hierarchical_plan, node_groups
 from .trees import flat_plan, relay_plan
 
@@ -181,7 +182,7 @@ def _plan_uncached(topology, collective, devices, root, max_trees, algorithm, re
 
 
 def structure(topology, collective, devices, max_trees):
-    """The job's :class:`~jax_blink.planner.symmetric.NodeStructure` when an all-reduce over identical
+    """The job's :class:`~jax_blink.topology.symmetry.NodeStructure` when an all-reduce over identical
     nodes can be planned by symmetry (no ``max_trees``: the tree-count ILP is the flat packing's), else None."""
     if collective != "allreduce" or max_trees is not None or len(devices) < 2:
         return None

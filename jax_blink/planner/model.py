@@ -16,35 +16,25 @@ import numbers
 
 from .. import collectives as _collectives
 from ..errors import PlanError, TopologyError
-from ..topology.model import Topology, _key
+from ..topology.model import (
+    _CACHES,
+    Topology,
+    _key,
+    cached,  # noqa: F401  (re-exported: the planner modules and the cost model use it)
+    derived_cache,
+)
 
 COLLECTIVES = tuple(_collectives.COLLECTIVES)
 #: The fields of a plan JSON (:meth:`Plan.to_dict`); "relays" is optional.
 PLAN_FIELDS = ("collective", "root", "devices", "rate_gbps", "bound_gbps", "algorithm", "trees")
 WEIGHT_DECIMALS = 9
-CACHE_SIZE = 1024  # plans kept per cache (least recently used dropped)
-_CACHES: list = []
 _CLEARERS: list = []  # functools caches of later stages (cost model, call sites), cleared with the plans
 
 
 def plan_cache() -> collections.OrderedDict:
-    """A new LRU plan cache (an OrderedDict), emptied by :func:`clear_caches` with every other."""
-    cache = collections.OrderedDict()
-    _CACHES.append(cache)
-    return cache
-
-
-def cached(cache: collections.OrderedDict, key, make, size: int = CACHE_SIZE):
-    """``cache[key]``, computed by ``make()`` on a miss; at most ``size`` entries (least recently
-    used dropped)."""
-    hit = cache.get(key)
-    if hit is None:
-        hit = cache[key] = make()
-        if len(cache) > size:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(key)
-    return hit
+    """A new LRU plan cache (an OrderedDict), emptied by :func:`clear_caches` with every other
+    (``topology.model.derived_cache``, whose LRU :func:`cached` reads)."""
+    return derived_cache()
 
 
 _SHAPES: dict = {}  # id(tree) -> (tree, shape key): trees equal up to relabelling identical nodes

@@ -44,13 +44,13 @@ from .model import ComposedTrees, Plan, decode_composition
 ENV_PLAN_CACHE = "JAX_BLINK_PLAN_CACHE"
 _LOG = logging.getLogger(__name__)
 #: The code that decides a plan: any edit to it makes older entries stale.
-_PLANNING_CODE = ("planner", "costmodel.py", "simulate.py", "schedule.py", "collectives.py")
+_PLANNING_CODE = ("planner", "costmodel.py", "simulate", "schedule.py", "collectives.py", "topology/symmetry.py")
 
 
 @functools.lru_cache(maxsize=1)
 def planner_version() -> str:
     """Hex digest of the source of the planning code (the planner package, cost model, simulator,
-    schedule, collectives), so a changed planner never reads an older one's plans."""
+    schedule, collectives, node symmetry), so a changed planner never reads an older one's plans."""
     root = pathlib.Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
     for name in _PLANNING_CODE:

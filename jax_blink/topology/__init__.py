@@ -6,7 +6,9 @@
 - :mod:`.nvsmi`: ``nvidia-smi topo -m`` text; :mod:`.ncclxml`: NCCL's topology XML;
 - :mod:`.nvml`: this machine's topology (NVML, else ``nvidia-smi``);
 - :mod:`.probe`: the links the job's devices really have, measured with JAX copies;
-- :mod:`.load`: :func:`load_topology`, which picks the source from what a user names.
+- :mod:`.load`: :func:`load_topology`, which picks the source from what a user names;
+- :mod:`.symmetry`: the identical nodes of a cluster (node isomorphism), which the planner's
+  symmetric algorithms plan one node of.
 
 Importing this package imports every source module, which registers itself behind the
 ``Topology.preset / from_nvidia_smi / detect / load`` classmethods (``model`` imports none of them).

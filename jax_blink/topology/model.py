@@ -18,6 +18,7 @@ modules of this package through :data:`_SOURCES`, which each source module fills
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import math
@@ -37,6 +38,31 @@ SUPPORTED_FORMATS = ("a preset name (e.g. 'dgx1v', 'dgx-a100', 'host8')",
                      "the path of a saved `nvidia-smi topo -m` output (.txt)",
                      "NCCL's topology XML (.xml, as NCCL_TOPO_DUMP_FILE writes it)",
                      "a JSON file written by Topology.to_json() (.json)")
+CACHE_SIZE = 1024  # entries kept per derived cache (least recently used dropped)
+_CACHES: list = []  # every derived_cache(), emptied together by jax_blink.clear_caches
+
+
+def derived_cache() -> collections.OrderedDict:
+    """A new LRU cache (an OrderedDict) of facts derived from topologies or plans, emptied by
+    ``jax_blink.clear_caches`` (``planner.model.clear_caches``) with every other."""
+    cache = collections.OrderedDict()
+    _CACHES.append(cache)
+    return cache
+
+
+def cached(cache: collections.OrderedDict, key, make, size: int = CACHE_SIZE):
+    """``cache[key]``, computed by ``make()`` on a miss; at most ``size`` entries (least recently
+    used dropped)."""
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = make()
+        if len(cache) > size:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return hit
+
+
 HOW_TO_PASS = ("pass a topology explicitly instead: " + ", ".join(SUPPORTED_FORMATS[:-1]) + ", or "
                + SUPPORTED_FORMATS[-1] + "; e.g. jax_blink.Topology.load('topo.txt') or "
                "`jax-blink topology topo.txt`")

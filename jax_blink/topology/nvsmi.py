@@ -66,7 +66,6 @@ _LEGEND_RE = re.compile(r"\s*(NIC\d+)\s*:\s*(\S+)\s*$")
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 _EXPECTED_TOPO = "X, NV<n>, PIX, PXB, PHB, NODE or SYS"
-_EXPECTED_P2P = "X, OK, NS, GNS, CNS, TNS or U"
 
 
 @dataclass
