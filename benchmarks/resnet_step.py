@@ -14,7 +14,8 @@ SGD with momentum), ``jax.pmap``-ed over 8 CPU devices on synthetic data. It run
   their transposes in the backward pass, the gradients', the loss's) runs through jax_blink,
   independent ones combined into one call per bucket;
 - ``rename``: the step's own two ``lax.pmean`` calls written ``jax_blink.pmean`` (BatchNorm's stay on
-  lax inside Flax).
+  lax inside Flax);
+- ``uncombined`` (``--uncombined``): the transform with combining off, one call per lax psum.
 
 Printed: the gradient leaf count; XLA's all-reduces in lax's compiled step (after XLA's combiner)
 against the jax_blink custom calls and XLA all-reduces left in each jax_blink step; each step's
@@ -116,13 +117,17 @@ def setup(width=16, image=32, batch=4, stages=(2, 2, 2, 2), steps=1, seed=0):
     return state, [(jnp.asarray(x), jnp.asarray(y)) for x, y in zip(xs, ys)], make_step
 
 
-def variants(make_step, threshold=None) -> dict:
-    """The three pmapped steps: "lax", "transform" (``jax_blink.transform`` of the lax step), "rename"
-    (the step's own pmeans by ``jax_blink.pmean``)."""
+def variants(make_step, threshold=None, uncombined=False) -> dict:
+    """The pmapped steps: "lax", "transform" (``jax_blink.transform`` of the lax step), "rename" (the
+    step's own pmeans by ``jax_blink.pmean``) and, with ``uncombined``, "uncombined" (the transform
+    with combining off: one call per lax psum)."""
     lax_step = make_step(lax.pmean)
-    return {"lax": jax.pmap(lax_step, axis_name=AXIS),
-            "transform": jax.pmap(jax_blink.transform(lax_step, combine_threshold_bytes=threshold), axis_name=AXIS),
-            "rename": jax.pmap(make_step(jax_blink.pmean), axis_name=AXIS)}
+    out = {"lax": jax.pmap(lax_step, axis_name=AXIS),
+           "transform": jax.pmap(jax_blink.transform(lax_step, combine_threshold_bytes=threshold), axis_name=AXIS),
+           "rename": jax.pmap(make_step(jax_blink.pmean), axis_name=AXIS)}
+    if uncombined:
+        out["uncombined"] = jax.pmap(jax_blink.transform(lax_step, combine_threshold_bytes=0), axis_name=AXIS)
+    return out
 
 
 def counts(fns: dict, state, batch) -> dict:
@@ -148,6 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="timed rounds (each runs every variant once)")
     ap.add_argument("--steps", type=int, default=4, help="train steps compared for the losses")
     ap.add_argument("--threshold", type=int, default=None, help="combine threshold in bytes (default: jax_blink's)")
+    ap.add_argument("--uncombined", action="store_true", help="also time the transform with combining off")
     args = ap.parse_args(argv)
     stages = tuple(int(s) for s in args.stages.split(","))
     state, batches, make_step = setup(args.width, args.image, args.batch, stages, args.steps)
@@ -155,18 +161,18 @@ def main(argv=None) -> int:
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, {os.cpu_count()} cores; "
           f"ResNet stages {stages} width {args.width}, {args.image}x{args.image} images, {args.batch} per device, "
           f"{leaves} gradient leaves, {sum(v[0].size for v in jax.tree.leaves(state[0])):,} parameters")
-    fns = variants(make_step, args.threshold)
+    fns = variants(make_step, args.threshold, args.uncombined)
     c = counts(fns, state, batches[0])
     xla_ar = c["lax"][0]
     print(f"\ncollective calls per step (compiled HLO): lax {xla_ar} XLA all-reduces (after XLA's combiner)")
-    for name in ("transform", "rename"):
+    for name in [k for k in fns if k != "lax"]:
         ar, calls = c[name]
         verdict = "ok" if calls <= xla_ar else "MISSED"
         print(f"  {name:9s}: {calls} jax_blink calls + {ar} XLA all-reduces left  "
               f"(target: calls <= {xla_ar}: {verdict})")
 
     # losses: every variant trained from the same state for --steps steps
-    worst = {k: 0.0 for k in ("transform", "rename")}
+    worst = {k: 0.0 for k in fns if k != "lax"}
     st = {k: state for k in fns}
     for x, y in batches:
         res = {k: f(*st[k], x, y) for k, f in fns.items()}
