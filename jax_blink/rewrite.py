@@ -23,9 +23,18 @@ form), a collective inside a higher-order primitive this module does not know ho
 inside a ``custom_vjp`` backward rule with ``symbolic_zeros=True``. ``pmax`` / ``pmin`` /
 ``ppermute`` / ``all_to_all`` are not jax_blink collectives and are left alone.
 
-Reports: every trace records one :class:`Rewrite` per collective equation met, in
-``transformed.rewrites`` (the last trace's) and as text by :func:`transform_report`; each collective left on
-lax is logged at WARNING on the ``"jax_blink"`` logger, the summary at INFO.
+Combining: within each jaxpr evaluated (the function's and every rewritten sub-jaxpr's), psums that
+do not depend on each other run as one jax_blink call (:mod:`jax_blink.combining`), lax's taken-over
+ones and ``jax_blink.psum`` / ``pmean`` / ``broadcast`` / ``reduce`` calls of the program alike, as
+XLA's combiner merges all-reduces; the threshold is ``transform``'s ``combine_threshold_bytes`` or
+``JAX_BLINK_COMBINE_THRESHOLD_BYTES``. Not inside a ``custom_jvp`` rule (a primal's and a tangent's
+psum in one call would tie the primal to the tangent).
+
+Reports: every trace records one :class:`Rewrite` per collective equation met (with its source line
+and the call it ran in) in ``transformed.rewrites``, one :class:`Combined` per call running several
+in ``transformed.combined``, and :func:`transform_report` prints them grouped by collective and
+source line; a collective jax_blink could not take is logged at WARNING on the ``"jax_blink"``
+logger, one it leaves alone by design (``pmax``, a kind not asked for) and the summary at INFO.
 """
 
 from __future__ import annotations
