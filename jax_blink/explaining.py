@@ -340,7 +340,8 @@ def explain(fn, *args, compile: bool = True, gpu: bool | None = None, **kwargs) 
       gpu: also lower ``fn`` for CUDA (``platform="cuda"``, nothing compiles) and report what a GPU
         machine with the call sites' topology would run (``Report.gpu_sites``: its plans, predicted,
         simulated, bound and NCCL columns). None (default): when the topology describes GPUs
-        (links other than host memory) and this machine is not a GPU one.
+        (links other than host memory), this machine is not a GPU one and the mesh lies in one
+        process.
 
     Returns a :class:`Report` (times in seconds, sizes in bytes per device, rates in GB/s). Raises what
     tracing / lowering ``fn`` raises (jax_blink's errors for a topology that does not fit the mesh, ...);
@@ -373,7 +374,8 @@ def explain(fn, *args, compile: bool = True, gpu: bool | None = None, **kwargs) 
     name = str(name).rsplit(".", 1)[-1] if "<locals>" in str(name) else name
     sites = list(sites)
     if gpu is None:
-        gpu = any(s.gpu_topology and s.platform != "cuda" for s in sites)
+        gpu = (any(s.gpu_topology and s.platform != "cuda" for s in sites)
+               and all(s.processes == 1 for s in sites))
     gpu_sites, note = (_gpu_sites(fn, sites, args, kwargs) if gpu else
                        (None, "" if not sites or sites[0].platform == "cuda" else
                         "not shown: the topology describes no GPUs (host memory only)"))
