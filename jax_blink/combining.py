@@ -149,6 +149,7 @@ def plan(jaxpr, key_of, threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, max_oper
             waiting[w] -= 1
             if not waiting[w]:
                 heapq.heappush(ready, w)
-    if sum(len(s.eqns) if isinstance(s, Bucket) else 1 for s in steps) != n:  # a cycle: the heights forbid it
-        raise AssertionError("jax_blink combining: the merged equation graph has a cycle")
+    if sum(len(s.eqns) if isinstance(s, Bucket) else 1 for s in steps) != n:  # the heights forbid a cycle
+        raise RuntimeError("jax_blink combining: the merged equation graph has a cycle (a bug in jax_blink; "
+                           "pass combine_threshold_bytes=0 to jax_blink.transform to run without combining)")
     return steps, buckets
