@@ -280,10 +280,20 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
     impl = _impl(impl)
     key = mapping.make_plan_key(topology, device_map, chunk_elems, algorithm, max_trees)
     _check_topology(key, axes, "jax_blink.psum")
-    leaves, treedef, constant = _prepare(x, axes, "jax_blink.psum")
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    return jax.tree_util.tree_unflatten(treedef, psum_leaves(leaves, axes, groups, impl, key))
+
+
+def psum_leaves(leaves, axes: tuple, groups, impl: str, key) -> list:
+    """:func:`psum` of a list of leaves with checked arguments: ``axes`` (bound, size-1 axes
+    skipped), ``groups`` (tuple of tuples or None), ``impl`` (a valid name), ``key`` (a
+    ``mapping.PlanKey``). One primitive bind per (dtype, varying axes) bucket of the leaves, so one
+    call of the lowering each. Returns the results in leaf order. ``jax_blink.transform`` calls it
+    with the operands of several combined psums."""
+    leaves, _, constant = _prepare(list(leaves), axes, "jax_blink.psum")
     if constant:
-        size = len(groups[0]) if groups is not None else size
-        return jax.tree_util.tree_unflatten(treedef, [lax_const(leaf, size) * leaf for leaf in leaves])
+        size = len(groups[0]) if groups is not None else math.prod(primitives.axis_sizes(axes))
+        return [lax_const(leaf, size) * leaf for leaf in leaves]
     unreduced_bind = None
     if check_vma():
         if groups is not None:
@@ -293,7 +303,7 @@ def psum(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, devi
         unreduced_bind = functools.partial(primitives.blink_unreduced_psum_p.bind, axes=axes, impl=impl, key=key)
     else:
         bind = functools.partial(primitives.blink_psum_p.bind, axes=axes, impl=impl, key=key, axis_index_groups=groups)
-    return jax.tree_util.tree_unflatten(treedef, _bucketed(leaves, axes, bind, "jax_blink.psum", unreduced_bind))
+    return _bucketed(leaves, axes, bind, "jax_blink.psum", unreduced_bind)
 
 
 def pmean(x, axis_name, *, axis_index_groups=None, topology=None, impl=None, device_map=None,

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import os
+import re
 import threading
 
 import numpy as np
@@ -73,6 +75,11 @@ class CallSite:
         time (``nccl_s``, else the faster simulated NCCL baseline) over ``sim_s``; auto_shape / auto_s:
         ``jax_blink.plan(nbytes=)``'s choice and its simulated time (``bench``'s blink column).
       source: "file:line (function)" of the call in the user's code; label: the name its ops carry.
+      sources: one "file:line (function)" per collective the bucket runs (``jax_blink.transform``'s
+        combined calls: each member's innermost line outside jax and jax_blink), else ``(source,)``.
+      plan_why: why the lowering runs this plan where ``plan(nbytes=)`` (``auto_shape``) would choose
+        another ("" when they agree or no plan); gpu_topology: the topology describes GPUs (links
+        other than host memory).
       plan: the ``Plan`` of the first group (not in :meth:`to_dict`).
     """
 
@@ -106,6 +113,9 @@ class CallSite:
     auto_s: float | None
     source: str
     label: str
+    sources: tuple = ()
+    plan_why: str = ""
+    gpu_topology: bool = False
     plan: object = dataclasses.field(default=None, repr=False)
     nccl_s: float | None = None
     nccl_choice: str | None = None
@@ -114,6 +124,7 @@ class CallSite:
         """JSON-ready fields (no Plan object; inf becomes None)."""
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "plan"}
         d["axes"] = list(self.axes)
+        d["sources"] = list(self.sources)
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
 
     def log_line(self) -> str:
@@ -188,6 +199,44 @@ def _user_frames(traceback) -> list:
         return []
     return [f for f in source_info_util.user_frames(traceback)
             if not os.path.abspath(f.file_name).startswith(_PACKAGE_DIR)]
+
+
+def innermost_source(traceback) -> str:
+    """"file:line (function)" of the innermost frame outside jax and jax_blink, or "unknown"."""
+    frames = _user_frames(traceback)[:1]
+    return f"{frames[0].file_name}:{frames[0].start_line} ({frames[0].function_name})" if frames else "unknown"
+
+
+def short_source(source: str) -> str:
+    """Each "file:line (function)" of ``source`` (joined by " < ") with the file's last two path parts."""
+    out = []
+    for one in source.split(" < "):
+        path, sep, rest = one.partition(":")
+        out.append("/".join(path.replace("\\", "/").split("/")[-2:]) + sep + rest)
+    return " < ".join(out)
+
+
+# Buckets of combined equations (jax_blink.transform): a name-stack token -> every member's source
+# line. The token is a hash of the sources, so the same program gets the same names on every trace.
+_BUCKETS: dict = {}
+_TOKEN = re.compile(r"jax_blink\.bucket\[([0-9a-f]{12})\]")
+
+
+def bucket_scope(sources) -> str:
+    """The name-stack scope to bind a bucket's call under (``jax.named_scope``; it shows in the HLO
+    ``op_name`` and profiles as ``jax_blink.bucket[<hash>]``), recording that it runs collectives
+    made at ``sources`` (a sequence of "file:line (function)") for its :class:`CallSite`."""
+    sources = tuple(sources)
+    token = hashlib.blake2b("\n".join(sources).encode(), digest_size=6).hexdigest()
+    _BUCKETS[token] = sources
+    return f"jax_blink.bucket[{token}]"
+
+
+def bucket_sources(name_stack) -> tuple:
+    """The member source lines :func:`bucket_scope` recorded for the innermost bucket scope of
+    ``name_stack`` (a jax NameStack or text), or ()."""
+    found = _TOKEN.findall(str(name_stack))
+    return _BUCKETS.get(found[-1], ()) if found else ()
 
 
 def source_of(traceback) -> str:
@@ -296,8 +345,24 @@ def describe(info: dict, requests: list, index: int) -> CallSite:
         chunks=len(sched.chunk_seg), rounds=int(sched.num_rounds), schedules=len(requests),
         predicted_s=float(sum(max(r.predicted_s) if r.predicted_s else 0.0 for r in requests)),
         sim_s=sim, bound_gbps=bound, bound_s=bound_s, ring_s=ring, tree_s=tree, speedup=speed,
-        auto_shape=auto_shape, auto_s=auto_s, source=info["source"], label=info["label"], plan=plan,
+        auto_shape=auto_shape, auto_s=auto_s, source=info["source"], label=info["label"],
+        sources=tuple(info.get("sources") or (info["source"],)), plan=plan,
+        plan_why=_plan_why(rec, plan, auto_shape),
+        gpu_topology=topo is not None and any(k != "host" for _, _, k in topo.graph.edges(data="kind")),
         nccl_s=nccl_s, nccl_choice=nccl_choice)
+
+
+def _plan_why(rec, plan, auto_shape) -> str:
+    """Why the lowering's plan differs from ``plan(nbytes=)``'s choice ``auto_shape`` ("" when it does not)."""
+    if plan is None or auto_shape is None or plan.shape() == auto_shape:
+        return ""
+    if rec.candidates is _lowering.host_memory_candidates:  # the policy: lowering.host_memory_candidates
+        return (f"the {rec.name} executor works in host memory, where a tree hop is a pass over the chunk, not a "
+                f"link: it runs the rate-optimal packing ({plan.shape()}) at every size, which reads every input "
+                f"once and writes every output once, where plan(nbytes=) would pick {auto_shape} for links "
+                "(a ring writes every rank twice: 1.6-1.7x slower in host memory)")
+    return (f"the lowering's cost model (its step latency and synchronisation) chose {plan.shape()}; "
+            f"plan(nbytes=) (link simulator) would pick {auto_shape}")
 
 
 def human_bytes(n: float) -> str:
@@ -366,7 +431,8 @@ def run_rule(rec, ctx, xs, request_for, *, collective: str, axes, impl: str, mes
     if listeners is not None or logging_on:
         info = dict(collective=collective, axes=axes, dtype=np.dtype(dtype).name, leaves=len(xs), nelems=nelems,
                     itemsize=itemsize, record=rec, impl=impl, platforms=tuple(ctx.module_context.platforms),
-                    processes=processes, source=source, label=name, why=why)
+                    processes=processes, source=source, label=name, why=why,
+                    sources=bucket_sources(ctx.name_stack))
         site = describe(info, seen or [first], len(listeners) if listeners is not None else 0)
         if listeners is not None:
             listeners.append(site)

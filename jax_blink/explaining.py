@@ -111,81 +111,199 @@ def xla_collectives(hlo_text: str, *, exclude: str = "jax_blink.") -> list[XlaCo
     return out
 
 
+def _t(s) -> str:
+    """Seconds as "12.3 us" / "4.56 ms", "-" for None."""
+    if s is None:
+        return "-"
+    if s < 1e-6:
+        return f"{s * 1e9:.3g} ns"
+    return f"{s * 1e6:.3g} us" if s < 1e-3 else f"{s * 1e3:.3g} ms"
+
+
+#: Short names of plan shapes for narrow tables.
+_ABBREV = {"double-binary-tree": "dbtree", "hierarchical": "3-phase"}
+
+
+def compact_shape(shape: str) -> str:
+    """``Plan.shape()`` in a few characters: "trees, 24 trees" -> "trees x24", "double-binary-tree,
+    2 trees" -> "dbtree x2", "ring, 1 ring" -> "ring x1"."""
+    alg, _, rest = shape.partition(", ")
+    count = rest.split(" ", 1)[0]
+    return f"{_ABBREV.get(alg, alg)} x{count}" if count.isdigit() else shape
+
+
+def sources_text(sources, limit: int = 3, dirs: bool = True) -> str:
+    """Distinct "file:line" of ``sources`` (the file's last two path parts, or with ``dirs=False`` its
+    name; functions left out) with their counts, in first-seen order: "linen/normalization.py:129 x2;
+    examples/train.py:55" (at most ``limit``, then "+k more")."""
+    counts: dict = {}
+    for src in sources:
+        one = callsites.short_source(src.split(" < ")[0]).split(" (")[0]
+        one = one if dirs else one.rsplit("/", 1)[-1]
+        counts[one] = counts.get(one, 0) + 1
+    items = [f"{k} x{n}" if n > 1 else k for k, n in counts.items()]
+    return "; ".join(items[:limit]) + (f"; +{len(items) - limit} more" if len(items) > limit else "")
+
+
+def _nccl(s) -> float | None:
+    """NCCL's time at a site: its tuner's choice (nccl_model) where modelled, else the faster simulated baseline."""
+    if s.nccl_s is not None:
+        return s.nccl_s
+    nccl = [t for t in (s.ring_s, s.tree_s) if t is not None]
+    return min(nccl) if nccl else None
+
+
 @dataclasses.dataclass
 class Report:
     """What :func:`explain` found: ``sites`` (one :class:`~jax_blink.callsites.CallSite` per jax_blink
-    call site, in lowering order) and ``xla`` (the :class:`XlaCollective` ops jax_blink does not
-    handle; None when not compiled). Print it (a rich table), or :meth:`to_json`."""
+    call site, i.e. per bucket, in lowering order), ``xla`` (the :class:`XlaCollective` ops jax_blink
+    does not handle; None when not compiled), ``gpu_sites`` (the call sites of the same program lowered
+    for CUDA, ``platform="cuda"``, when the topology describes GPUs and this machine is not one; None
+    otherwise) and ``gpu_note`` (how they were made, or why there are none). Print it (rich tables that
+    fit the console's width, a summary at the end), or :meth:`to_json`."""
 
     sites: list
     xla: list | None
     function: str = ""
+    gpu_sites: list | None = None
+    gpu_note: str = ""
 
     def to_dict(self) -> dict:
         return {"function": self.function, "call_sites": [s.to_dict() for s in self.sites],
-                "xla_collectives": None if self.xla is None else [x.to_dict() for x in self.xla]}
+                "xla_collectives": None if self.xla is None else [x.to_dict() for x in self.xla],
+                "gpu_call_sites": None if self.gpu_sites is None else [s.to_dict() for s in self.gpu_sites],
+                "gpu_note": self.gpu_note, "summary": self.summary()}
 
     def to_json(self, indent: int | None = 1) -> str:
         """The report as JSON (times in seconds, sizes in bytes per device, rates in GB/s)."""
         return json.dumps(self.to_dict(), indent=indent)
 
-    def tables(self) -> list:
-        """The rich renderables: the call-site table, the lowering reasons, the XLA collectives."""
+    def summary(self) -> dict:
+        """Totals: ``call_sites``, ``buckets`` (call sites running several collectives), ``collectives``
+        (collectives the call sites run; a site not from ``jax_blink.transform``'s combining counts as
+        one), ``leaves``; per machine ("here", and "gpu" when lowered for CUDA): ``predicted_s``,
+        ``simulated_s`` and ``nccl_s`` (sums over the sites; NCCL: its faster of ring and double binary
+        tree per site, simulated on the same links, what lax's collectives run on GPUs), and
+        ``slower_than_nccl`` (indices of the sites whose simulated time exceeds NCCL's)."""
+        def machine(sites):
+            sims = [s.sim_s for s in sites if s.sim_s is not None]
+            ncc = [(s, _nccl(s)) for s in sites]
+            return {"predicted_s": float(sum(s.predicted_s for s in sites)),
+                    "simulated_s": float(sum(sims)) if sims else None,
+                    "nccl_s": float(sum(n for _, n in ncc if n is not None)) if any(n for _, n in ncc) else None,
+                    "slower_than_nccl": [s.index for s, n in ncc if n is not None and s.sim_s is not None
+                                         and s.sim_s > n]}
+        out = {"call_sites": len(self.sites), "buckets": sum(len(s.sources) > 1 for s in self.sites),
+               "collectives": sum(max(1, len(s.sources)) for s in self.sites),
+               "leaves": sum(s.leaves for s in self.sites), "here": machine(self.sites)}
+        if self.gpu_sites is not None:
+            out["gpu"] = machine(self.gpu_sites)
+        return out
+
+    def tables(self, width: int = 200) -> list:
+        """The rich renderables for a console ``width`` columns wide: the call sites as this machine
+        runs them, the reasons (each distinct one once), the same sites on a GPU machine of the
+        topology (when lowered for CUDA), XLA's other collectives, the summary. Below 150 columns the
+        bound and NCCL's ring / tree split are left out (NCCL: the faster of the two), plans are
+        abbreviated and a call column that says the same on every row goes into the title; below 110
+        this machine's table keeps predicted and the speedup over NCCL only (the JSON has every
+        field); rich then fits the rest to ``width``, wrapping the source column."""
+        from rich import box
         from rich.table import Table
         from rich.text import Text
 
-        def t(s):
-            if s is None:
-                return "-"
-            return f"{s * 1e6:.3g} us" if s < 1e-3 else f"{s * 1e3:.3g} ms"
+        wide, narrow = width >= 150, width < 110
+
+        def table(title, cols):
+            tab = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+            for col in cols:
+                left = col in ("call", "runs", "source", "op", "op_name", "dtype")
+                tab.add_column(col, justify="left" if left else "right", overflow="fold",
+                               no_wrap=col not in ("source", "op_name"))
+            return tab
+
+        def times(s, here=True):
+            tuner = "-" if s.nccl_s is None else f"{_t(s.nccl_s)} {s.nccl_choice}"
+            nccl = [_t(s.bound_s), _t(s.ring_s), _t(s.tree_s), tuner] if wide else [] if narrow and here else [
+                _t(_nccl(s))]
+            sim = [] if narrow and here else [_t(s.sim_s)]
+            return [_t(s.predicted_s), *sim, *nccl, "-" if s.speedup is None else f"{s.speedup:.2f}x"]
+
+        def runs(s):
+            return f"{s.lowering} {s.shape}, {s.chunks} ch" if wide else f"{s.lowering} {compact_shape(s.shape)}"
+
+        def time_cols(here=True):
+            nccl = ["bound", "NCCL ring", "NCCL tree", "NCCL tuner"] if wide else [] if narrow and here else ["NCCL"]
+            return ["predicted", *([] if narrow and here else ["simulated"]), *nccl, "vs NCCL"]
 
         out = []
-        tab = Table(title=f"jax_blink call sites of {self.function or 'the program'} (times: cost model of the "
-                          "lowering; simulated / bound / NCCL: link-level simulator, as `jax-blink bench`)",
-                    title_justify="left")
-        for col, just in (("#", "right"), ("call", "left"), ("axes (n)", "left"), ("dtype", "left"),
-                          ("bytes/dev", "right"), ("lowering", "left"), ("plan", "left"), ("chunks", "right"),
-                          ("predicted", "right"), ("simulated", "right"), ("bound", "right"),
-                          ("NCCL ring", "right"), ("NCCL tree", "right"), ("NCCL tuner", "right"),
-                          ("speedup", "right"),
-                          ("source", "left")):
-            tab.add_column(col, justify=just, overflow="fold")
+        platform = self.sites[0].platform if self.sites else "-"
+        apis = {s.api for s in self.sites}
+        one_api = len(apis) == 1 and not wide
+        title = f"jax_blink call sites of {self.function or 'the program'} as this machine ({platform}) runs them"
+        if one_api:
+            title += f" (every one a {next(iter(apis))})"
+        tab = table(title, ["#", *([] if one_api else ["call"]), "leaves", "bytes/dev", "runs", *time_cols(),
+                            "source"])
+        whys: dict = {}
         for s in self.sites:
-            axes = ",".join(map(str, s.axes)) + f" ({s.group_size}{'' if s.groups == 1 else f' x{s.groups}'})"
-            tab.add_row(str(s.index), s.api.removeprefix("jax_blink."), axes, s.dtype,
-                        callsites.human_bytes(s.nbytes), s.lowering, s.shape, str(s.chunks), t(s.predicted_s),
-                        t(s.sim_s), t(s.bound_s), t(s.ring_s), t(s.tree_s),
-                        "-" if s.nccl_s is None else f"{t(s.nccl_s)} {s.nccl_choice}",
-                        "-" if s.speedup is None else f"{s.speedup:.2f}x", _short(s.source))
+            whys.setdefault(s.why, []).append(s.index)
+            call = [] if one_api else [s.api.removeprefix("jax_blink.")]
+            tab.add_row(str(s.index), *call, str(s.leaves), callsites.human_bytes(s.nbytes), runs(s), *times(s),
+                        sources_text(s.sources or (s.source,), 3 if wide else 2, dirs=wide))
         out.append(tab)
         if self.sites:
             why = Text()
-            for s in self.sites:
-                why.append(f"#{s.index} {s.lowering}: {s.why}\n")
+            for text, idx in whys.items():
+                which = "every site" if len(idx) == len(self.sites) else "sites " + _ranges(idx)
+                why.append(f"why ({which}): {text}\n")
+            for text in dict.fromkeys(s.plan_why for s in self.sites if s.plan_why):
+                why.append(f"plan: {text}\n")
             out.append(why)
         else:
             out.append(Text("no jax_blink call site in this program\n"))
+        if self.gpu_sites:
+            g = table("the same call sites on a GPU machine with this topology", ["#", "runs", *time_cols(False)])
+            for s in self.gpu_sites:
+                g.add_row(str(s.index), runs(s), *times(s, False))
+            out.append(g)
+            out.append(Text(f"GPU machine: {self.gpu_note}\n"))
+        elif self.gpu_note:
+            out.append(Text(f"GPU machine: {self.gpu_note}\n"))
         if self.xla is not None:
-            x = Table(title="XLA collectives jax_blink does not handle (compiled HLO)", title_justify="left")
-            for col in ("op", "dtype", "bytes/dev", "group", "op_name", "source"):
-                x.add_column(col, overflow="fold")
+            x = table("XLA collectives jax_blink does not handle (compiled HLO)",
+                      ["op", "dtype", "bytes/dev", "group", "op_name", "source"])
             for c in self.xla:
                 op = c.op + (" (SPMD partitioner)" if c.spmd_generated else "")
                 group = "-" if c.group_size is None else str(c.group_size)
-                x.add_row(op, c.dtype, callsites.human_bytes(c.nbytes), group, c.op_name, _short(c.source))
+                x.add_row(op, c.dtype, callsites.human_bytes(c.nbytes), group, c.op_name,
+                          callsites.short_source(c.source))
             out.append(x if self.xla else Text("no other XLA collectives"))
+        out.append(Text(self.summary_text()))
         return out
 
-    def print(self, console=None) -> None:
-        """Print the tables to ``console`` (default: a rich Console on stdout, at the terminal's width, or
-        200 columns when stdout is not a terminal, e.g. a log file, where rich would assume 80)."""
-        import os
-        import sys
+    def summary_text(self) -> str:
+        """The summary as lines of text (see :meth:`summary`)."""
+        d = self.summary()
+        lines = [f"summary: {d['call_sites']} jax_blink call site(s), {d['buckets']} of them bucket(s) of several "
+                 f"collectives; {d['collectives']} collective(s), {d['leaves']} leaves"]
+        for name, m in (("this machine", d["here"]), ("a GPU machine of the topology", d.get("gpu"))):
+            if m is None:
+                continue
+            slow = m["slower_than_nccl"]
+            lines.append(f"  {name}: predicted {_t(m['predicted_s'])} in all, simulated {_t(m['simulated_s'])} vs "
+                         f"NCCL {_t(m['nccl_s'])}; {len(slow)} site(s) slower than NCCL"
+                         + (f" (#{_ranges(slow)})" if slow else ""))
+        if self.xla:
+            lines.append(f"  {len(self.xla)} XLA collective(s) jax_blink does not handle")
+        return "\n".join(lines) + "\n"
 
+    def print(self, console=None) -> None:
+        """Print the tables to ``console`` (default: a rich Console on stdout, whose width is the
+        terminal's, ``$COLUMNS``, or rich's default of 80 when neither is known)."""
         from rich.console import Console
-        if console is None:
-            console = Console() if sys.stdout.isatty() or os.environ.get("COLUMNS") else Console(width=200)
-        for r in self.tables():
+        console = Console() if console is None else console
+        for r in self.tables(console.width):
             console.print(r)
 
     def __str__(self) -> str:
@@ -193,6 +311,19 @@ class Report:
         console = Console(width=200, record=True, file=_Null())
         self.print(console)
         return console.export_text()
+
+
+def _ranges(idx) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, idx = [], sorted(idx)
+    k = 0
+    while k < len(idx):
+        j = k
+        while j + 1 < len(idx) and idx[j + 1] == idx[j] + 1:
+            j += 1
+        out.append(str(idx[k]) if j == k else f"{idx[k]}-{idx[j]}")
+        k = j + 1
+    return ", ".join(out)
 
 
 class _Null:
@@ -203,16 +334,7 @@ class _Null:
         pass
 
 
-def _short(source: str) -> str:
-    """Each "file:line (function)" of ``source`` (joined by " < ") with the file's last two path parts."""
-    out = []
-    for one in source.split(" < "):
-        path, sep, rest = one.partition(":")
-        out.append("/".join(path.replace("\\", "/").split("/")[-2:]) + sep + rest)
-    return " < ".join(out)
-
-
-def explain(fn, *args, compile: bool = True, **kwargs) -> Report:
+def explain(fn, *args, compile: bool = True, gpu: bool | None = None, **kwargs) -> Report:
     """Report what each jax_blink call site of ``fn(*args, **kwargs)`` runs (module docstring).
 
     Args:
@@ -221,10 +343,16 @@ def explain(fn, *args, compile: bool = True, **kwargs) -> Report:
         ``sharding=`` where the program needs it) or Python values, as for ``fn.lower``.
       compile: also compile (nothing runs) to list XLA's remaining collectives (``Report.xla``);
         False: lower only (``Report.xla`` is None).
+      gpu: also lower ``fn`` for CUDA (``platform="cuda"``, nothing compiles) and report what a GPU
+        machine with the call sites' topology would run (``Report.gpu_sites``: its plans, predicted,
+        simulated, bound and NCCL columns). None (default): when the topology describes GPUs
+        (links other than host memory), this machine is not a GPU one and the mesh lies in one
+        process.
 
     Returns a :class:`Report` (times in seconds, sizes in bytes per device, rates in GB/s). Raises what
-    tracing / lowering ``fn`` raises (jax_blink's errors for a topology that does not fit the mesh, ...).
-    Clears JAX's compilation caches first.
+    tracing / lowering ``fn`` raises (jax_blink's errors for a topology that does not fit the mesh, ...);
+    a failed CUDA lowering is reported in ``Report.gpu_note`` instead. Clears JAX's compilation caches
+    first.
 
     Method: the plans, bound and times are the lowering's own (Blink, MLSys 2020, sections 3-4: the
     packing and its max-flow / Nash-Williams certificate; :mod:`jax_blink.costmodel`); NCCL's baselines
@@ -249,7 +377,40 @@ def explain(fn, *args, compile: bool = True, **kwargs) -> Report:
     if compile:
         xla = xla_collectives(lowered.compile().as_text())
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-    return Report(list(sites), xla, str(name))
+    name = str(name).rsplit(".", 1)[-1] if "<locals>" in str(name) else name
+    sites = list(sites)
+    if gpu is None:
+        gpu = (any(s.gpu_topology and s.platform != "cuda" for s in sites)
+               and all(s.processes == 1 for s in sites))
+    gpu_sites, note = (_gpu_sites(fn, sites, args, kwargs) if gpu else
+                       (None, "" if not sites or sites[0].platform == "cuda" else
+                        "not shown: the topology describes no GPUs (host memory only)"))
+    return Report(sites, xla, str(name), gpu_sites, note)
+
+
+def _gpu_sites(fn, sites, args, kwargs):
+    """The call sites of ``fn`` lowered for CUDA here (as :func:`lowered_text` does, the native CUDA
+    executor allowed as on a machine where its self-test passed) and a note; (None, why) when that
+    lowering fails or finds other call sites than this machine's."""
+    import jax
+
+    from . import lowering
+    from .lowering import ffi as ffi_lowering
+    target = fn if hasattr(fn, "trace") else jax.jit(fn)
+    jax.clear_caches()
+    try:
+        with lowering.lowering_only("cuda"), ffi_lowering.assume_native_auto("cuda", True), \
+                callsites.collect() as gsites:
+            target.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+    except Exception as err:  # noqa: BLE001 - a report of what could not be shown, not a failure of explain
+        return None, f"not shown: lowering for CUDA failed here ({type(err).__name__}: {str(err)[:200]})"
+    finally:
+        jax.clear_caches()
+    gsites = list(gsites)
+    if len(gsites) != len(sites):
+        return None, f"not shown: lowering for CUDA found {len(gsites)} call sites, this machine {len(sites)}"
+    return gsites, ("platform='cuda', lowered here as lowered_text does; the native executor assumed "
+                    "self-tested there")
 
 
 

@@ -186,12 +186,16 @@ def test_left_on_lax_is_reported_and_logged(caplog):
     by = {(r.primitive, r.axes): r for r in t.rewrites}
     assert by[("psum", ("i",))].by == "jax_blink"
     assert by[("psum", ("b",))].by == "lax" and "not mesh / pmap axes" in by[("psum", ("b",))].reason
-    assert ("all_gather", ("i",)) not in by  # not asked for: left alone, not a jax_blink decision
+    assert by[("all_gather", ("i",))].by == "lax" and "not asked for" in by[("all_gather", ("i",))].reason
     text = jax_blink.transform_report(t)
-    assert text.startswith("1 of 2 lax collective(s) run by jax_blink:") and "-> lax (axes ['b']" in text
+    assert text.startswith("transform(row): 3 lax collective(s) met, 1 run by jax_blink in 1 call(s), 2 left on lax")
+    assert "axes ['b'] are not mesh / pmap axes" in text and "collectives= does not name 'all_gather'" in text
+    assert "test_transform.py:" in text and "<function" not in text
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("lax.psum over ('b',)" in m and "-> lax" in m for m in warnings), warnings
-    assert any("1 lax collective(s) run by jax_blink, 1 left on lax" in r.getMessage() for r in caplog.records)
+    assert not any("all_gather" in m for m in warnings), warnings  # not asked for: no warning
+    assert any("1 lax collective(s) run by jax_blink in 1 call(s), 2 left on lax" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_bad_arguments():
