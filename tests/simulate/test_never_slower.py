@@ -1,6 +1,6 @@
 """Never slower than XLA by the model (benchmarks/never_slower.py) on a subset: two machines (NVSwitch
 with NVLS; PCIe), all five collectives, small / mid / large sizes: auto's time <= NCCL's modelled
-choice and <= the best jax_blink plan (x 1 + the schedule margin); XLA takes the large all-reduces on
+choice and <= every candidate plan's schedule as the executor runs it; XLA takes the large all-reduces on
 DGX H100 (NVLS) and jax_blink keeps some cells (it is not always XLA)."""
 
 import importlib.util
