@@ -57,7 +57,13 @@ class Fit:
     times_s: tuple = ()
 
     def time_s(self, nbytes: float) -> float:
-        return self.latency_s + float(nbytes) * self.seconds_per_byte
+        """Seconds at ``nbytes``: between the smallest and largest measured size, the measured medians
+        interpolated linearly in log(size) / log(time) (a CPU's per-call costs bend with the caches, a
+        line through 4 KiB .. 16 MiB does not follow them); outside, the fitted line."""
+        x = float(nbytes)
+        if len(self.sizes) >= 2 and self.sizes[0] <= x <= self.sizes[-1] and x > 0:
+            return float(np.exp(np.interp(np.log(x), np.log(self.sizes), np.log(self.times_s))))
+        return self.latency_s + x * self.seconds_per_byte
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -84,8 +90,9 @@ def fit(lowering: str, collective: str, group_size: int, sizes, times_s) -> Fit:
         lat, slope = float(len(y) / np.sum(w)), 0.0
     elif lat < 0:
         slope, lat = float(np.dot(x * w, np.ones_like(y)) / np.dot(x * w, x * w)), 0.0
+    order = np.argsort(x, kind="stable")
     return Fit(lowering, collective, int(group_size), float(lat), float(slope),
-               tuple(int(s) for s in x), tuple(float(t) for t in y))
+               tuple(int(s) for s in x[order]), tuple(float(t) for t in y[order]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,12 +141,18 @@ def _parse(data) -> Calibration:
     for i, f in enumerate(data["fits"]):
         try:
             item = Fit(str(f["lowering"]), str(f["collective"]), int(f["group_size"]), float(f["latency_s"]),
-                       float(f["seconds_per_byte"]), tuple(f.get("sizes", ())), tuple(f.get("times_s", ())))
-        except (KeyError, TypeError, ValueError) as err:
+                       float(f["seconds_per_byte"]), tuple(int(v) for v in f.get("sizes", ())),
+                       tuple(float(v) for v in f.get("times_s", ())))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"fit {i} is malformed ({type(err).__name__}: {err})") from None
         if not (math.isfinite(item.latency_s) and math.isfinite(item.seconds_per_byte)
                 and item.latency_s >= 0 and item.seconds_per_byte >= 0 and item.group_size >= 2):
             raise ValueError(f"fit {i} has a negative or non-finite term or a group under 2 devices")
+        sizes, times = item.sizes, item.times_s
+        if len(sizes) != len(times) or any(b <= a for a, b in zip(sizes, sizes[1:])) or \
+                any(v <= 0 for v in sizes) or not all(math.isfinite(t) and t > 0 for t in times):
+            raise ValueError(f"fit {i}: its measured sizes must increase, be > 0 and pair with finite "
+                             f"times > 0 (got {len(sizes)} sizes, {len(times)} times)")
         fits.append(item)
     return Calibration(platform, tuple(fits))
 

@@ -24,14 +24,14 @@ from ._args import force_host_devices, positive_int
 HOST_DEVICES = 8
 
 COLLECTIVES = ("allreduce", "allgather", "reducescatter")
-DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
+DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 LOWERINGS = ("ffi", "xla")
 
 
 def add_arguments(p) -> None:
     p.add_argument("--sizes", default=None,
                    help="bytes per device to time (all-gather / reduce-scatter: the full buffer), a list like "
-                        "4K,64K,1M,8M (default); K/M/G = KiB/MiB/GiB")
+                        "4K,64K,1M,4M,16M (default); K/M/G = KiB/MiB/GiB")
     p.add_argument("--repeats", type=positive_int, default=7, help="timed calls per size and lowering (default 7)")
     p.add_argument("--collectives", default=",".join(COLLECTIVES),
                    help=f"comma-separated, some of {', '.join(COLLECTIVES)} (default: all)")

@@ -147,26 +147,38 @@ def xla_time_s(platform: str, collective: str, nbytes: float, group_size: int, t
     return ch.steady_us * 1e-6, f"NCCL's tuner model: {ch.algorithm}/{ch.protocol}"
 
 
+#: With both lowerings measured by ``jax-blink calibrate``, jax_blink keeps a call site only when its
+#: measured time is this fraction below XLA's: repeated calibrations on a loaded 2-core machine moved a
+#: 4 MiB all-reduce's ffi/xla ratio between 0.95 and 1.06 (benchmarks/cpu_never_slower.py).
+MEASURED_TIE_MARGIN = 0.05
+
+
 def decide(platform: str, collective: str, nbytes: float, group_size: int, blink_name: str,
            blink_predicted_s: float, topology=None, devices=None) -> tuple[bool, str]:
     """Whether ``impl="auto"`` hands a call site to XLA's collective instead of jax_blink's lowering
     ``blink_name`` (its cost model's ``blink_predicted_s``), and the reason (for ``explain`` and
     ``JAX_BLINK_LOG``). With a calibration of this machine holding fits of both lowerings, the fits
-    decide; otherwise XLA's :func:`xla_time_s` against ``blink_predicted_s``. XLA takes the site only
-    when predicted strictly faster."""
+    decide; otherwise XLA's :func:`xla_time_s` against ``blink_predicted_s``. XLA takes the site when
+    predicted strictly faster, and, where both times are measured, also when jax_blink is less than
+    ``MEASURED_TIE_MARGIN`` faster (a tie within the measurement's noise goes to lax's own op)."""
     cal = calibration.load(platform)
-    t_blink, how = blink_predicted_s, "cost model"
+    t_blink, how, margin = blink_predicted_s, "cost model", 0.0
     if cal is not None:
         fitted = cal.time_s(blink_name, collective, group_size, nbytes)
         if fitted is not None:
             t_blink, how = fitted, "this machine's calibration"
     t_xla, src = xla_time_s(platform, collective, nbytes, group_size, topology, devices, cal)
+    if how != "cost model" and "calibration" in src:
+        margin = MEASURED_TIE_MARGIN  # both measured: ties (within the noise) go to lax's own op
     note = "" if calibration.note() is None else f" ({calibration.note()})"
     if t_xla is None:
         return False, f"XLA's collective not modelled: {src}{note}"
     us = f"{nbytes:.0f} B: XLA {t_xla * 1e6:.3g} us ({src}) vs {blink_name} {t_blink * 1e6:.3g} us ({how})"
     if t_xla < t_blink:
         return True, f"auto: xla, XLA's collective predicted faster than every jax_blink plan at {us}{note}"
+    if t_blink > t_xla * (1 - margin):
+        return True, (f"auto: xla, jax_blink measured less than {margin:.0%} faster than XLA's collective "
+                      f"(within the calibration's noise: lax's own op) at {us}{note}")
     return False, f"jax_blink predicted no slower than XLA at {us}{note}"
 
 

@@ -164,6 +164,35 @@ def test_fit_recovers_a_line():
         calibration.fit("xla", "allreduce", 8, [4096], [1e-3])
 
 
+def test_fit_interpolates_its_measurements_and_extends_the_line():
+    """Between measured sizes the medians (log-log interpolated), outside them the fitted line; a
+    measured tie within MEASURED_TIE_MARGIN goes to XLA, a clear win stays with jax_blink."""
+    sizes, times = [4096, 1 << 20, 16 << 20], [100e-6, 1e-3, 20e-3]  # bent: no line passes through all
+    f = calibration.fit("ffi", "allreduce", N, sizes, times)
+    assert [f.time_s(s) for s in sizes] == pytest.approx(times, rel=1e-12)
+    assert f.time_s(4 << 20) == pytest.approx(np.exp(np.interp(np.log(4 << 20), np.log(sizes), np.log(times))))
+    assert f.time_s(64 << 20) == pytest.approx(f.latency_s + (64 << 20) * f.seconds_per_byte)
+    assert calibration.fit("ffi", "allreduce", N, sizes[::-1], times[::-1]).sizes == tuple(sizes)
+
+
+@pytest.mark.parametrize("ffi_over_xla, xla", [(0.99, True), (0.96, True), (0.90, False), (1.01, True)])
+def test_measured_tie_goes_to_xla(cal_dir, ffi_over_xla, xla):
+    fits = [calibration.fit(low, "allreduce", N, [4096, 1 << 20], [t, t]) for low, t in
+            (("xla", 1e-3), ("ffi", 1e-3 * ffi_over_xla))]
+    calibration.save(calibration.Calibration("cpu", tuple(fits)))
+    use, why = xla_lowering.decide("cpu", "allreduce", 65536, N, "ffi", 1.0)
+    assert use is xla, why
+    if ffi_over_xla > 0.95 and ffi_over_xla < 1:
+        assert "less than 5% faster" in why
+
+
+def test_calibration_with_unordered_measurements_is_ignored(cal_dir):
+    f = calibration.fit("xla", "allreduce", N, [4096, 65536], [1e-3, 2e-3]).to_dict()
+    f["sizes"] = [65536, 4096]
+    calibration.path().write_text(json.dumps({"version": 1, "platform": "cpu", "fits": [f]}))
+    assert calibration.load("cpu") is None and "sizes must increase" in calibration.note()
+
+
 def test_gpu_decision_uses_the_nccl_model():
     """On CUDA without a calibration: XLA's time is NCCL's tuner model (1 GiB on DGX H100: NVLS, faster
     than any tree schedule at its cost-model time of the ring rate); a tiny cost-model time keeps jax_blink."""
