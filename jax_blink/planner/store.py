@@ -8,12 +8,18 @@ fingerprint, collective, devices, root, algorithm, the other planning arguments 
 (the operand bytes the cost model chose for, or None for the rate-optimal plan). ``JAX_BLINK_PLAN_CACHE=0``
 turns it off.
 
-An entry is never trusted: it is used only when its envelope's version and key equal the request's,
-the SHA-256 of its plan text matches, the plan parses (:meth:`Plan.from_json`), is over the
-request's collective and devices, every hop is a link of the topology, every tree's routes reach
-all devices from its root, and its link loads are within capacity. Anything else (a torn write, a
-file of another version, an edited plan) is ignored and the plan is planned again and written over
-it (atomically: a temporary file, then a rename, so concurrent processes read a whole file or none).
+An entry is never trusted: it is read only when it is a regular file of at most ``MAX_ENTRY_BYTES``
+(opened without blocking: a FIFO or a link to a device is refused), and used only when its envelope's
+version and key equal the request's, the SHA-256 of its plan text matches, the plan parses
+(:meth:`Plan.from_json`), is over the request's collective and devices, and passes the checks a fresh
+plan passes (:func:`check_plan`, recomputed, not read: every hop a link of the topology, every tree's
+routes reach all devices from its root, weights finite and > 0, link loads within capacity, rate the
+sum of the weights and at most the bound, a tree packing's bound the max-flow / cut certificate
+recomputed on the topology, and its rate that certificate where the request was for the rate-optimal
+packing). The SHA-256 catches torn writes, not edits (anyone can recompute it): the checks catch
+edits. Anything else (a torn write, a file of another version, an edited plan) is ignored and the plan
+is planned again and written over it (atomically: a temporary file, then a rename, so concurrent
+processes read a whole file or none).
 
 A composed plan (:class:`~jax_blink.planner.model.ComposedTrees`: identical nodes, planned on one node)
 is written as its rule, O(N) in size instead of the O(N^2) hops of its trees, and checked by the
@@ -34,14 +40,20 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import pathlib
+import stat
 
 from ..errors import PlanError
 from ..topology.probe import cache_dir
+from .bounds import certificate
 from .model import ComposedTrees, Plan, decode_composition
 
 ENV_PLAN_CACHE = "JAX_BLINK_PLAN_CACHE"
+#: The largest entry read (bytes): flat plans of 64 GPUs with hundreds of trees are a few MiB, composed
+#: plans of 1,024 GPUs are O(N); anything larger is not a plan this planner wrote.
+MAX_ENTRY_BYTES = 64 << 20
 _LOG = logging.getLogger(__name__)
 #: The code that decides a plan: any edit to it makes older entries stale.
 _PLANNING_CODE = ("planner", "costmodel.py", "simulate", "schedule.py", "collectives.py", "topology/symmetry.py")
@@ -85,13 +97,20 @@ def _key(key: dict) -> dict:
     return json.loads(json.dumps({"version": planner_version(), **key}, sort_keys=True, default=str))
 
 
-def check_plan(plan: Plan, topology, collective: str, devices) -> None:
+def check_plan(plan: Plan, topology, collective: str, devices, *, exact: bool = False) -> None:
     """Raise PlanError unless ``plan`` is a valid plan of ``collective`` over ``devices`` on
     ``topology``: hops are links, each tree's routes reach every device from its root (broadcast
-    and reduce trees alike), link loads within capacity (1e-6 relative), rate = sum of weights."""
+    and reduce trees alike), weights finite and > 0, link loads within capacity (1e-6 relative),
+    rate = sum of weights, rate <= bound, and, for tree packings, the bound recomputed: a broadcast,
+    reduce, all-gather or reduce-scatter packing's bound is the max-flow / cut certificate
+    (:func:`jax_blink.planner.bounds.certificate`: Edmonds' theorem, ForestColl's cut bound), an
+    all-reduce packing's rate at most that certificate. ``exact``: the request asked for the
+    rate-optimal packing (no ``max_trees``, no ``rate_tolerance``), so such a packing's rate must
+    equal its certificate (the planner meets it exactly: Edmonds; ForestColl, theorem 1)."""
     if plan.collective != collective or tuple(plan.devices) != tuple(devices):
         raise PlanError(f"cached plan is for {plan.collective} over {list(plan.devices)}, not {collective} over "
                         f"{list(devices)}")
+    _check_numbers(plan)
     g = topology.graph
     devs = set(devices)
     load = collections.Counter()
@@ -107,8 +126,32 @@ def check_plan(plan: Plan, topology, collective: str, devices) -> None:
         if v > g.edges[e]["bandwidth_gbps"] * (1 + 1e-6) + 1e-9:
             raise PlanError(f"cached plan loads link {e} with {v:.3f} GB/s > its {g.edges[e]['bandwidth_gbps']} GB/s")
     total = sum(t.weight_gbps for t in plan.trees)
-    if plan.trees and abs(total - plan.rate_gbps) > 1e-6 * max(1.0, total):
+    if plan.trees and not abs(total - plan.rate_gbps) <= 1e-6 * max(1.0, total):
         raise PlanError(f"cached plan: rate {plan.rate_gbps} GB/s is not the sum of its weights {total}")
+    if plan.algorithm == "trees" and plan.trees and len(devs) > 1:
+        cert = certificate(topology, collective, list(devices), plan.root, tuple(plan.relays))
+        tol = 1e-6 * max(1.0, cert)
+        if collective != "allreduce" and not abs(plan.bound_gbps - cert) <= tol:
+            raise PlanError(f"cached plan: bound {plan.bound_gbps} GB/s is not the recomputed certificate {cert}")
+        if not plan.rate_gbps <= cert + tol:
+            raise PlanError(f"cached plan: rate {plan.rate_gbps} GB/s exceeds the max-flow certificate {cert}")
+        if exact and collective != "allreduce" and not plan.rate_gbps >= cert - tol:
+            raise PlanError(f"cached plan: rate {plan.rate_gbps} GB/s is below the certificate {cert} that the "
+                            f"rate-optimal packing it stands for reaches")
+
+
+def _check_numbers(plan: Plan) -> None:
+    """Raise PlanError unless the plan's weights are finite and > 0, its rate > 0 (finite, or inf for
+    one device) and at most its bound: NaN compares false, so each test is written to fail on it."""
+    for t in plan.trees:
+        if not (isinstance(t.weight_gbps, (int, float)) and 0 < t.weight_gbps < math.inf):
+            raise PlanError(f"cached plan: tree weight {t.weight_gbps!r} GB/s is not a finite positive number")
+    rate, bound = plan.rate_gbps, plan.bound_gbps
+    one = len(plan.devices) <= 1
+    if not (0 < rate < math.inf or (one and rate == math.inf)):
+        raise PlanError(f"cached plan: rate {rate!r} GB/s is not a finite positive number")
+    if not rate <= bound * (1 + 1e-6):
+        raise PlanError(f"cached plan: rate {rate!r} GB/s exceeds its bound {bound!r} GB/s (or either is NaN)")
 
 
 def _check_tree(hops, root, devs: set, relays: set) -> None:
@@ -147,22 +190,25 @@ def _encode(plan: Plan) -> dict:
     return plan.to_dict()
 
 
-def _decode(d, topology, collective: str, devices, fingerprint: str | None = None) -> Plan:
+def _decode(d, topology, collective: str, devices, fingerprint: str | None = None, exact: bool = False) -> Plan:
     """The checked plan of an entry's dict (:func:`_encode`): PlanError (or a lookup / type error on a
     malformed dict) unless valid: a composed plan's spec is checked by its decoder on one node
     (:func:`jax_blink.planner.model.decode_composition`), its rate against the pieces' weights; any
     other plan by :func:`check_plan`."""
     if not isinstance(d, dict) or "composed" not in d:
         plan = Plan.from_dict(d)
-        check_plan(plan, topology, collective, devices)
+        check_plan(plan, topology, collective, devices, exact=exact)
         return plan
     plan = Plan.from_dict({**d, "trees": []})
     if plan.collective != collective or tuple(plan.devices) != tuple(devices):
         raise PlanError(f"cached plan is for {plan.collective} over {list(plan.devices)}, not {collective} over "
                         f"{list(devices)}")
+    _check_numbers(plan)
     trees = decode_composition(d["composed"]["kind"], topology, devices, d["composed"]["spec"], fingerprint)
     total = sum(p[0] for p in trees.pieces)
-    if abs(total - plan.rate_gbps) > 1e-6 * max(1.0, total):
+    if not all(0 < p[0] < math.inf for p in trees.pieces):
+        raise PlanError("cached plan: a composed piece's weight is not a finite positive number")
+    if not abs(total - plan.rate_gbps) <= 1e-6 * max(1.0, total):
         raise PlanError(f"cached plan: rate {plan.rate_gbps} GB/s is not the sum of its weights {total}")
     return dataclasses.replace(plan, trees=trees)
 
@@ -172,7 +218,7 @@ def load(key: dict, topology, collective: str, devices) -> Plan | None:
     logged at DEBUG)."""
     path = entry_path(key)
     try:
-        raw = path.read_bytes()
+        raw = _read_entry(path)
         head, _, text = raw.partition(b"\n")
         data = json.loads(head)
         if not isinstance(data, dict) or data.get("key") != _key(key):
@@ -181,12 +227,36 @@ def load(key: dict, topology, collective: str, devices) -> Plan | None:
             raise ValueError("checksum mismatch")
         # the key's topology fingerprint is the request's (just compared): computed once per load
         fp = key.get("topology")
-        return _decode(json.loads(text), topology, collective, devices, fp if isinstance(fp, str) else None)
+        exact = key.get("kind") == "plan" and key.get("max_trees") is None and not key.get("rate_tolerance")
+        return _decode(json.loads(text), topology, collective, devices, fp if isinstance(fp, str) else None, exact)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError, PlanError) as err:
         _LOG.debug("ignoring plan cache entry %s: %s", path, err)
         return None
+
+
+def _read_entry(path) -> bytes:
+    """The bytes of a cache entry that is a regular file of at most ``MAX_ENTRY_BYTES``: opened without
+    blocking (a FIFO put in its place would otherwise wait for a writer) and checked by ``fstat`` on
+    the open file (no race with a rename), read to at most the limit (a link to /dev/zero is not a
+    regular file). Raises OSError (FileNotFoundError when absent) or ValueError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_size > MAX_ENTRY_BYTES:
+            raise ValueError(f"{st.st_size} bytes > the {MAX_ENTRY_BYTES}-byte limit of an entry")
+        with os.fdopen(fd, "rb", closefd=True) as f:
+            fd = -1
+            raw = f.read(MAX_ENTRY_BYTES + 1)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(raw) > MAX_ENTRY_BYTES:
+        raise ValueError(f"grew past the {MAX_ENTRY_BYTES}-byte limit of an entry while read")
+    return raw
 
 
 def store(key: dict, plan: Plan) -> None:

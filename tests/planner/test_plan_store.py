@@ -188,3 +188,88 @@ def test_composed_entry_without_structure_computes_it(disk):
         **d["composed"]["spec"], "structure": None}}})
     jax_blink.clear_caches()
     assert jax_blink.plan(TOPO, "allreduce", algorithm="rsag") == p and len(calls) == 1
+
+
+def _scale_weights(d, k, rate=None, bound=None):
+    for t in d["trees"]:
+        t["weight_gbps"] *= k
+    d["rate_gbps"] = sum(t["weight_gbps"] for t in d["trees"]) if rate is None else rate
+    if bound is not None:
+        d["bound_gbps"] = bound
+    return d
+
+
+EDITS = {  # each with its SHA-256 recomputed: only re-certification catches it
+    "rate NaN": lambda d: {**d, "rate_gbps": float("nan")},
+    "bound NaN": lambda d: {**d, "bound_gbps": float("nan")},
+    "weight inf": lambda d: _scale_weights(d, float("inf")),
+    "weight 0": lambda d: {**d, "trees": [{**d["trees"][0], "weight_gbps": 0.0}, *d["trees"][1:]],
+                           "rate_gbps": sum(t["weight_gbps"] for t in d["trees"][1:])},
+    "half rate": lambda d: _scale_weights(d, 0.5),                   # a valid packing, slower
+    "half rate and bound": lambda d: _scale_weights(d, 0.5, bound=d["bound_gbps"] / 2),
+    "rate above bound": lambda d: {**d, "bound_gbps": d["rate_gbps"] / 2},
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+@pytest.mark.parametrize("collective", ["broadcast", "allgather"])
+def test_edited_entries_with_a_valid_checksum_are_recertified(disk, edit, collective):
+    """An edit whose SHA-256 is recomputed passes the envelope: the recomputed checks (finite weights,
+    rate the sum of weights and <= the bound, the bound the recomputed max-flow / cut certificate, the
+    rate-optimal request's rate that certificate) refuse it; the entry is planned again and rewritten."""
+    plans, calls = disk
+    topo = jax_blink.load_topology("dgx1v")
+    root = 0 if collective == "broadcast" else None
+    p = jax_blink.plan(topo, collective, root=root)
+    (path,) = _entry(plans)
+    good = path.read_bytes()
+    _rewrite(path, edit_plan=EDITS[edit])
+    jax_blink.clear_caches()
+    q = jax_blink.plan(topo, collective, root=root)
+    assert len(calls) == 2 and q == p and q.rate_gbps == pytest.approx(p.bound_gbps, rel=1e-6)
+    assert path.read_bytes() == good
+
+
+def test_capacity_change_is_caught():
+    """A plan checked against the same machine with every link at half its bandwidth (an entry whose
+    topology's links changed): the capacity check refuses it, naming a link."""
+    topo = jax_blink.load_topology("dgx1v")
+    p = jax_blink.plan(topo, "broadcast", root=0)
+    d = topo.to_dict()
+    for link in d["links"]:
+        link["bandwidth_gbps"] /= 2
+    with pytest.raises(jax_blink.PlanError, match="loads link"):
+        store.check_plan(p, jax_blink.Topology.from_dict(d), "broadcast", p.devices)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev zero link", "directory", "oversized"])
+def test_special_and_oversized_entries_are_never_read(disk, kind, monkeypatch):
+    """A FIFO (would block a plain read), a link to /dev/zero (endless), a directory, or a file over
+    MAX_ENTRY_BYTES in an entry's place: not read, planned again (no hang: the test has a timeout)."""
+    import os
+    import threading
+    plans, calls = disk
+    p = jax_blink.plan(jax_blink.load_topology("dgx1v"), "broadcast", root=0)
+    (path,) = _entry(plans)
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev zero link":
+        path.symlink_to("/dev/zero")
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        monkeypatch.setattr(store, "MAX_ENTRY_BYTES", 1024)
+        path.write_bytes(b"{" + b" " * 4096)
+    with pytest.raises(ValueError, match="not a regular file|limit"):
+        store._read_entry(path)                          # returns at once: O_NONBLOCK, fstat
+    jax_blink.clear_caches()
+    out = []
+    t = threading.Thread(target=lambda: out.append(jax_blink.plan(jax_blink.load_topology("dgx1v"), "broadcast",
+                                                                  root=0)), daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), f"plan() hung on a {kind} cache entry"
+    assert out == [p] and len(calls) == 2
+    if kind in ("fifo", "dev zero link"):                # rewritten over it (not over a directory)
+        assert store._read_entry(path).startswith(b'{"key"')
