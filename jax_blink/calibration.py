@@ -33,6 +33,7 @@ import pathlib
 
 import numpy as np
 
+from . import envvars
 from .topology.probe import cache_dir
 
 VERSION = 1
@@ -161,12 +162,8 @@ def load(platform: str | None = None) -> Calibration | None:
     """This machine's calibration (for ``platform`` when given: None when the file is for another), or
     None without one. A file that cannot be read or parsed is ignored: None, a WARNING on logger
     ``jax_blink.calibration`` and :func:`note` saying why and what to do. Cached per file state.
-    ``$JAX_BLINK_CALIBRATION=0``: None (ValueError for a value other than 0, 1 or empty)."""
-    flag = os.environ.get(ENV_CALIBRATION, "").strip()
-    if flag not in ("", "0", "1"):
-        raise ValueError(f"{ENV_CALIBRATION} must be 0 (ignore this machine's calibration) or 1 (use it, the "
-                         f"default), got {os.environ[ENV_CALIBRATION]!r}; unset it for the default")
-    if flag == "0":
+    ``$JAX_BLINK_CALIBRATION=0``: None (EnvVarError, a ValueError, for a value that is no flag)."""
+    if envvars.flag(ENV_CALIBRATION) is False:
         _state["note"] = None
         return None
     p = path()

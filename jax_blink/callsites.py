@@ -33,6 +33,7 @@ import threading
 
 import numpy as np
 
+from . import envvars
 from . import lowering as _lowering
 from ._jax_compat import ir, source_info_util
 
@@ -157,14 +158,10 @@ def collect():
 
 
 def _log_level() -> int | None:
-    """The level ``JAX_BLINK_LOG`` asks for (None when unset). Raises ValueError for another value."""
-    text = os.environ.get(ENV_LOG, "").strip().lower()
-    if not text:
-        return None
-    if text not in _LEVELS:
-        raise ValueError(f"{ENV_LOG} must be 'info' or 'debug' (one line per call site at lowering; debug adds "
-                         f"the plan's trees), got {os.environ[ENV_LOG]!r}; unset it for no output")
-    return _LEVELS[text]
+    """The level ``JAX_BLINK_LOG`` asks for (None when unset or empty). Raises EnvVarError (a
+    ValueError) for another value than info / debug."""
+    text = envvars.choice(ENV_LOG, casefold=True)
+    return None if text is None else _LEVELS[text]
 
 
 _ENV_HANDLER = logging.StreamHandler()  # stderr; attached only while JAX_BLINK_LOG is set

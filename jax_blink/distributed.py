@@ -35,6 +35,7 @@ import dataclasses
 import os
 import sys
 
+from . import envvars
 from .errors import BlinkError, TopologyError
 from .launch import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from .topology import Topology
@@ -84,11 +85,7 @@ joined: Joined | None = None
 
 def _collective_timeout(collective_timeout_s):
     if collective_timeout_s is None:
-        text = os.environ.get(ENV_COLLECTIVE_TIMEOUT, "").strip()
-        try:
-            collective_timeout_s = int(text) if text else DEFAULT_COLLECTIVE_TIMEOUT_S
-        except ValueError:
-            raise ValueError(f"{ENV_COLLECTIVE_TIMEOUT} must be a whole number of seconds, got {text!r}") from None
+        collective_timeout_s = envvars.integer(ENV_COLLECTIVE_TIMEOUT) or DEFAULT_COLLECTIVE_TIMEOUT_S
     if (isinstance(collective_timeout_s, bool) or not isinstance(collective_timeout_s, int)
             or not 1 <= collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S):
         raise ValueError(f"collective_timeout_s ({ENV_COLLECTIVE_TIMEOUT}) must be a whole number of seconds in "
@@ -103,10 +100,9 @@ MAX_COLLECTIVE_TIMEOUT_S = 2**31 - 1
 def _launcher_args(coordinator_address, num_processes, process_id):
     """The arguments, completed from jax_blink.launch's variables; (address, n, id, source) or None
     when neither gives any of them."""
-    env = os.environ
     given = [v is not None for v in (coordinator_address, num_processes, process_id)]
     names = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
-    from_env = [bool(env.get(k, "").strip()) for k in names]
+    from_env = [envvars.raw(k) is not None for k in names]
     if all(given):
         source = "arguments"
     elif any(from_env):
@@ -119,10 +115,11 @@ def _launcher_args(coordinator_address, num_processes, process_id):
     else:
         return None
     vals = []
-    for v, k in zip((coordinator_address, num_processes, process_id), names):
+    readers = (envvars.address, envvars.integer, envvars.integer)
+    for v, k, read in zip((coordinator_address, num_processes, process_id), names, readers):
         if v is None:
-            v = env.get(k, "").strip()
-            if not v:
+            v = read(k)  # EnvVarError names the variable and its value
+            if v is None:
                 raise ValueError(f"jax_blink.distributed.initialize: {k} is not set but "
                                  f"{', '.join(n for n, f in zip(names, from_env) if f)} is; start the "
                                  "processes with `python -m jax_blink.launch` (which sets all three)")
@@ -133,10 +130,13 @@ def _launcher_args(coordinator_address, num_processes, process_id):
     except (TypeError, ValueError):
         raise ValueError(f"num_processes and process_id ({ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}) must be whole "
                          f"numbers, got {n!r}, {pid!r}") from None
-    if not 1 <= n <= 1_000_000:
-        raise ValueError(f"num_processes ({ENV_NUM_PROCESSES}) must be in [1, 1000000], got {n}")
+    if not 1 <= n <= 65536:
+        raise ValueError(f"num_processes ({ENV_NUM_PROCESSES}) must be in [1, 65536], got {n}")
     if not 0 <= pid < n:
-        raise ValueError(f"process_id ({ENV_PROCESS_ID}) {pid} is not in [0, {n})")
+        raise ValueError(f"process_id ({ENV_PROCESS_ID}) {pid} is not in [0, {n}) (num_processes, "
+                         f"{ENV_NUM_PROCESSES}, is {n})")
+    if coordinator_address is not None and not isinstance(coordinator_address, str):
+        raise ValueError(f"coordinator_address must be 'host:port', got {coordinator_address!r}")
     return str(address), n, pid, source
 
 
@@ -251,7 +251,7 @@ def host_name() -> str:
     (``socket.gethostname()``). Processes with the same host share one node of the topology."""
     import socket
 
-    return os.environ.get(ENV_HOST, "").strip() or socket.gethostname()
+    return envvars.text(ENV_HOST) or socket.gethostname()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +300,7 @@ def host_view(spec=None, devices=None) -> HostView:
     itself. Raises TopologyError when the devices cannot be placed in the topology.
     """
     devs = local_devices_sorted(devices)
-    spec = spec if spec is not None else (os.environ.get(ENV_NODE_TOPOLOGY) or None)
+    spec = spec if spec is not None else envvars.text(ENV_NODE_TOPOLOGY)
     on_gpu = bool(devs) and devs[0].platform in ("gpu", "cuda", "rocm")
     visible = _visible_gpus()
     if spec is None and not on_gpu:
@@ -516,8 +516,8 @@ def cluster_topology(node=None, *, nic_gbps: float | None = None, nics_per_node:
     """
     import jax
 
-    nic_gbps = float(nic_gbps if nic_gbps is not None else os.environ.get(ENV_NIC_GBPS, DEFAULT_NIC_GBPS))
-    nics_per_node = int(nics_per_node if nics_per_node is not None else os.environ.get(ENV_NICS_PER_NODE, 1))
+    nic_gbps = float(nic_gbps if nic_gbps is not None else envvars.number(ENV_NIC_GBPS) or DEFAULT_NIC_GBPS)
+    nics_per_node = int(nics_per_node if nics_per_node is not None else envvars.integer(ENV_NICS_PER_NODE) or 1)
     mine = host_view(node)
     views = [HostView.from_json(s) for s in exchange(mine.to_json(), timeout_s=timeout_s)]
     nodes, hosts, node_of, positions = group_hosts(views)

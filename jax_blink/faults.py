@@ -44,6 +44,7 @@ import threading
 import time
 import traceback
 
+from . import envvars
 from .errors import BlinkError
 
 ENV_FAULTS = "JAX_BLINK_FAULTS"
@@ -61,14 +62,9 @@ class PeerFailedError(BlinkError, RuntimeError):
 
 
 def enabled() -> bool:
-    """False when ``JAX_BLINK_FAULTS`` is 0 / false / off; raises ValueError for a value not 0/1."""
-    text = os.environ.get(ENV_FAULTS, "").strip().lower()
-    if text in ("", "1", "true", "on"):
-        return True
-    if text in ("0", "false", "off"):
-        return False
-    raise ValueError(f"{ENV_FAULTS} must be 1 (default: a failing process is named by its peers, which "
-                     f"stop) or 0 (off), got {os.environ[ENV_FAULTS]!r}")
+    """False when ``JAX_BLINK_FAULTS`` is 0 / false / off; raises EnvVarError (a ValueError) for a
+    value that is no flag."""
+    return envvars.flag(ENV_FAULTS) is not False
 
 
 def _where(frame) -> str:

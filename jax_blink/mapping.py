@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from . import envvars
 from .errors import TopologyError
 from .planner.model import clear_on_reset
 from .topology import Topology, default_gpu_id
@@ -106,12 +107,12 @@ def make_plan_key(topology=None, device_map=None, chunk_elems=None, algorithm=No
     from .planner.facade import ALGORITHMS
     where, strict = "algorithm=", True
     if algorithm is None:
-        algorithm = os.environ.get(ENV_ALGORITHM) or "auto"
+        algorithm = envvars.choice(ENV_ALGORITHM) or "auto"
         where, strict = ENV_ALGORITHM, False
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{where} must be one of {ALGORITHMS}, got {algorithm!r}")
-    if topology is None and os.environ.get(ENV_TOPOLOGY):
-        topology = os.environ[ENV_TOPOLOGY]
+    if topology is None and envvars.text(ENV_TOPOLOGY):
+        topology = envvars.text(ENV_TOPOLOGY)
         try:
             named_topology(topology)
         except TopologyError as err:

@@ -29,13 +29,13 @@ process); only the first arrival of each generation talks to the store.
 from __future__ import annotations
 
 import hashlib
-import os
 import socket
 import threading
 import time
 
 import numpy as np
 
+from . import envvars
 from .errors import BlinkError
 
 ENV_WATCH = "JAX_BLINK_WATCH"
@@ -47,14 +47,9 @@ class PeerTimeoutError(BlinkError, RuntimeError):
 
 
 def enabled() -> bool:
-    """True when ``JAX_BLINK_WATCH`` is 1 / true / on. Raises ValueError for another non-empty value."""
-    text = os.environ.get(ENV_WATCH, "").strip().lower()
-    if text in ("", "0", "false", "off"):
-        return False
-    if text in ("1", "true", "on"):
-        return True
-    raise ValueError(f"{ENV_WATCH} must be 1 (check at every call site spanning processes that all "
-                     f"processes arrive, naming the missing ones) or 0, got {os.environ[ENV_WATCH]!r}")
+    """True when ``JAX_BLINK_WATCH`` is 1 / true / on. Raises EnvVarError (a ValueError) for a value
+    that is no flag."""
+    return envvars.flag(ENV_WATCH) is True
 
 
 def _client():

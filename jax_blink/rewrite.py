@@ -42,12 +42,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 
 import jax
 import numpy as np
 
-from . import api, callsites, combining, mapping
+from . import api, callsites, combining, envvars, mapping
 from ._jax_compat import (
     JAXPR_TYPES,
     ClosedJaxpr,
@@ -533,11 +532,9 @@ def combine_threshold(value=None) -> int:
     float, a negative number, text that is not one), naming where it came from."""
     where = "combine_threshold_bytes="
     if value is None:
-        text = os.environ.get(ENV_THRESHOLD, "").strip()
-        if not text:
+        value = envvars.integer(ENV_THRESHOLD)
+        if value is None:
             return combining.DEFAULT_THRESHOLD_BYTES
-        where = f"{ENV_THRESHOLD}="
-        value = int(text) if text.isdigit() else text
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"jax_blink.transform: {where} must be an integer number of bytes >= 0 (0: do not "
                          f"combine), got {value!r}")

@@ -33,13 +33,12 @@ import contextlib
 import hashlib
 import math
 import os
-import re
 from collections import OrderedDict
 
 import jax
 import numpy as np
 
-from .. import _native, collectives
+from .. import _native, collectives, envvars
 from .._jax_compat import call_in_function, ir
 from ..errors import BlinkError, warn_user
 from . import Lowering, LoweringRequest, host_memory_candidates, register, selftest_record, site_text
@@ -86,7 +85,7 @@ def call_site_id(request: LoweringRequest, avals, ordinal: int) -> int:
 MAX_TIMEOUT_S = 1e6
 
 # Results aliased to operands (JAX_BLINK_ALIAS=0 turns it off, to measure both).
-_ALIAS = os.environ.get("JAX_BLINK_ALIAS", "1") != "0"
+_ALIAS = envvars.raw("JAX_BLINK_ALIAS") != "0"  # its value is checked by check_cpu_env
 
 
 def timeout_ms(default_ms: int) -> int:
@@ -95,17 +94,8 @@ def timeout_ms(default_ms: int) -> int:
     Raises BlinkError when the variable is not a finite number of seconds in (0, 1e6]: a bad value
     must not silently become the default or overflow into an instant timeout.
     """
-    text = os.environ.get("JAX_BLINK_TIMEOUT_S", "").strip()
-    if not text:
-        return int(default_ms)
-    try:
-        s = float(text)
-    except ValueError:
-        s = math.nan
-    if not (0 < s <= MAX_TIMEOUT_S):
-        raise BlinkError(f"JAX_BLINK_TIMEOUT_S must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
-                         f"got {text!r}; unset it for the default {default_ms / 1000:g} s")
-    return max(1, int(s * 1000))
+    s = envvars.number("JAX_BLINK_TIMEOUT_S")
+    return int(default_ms) if s is None else max(1, int(s * 1000))
 
 
 #: The CPU executor's settings, read by the C++ side (ffi/src/cpu_executor.cc, EnvInt) at its first
@@ -113,12 +103,12 @@ def timeout_ms(default_ms: int) -> int:
 #: can only fall back to its default for a value it cannot use.
 CPU_ENV = {"JAX_BLINK_CPU_THREADS": (1, 256), "JAX_BLINK_CPU_STREAM": (0, 1), "JAX_BLINK_CPU_HUGEPAGES": (0, 1),
            "JAX_BLINK_ALIAS": (0, 1)}
+#: The CUDA executor's settings and the test hook, read by the C++ side the same way (checked here too).
+NATIVE_ENV = ("JAX_BLINK_CUDA_FORCE_STAGING", "JAX_BLINK_CUDA_SYNC_ERRORS", "JAX_BLINK_CUDA_CACHE_PROGRAMS",
+              "JAX_BLINK_TEST_ABSENT_DEVICE")
 #: JAX_BLINK_CPU_ISA caps the instruction set of the executor's sum kernels (ffi/src/cpu_sum.h):
 #: the widest of these, up to the cap, that the build and the CPU have (default: no cap).
 CPU_ISAS = _native.CPU_ISAS
-# What the C++ side trims around a setting (isspace in the C locale); str.strip() would also drop
-# Unicode spaces that the C++ side keeps.
-_ASCII_SPACE = " \t\n\v\f\r"
 
 
 def check_cpu_env() -> None:
@@ -126,22 +116,16 @@ def check_cpu_env() -> None:
     range (e.g. ``JAX_BLINK_CPU_THREADS=abc`` or ``0``), or ``JAX_BLINK_CPU_ISA`` to a name not in
     :data:`CPU_ISAS` or to one this build and CPU do not run (the executor would cap at a lower set
     without a word), naming the variable, what it takes and the widest set this CPU runs."""
-    for name, (lo, hi) in CPU_ENV.items():
-        text = os.environ.get(name)
-        if text is None or not text.strip(_ASCII_SPACE):
-            continue
-        # the C++ side's grammar (EnvInt: strtol, ASCII blanks around): no '1_0', no non-ASCII digits
-        ok = re.fullmatch(r"[+-]?[0-9]+", text.strip(_ASCII_SPACE)) is not None and lo <= int(text) <= hi
-        if not ok:
-            what = "0 or 1" if (lo, hi) == (0, 1) else f"an integer in {lo}..{hi}"
-            raise BlinkError(f"{name} must be {what}, got {text!r}; unset it for the default")
-    cap = os.environ.get("JAX_BLINK_CPU_ISA", "").strip(_ASCII_SPACE)
-    if not cap:
+    for name in (*CPU_ENV, *NATIVE_ENV):
+        if envvars.var(name).kind == "flag":  # the C++ side reads an integer: only 0 and 1
+            text = envvars.raw(name)
+            if text not in (None, "0", "1"):
+                raise envvars.error(name, os.environ[name], "the native executor reads only 0 or 1")
+        else:
+            envvars.integer(name)  # the C++ side's grammar (EnvInt: strtol, ASCII blanks around)
+    cap = envvars.choice("JAX_BLINK_CPU_ISA")
+    if cap is None:
         return
-    if cap not in CPU_ISAS:
-        raise BlinkError(f"JAX_BLINK_CPU_ISA must be one of {', '.join(CPU_ISAS)} (the widest instruction set the "
-                         f"CPU executor's sums may use), got {os.environ['JAX_BLINK_CPU_ISA']!r}; unset it for the "
-                         "widest this CPU has")
     usable = _native.cpu_isas()
     if usable and cap not in usable:
         raise BlinkError(f"JAX_BLINK_CPU_ISA={cap} names an instruction set this CPU (or this build) does not run: "
@@ -201,14 +185,8 @@ def cuda_stream() -> int:
     """The stream the CUDA custom call is annotated with: ``JAX_BLINK_CUDA_STREAM`` (an integer in
     0..63) or :data:`DEFAULT_STREAM`; 0 means no annotation. Raises BlinkError for anything else
     (read at lowering, so a bad value fails the call that lowers, not a compile deep in XLA)."""
-    text = os.environ.get(ENV_STREAM, "").strip(_ASCII_SPACE)
-    if not text:
-        return DEFAULT_STREAM
-    if re.fullmatch(r"[0-9]+", text) is None or int(text) > MAX_STREAM:
-        raise BlinkError(f"{ENV_STREAM} must be an integer in 0..{MAX_STREAM} (the XLA stream of the CUDA "
-                         f"collective; 0: the compute stream, no overlap), got {os.environ[ENV_STREAM]!r}; unset "
-                         f"it for the default {DEFAULT_STREAM}")
-    return int(text)
+    n = envvars.integer(ENV_STREAM)
+    return DEFAULT_STREAM if n is None else n
 
 
 def stream_attributes(stream: int) -> dict[str, str]:
@@ -320,13 +298,9 @@ def native_auto_allowed(platform: str) -> bool:
         return True
     if platform in _ASSUMED:
         return _ASSUMED[platform]
-    env = os.environ.get(ENV_NATIVE, "").strip()
-    if env in ("0", "1"):
-        return env == "1"
-    if env:
-        raise BlinkError(f"{ENV_NATIVE} must be 0 (never use the native CUDA executor under impl='auto') or 1 "
-                         f"(use it without a recorded self-test), got {os.environ[ENV_NATIVE]!r}; unset it to "
-                         "follow the self-test record")
+    env = envvars.flag(ENV_NATIVE)
+    if env is not None:
+        return env
     if selftest_record.has_passed():
         return True
     if platform not in _said:

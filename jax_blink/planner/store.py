@@ -45,6 +45,7 @@ import os
 import pathlib
 import stat
 
+from .. import envvars
 from ..errors import PlanError
 from ..topology.probe import cache_dir
 from .bounds import certificate
@@ -79,11 +80,10 @@ def enabled() -> bool:
     Raises:
       PlanError: ``$JAX_BLINK_PLAN_CACHE`` is set to anything else.
     """
-    text = os.environ.get(ENV_PLAN_CACHE, "").strip()
-    if text not in ("", "0", "1"):
-        raise PlanError(f"{ENV_PLAN_CACHE} must be 0 (plan every time) or 1 (cache plans on disk, the default), "
-                        f"got {os.environ[ENV_PLAN_CACHE]!r}; unset it for the default")
-    return text != "0"
+    try:
+        return envvars.flag(ENV_PLAN_CACHE) is not False
+    except envvars.EnvVarError as err:
+        raise PlanError(str(err)) from None
 
 
 def entry_path(key: dict):

@@ -37,6 +37,7 @@ import time
 import networkx as nx
 import numpy as np
 
+from .. import envvars
 from ..errors import TopologyError
 from .model import Topology
 from .nvml import detect
@@ -289,8 +290,8 @@ def _fmt_bytes(n: int) -> str:
 def cache_dir() -> pathlib.Path:
     """Where probed topologies are kept: ``$JAX_BLINK_CACHE_DIR``, else ``$XDG_CACHE_HOME/jax_blink``,
     else ``~/.cache/jax_blink``."""
-    if os.environ.get(ENV_CACHE_DIR):
-        return pathlib.Path(os.environ[ENV_CACHE_DIR])
+    if envvars.text(ENV_CACHE_DIR):
+        return pathlib.Path(envvars.text(ENV_CACHE_DIR))
     base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
     return pathlib.Path(base) / "jax_blink"
 

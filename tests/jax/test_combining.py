@@ -77,7 +77,7 @@ def test_threshold_from_the_environment(monkeypatch):
     monkeypatch.setenv("JAX_BLINK_COMBINE_THRESHOLD_BYTES", "0")
     assert _calls(_smap(jax_blink.transform(_program, impl=IMPL)), *ARGS)[0] == 5
     monkeypatch.setenv("JAX_BLINK_COMBINE_THRESHOLD_BYTES", "2 MiB")
-    with pytest.raises(ValueError, match="JAX_BLINK_COMBINE_THRESHOLD_BYTES= must be an integer number of bytes"):
+    with pytest.raises(ValueError, match=r"JAX_BLINK_COMBINE_THRESHOLD_BYTES=.*takes an integer in 0\.\."):
         _smap(jax_blink.transform(_program, impl=IMPL)).lower(*ARGS)
     for bad in (-1, 1.5, True, "1024"):
         with pytest.raises(ValueError, match="combine_threshold_bytes= must be an integer"):

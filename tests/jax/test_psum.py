@@ -214,7 +214,7 @@ def test_algorithm_argument_and_env(monkeypatch):
         assert_allreduce(run(xi, **kw), xi)
         assert {k[5] for k in facade._CACHE if len(k[1]) == 8} == {"hierarchical"}, list(facade._CACHE)
     monkeypatch.setenv("JAX_BLINK_ALGORITHM", "fastest")
-    with pytest.raises(ValueError, match="JAX_BLINK_ALGORITHM must be one of"):
+    with pytest.raises(ValueError, match="JAX_BLINK_ALGORITHM=.*takes one of auto, trees"):
         run()
     monkeypatch.delenv("JAX_BLINK_ALGORITHM")
     with pytest.raises(ValueError, match="algorithm= must be one of"):

@@ -132,9 +132,11 @@ def test_env_overrides_the_gate(fake_cuda_ffi, monkeypatch):
     assert choose_lowering("auto", ["cuda"]).name == "ffi"
     monkeypatch.setenv("JAX_BLINK_CUDA_NATIVE", "0")
     assert choose_lowering("auto", ["cuda"]).name == "ppermute"
-    for junk in ("true", "yes", "2"):  # refused, not taken as unset
+    monkeypatch.setenv("JAX_BLINK_CUDA_NATIVE", "true")  # a flag's words are read as 0 / 1
+    assert choose_lowering("auto", ["cuda"]).name == "ffi"
+    for junk in ("yes", "2", "nan"):  # refused, not taken as unset
         monkeypatch.setenv("JAX_BLINK_CUDA_NATIVE", junk)
-        with pytest.raises(BlinkError, match=f"JAX_BLINK_CUDA_NATIVE must be 0 .* or 1 .*got '{junk}'"):
+        with pytest.raises(BlinkError, match=f"JAX_BLINK_CUDA_NATIVE='{junk}': JAX_BLINK_CUDA_NATIVE takes 0 or 1"):
             choose_lowering("auto", ["cuda"])
 
 
@@ -273,7 +275,7 @@ def test_cuda_stream_setting(monkeypatch):
     assert "_xla_stream_annotation" not in hlo and hlo.count('custom_call_target="jax_blink_cuda"') == 1
     for bad in ("-1", "x", "64", "1.5"):
         monkeypatch.setenv(ffi_lowering.ENV_STREAM, bad)
-        with pytest.raises(BlinkError, match="JAX_BLINK_CUDA_STREAM must be an integer in 0..63"):
+        with pytest.raises(BlinkError, match="JAX_BLINK_CUDA_STREAM=.*takes an integer in 0..63"):
             _lowered_cuda(True)
 
 

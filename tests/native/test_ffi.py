@@ -329,7 +329,7 @@ def test_bad_timeout_env_is_a_clear_error(monkeypatch, value):
     """JAX_BLINK_TIMEOUT_S=inf once overflowed into an instant timeout; bad values now fail at lowering."""
     monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", value)
     f = jax.pmap(lambda v: jax_blink.psum(v, "i", impl="ffi"), axis_name="i")
-    with pytest.raises(BlinkError, match=r"JAX_BLINK_TIMEOUT_S must be a number of seconds"):
+    with pytest.raises(BlinkError, match=rf"JAX_BLINK_TIMEOUT_S={re.escape(repr(value))}: .*a finite number in \(0, "):
         f(np.ones((8, 3 + len(value)), np.float32))
 
 
@@ -342,7 +342,7 @@ def test_bad_cpu_executor_env_is_a_clear_error(monkeypatch, name, value):
     """The executor's C++ side can only ignore a setting it cannot use; the lowering names it instead."""
     monkeypatch.setenv(name, value)
     f = jax.pmap(lambda v: jax_blink.psum(v, "i", impl="ffi"), axis_name="i")
-    with pytest.raises(BlinkError, match=rf"{name} must be .*got {re.escape(repr(value))}"):
+    with pytest.raises(BlinkError, match=rf"{name}={re.escape(repr(value))}: .*{name} takes "):
         f(np.ones((8, 5 + len(name) + len(value)), np.float32))  # a new shape: a new lowering
 
 
