@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 
 import jax
 import numpy as np
@@ -63,6 +64,7 @@ from ._jax_compat import (
     source_info_util,
     trace_to_closed_jaxpr,
 )
+from .errors import TopologyError
 
 log = logging.getLogger("jax_blink")
 
@@ -579,15 +581,27 @@ def transform(fn, *, collectives=("psum", "pmean", "all_gather", "psum_scatter")
     met, ``combined`` a :class:`Combined` per call that runs several; :func:`transform_report` prints
     them. Collectives left on lax are logged at WARNING on logger "jax_blink" (the module docstring
     lists when that happens).
-    Raises ValueError for unknown ``collectives``, jax_blink arguments or a bad threshold (at the
-    call; the environment variable while tracing); jax_blink's errors for a topology that does not
-    cover the mesh.
+    Raises, at the call (each message begins ``jax_blink.transform:``): TypeError for an ``fn`` that is
+    not callable or an argument of the wrong type; ValueError for unknown ``collectives``, jax_blink
+    arguments or a bad threshold; TopologyError for a ``topology`` that does not load. While tracing:
+    the environment variables' errors and jax_blink's errors for a topology that does not cover the
+    mesh.
     Composes with ``jax.jit``, ``jax.grad`` and ``jax.vmap`` inside and outside.
     Method: a custom jaxpr interpreter ("Writing custom Jaxpr interpreters in JAX", JAX docs).
     """
+    if not callable(fn):
+        raise TypeError(f"jax_blink.transform: fn must be a function (the per-device step), got "
+                        f"{type(fn).__name__}")
     prims = _names(collectives)
-    kwargs = dict(topology=topology, impl=api._impl(impl), device_map=device_map, chunk_elems=chunk_elems,
-                  algorithm=algorithm, max_trees=max_trees)
+    try:
+        kwargs = dict(topology=topology, impl=api._impl(impl), device_map=device_map, chunk_elems=chunk_elems,
+                      algorithm=algorithm, max_trees=max_trees)
+        # what the call sites will be given, checked now rather than when fn is first traced
+        mapping.make_plan_key(topology, device_map, chunk_elems, algorithm, max_trees)
+        if isinstance(topology, (str, os.PathLike)):
+            mapping.named_topology(os.fspath(topology))
+    except (ValueError, TypeError, TopologyError) as err:
+        raise type(err)(f"jax_blink.transform: {err}") from None
     if combine_threshold_bytes is not None:
         combine_threshold(combine_threshold_bytes)
     name = _fn_name(fn)

@@ -372,8 +372,12 @@ def preset(name: str) -> Topology:
     if key in PRESETS:
         return PRESETS[key]()
     m = _HOST_RE.fullmatch(key)
-    if m and int(m.group(1)) >= 1:
-        return Topology.host(int(m.group(1)))
+    if m:
+        n = int(m.group(1))
+        if not 1 <= n <= model.MAX_HOST_DEVICES:
+            raise TopologyError(f"preset {name!r}: host<N> takes N host CPU devices in 1..{model.MAX_HOST_DEVICES} "
+                                f"(e.g. host8), got N={n}")
+        return Topology.host(n)
     c = _CLUSTER_RE.fullmatch(key)
     if c and c.group(2) in PRESETS and int(c.group(1)) >= 1:
         t = multi_node(c.group(2), int(c.group(1)), EDR_IB_GBPS, int(c.group(3) or 1))
@@ -384,13 +388,14 @@ def preset(name: str) -> Topology:
 
 
 def is_preset(name: str) -> bool:
-    """True when :func:`preset` would accept ``name``."""
+    """True when ``name`` is shaped as a preset name (:func:`preset` accepts it or, for ``host<N>`` with
+    N out of range, refuses it saying the range)."""
     if not isinstance(name, str):
         return False
     key = name.strip().lower().replace("_", "-")
     m = _HOST_RE.fullmatch(key)
     c = _CLUSTER_RE.fullmatch(key)
-    return key in PRESETS or bool(m and int(m.group(1)) >= 1) or bool(
+    return key in PRESETS or bool(m) or bool(
         c and c.group(2) in PRESETS and int(c.group(1)) >= 1 and int(c.group(3) or 1) >= 1)
 
 

@@ -274,3 +274,22 @@ def test_flax_batchnorm_trains_in_lockstep():
     assert len(t.rewrites) >= 3 and all(r.by == "jax_blink" for r in t.rewrites), jax_blink.transform_report(t)
     assert not _xla_collectives(blink_step, *state, xs[0], ys[0])
     assert _xla_collectives(lax_step, *state, xs[0], ys[0])
+
+
+def test_transform_validates_its_arguments_when_called():
+    """Checked at transform(), before any tracing, each error naming jax_blink.transform and what is valid."""
+    import pytest as _pytest
+
+    from jax_blink.errors import TopologyError
+    step = lambda v: v  # noqa: E731
+    with _pytest.raises(TopologyError, match=r"jax_blink.transform: .*'nope'.*host<N>"):
+        jax_blink.transform(step, topology="nope")
+    with _pytest.raises(TopologyError, match=r"jax_blink.transform: preset 'host0': host<N> takes N .* in 1\.\.4096"):
+        jax_blink.transform(step, topology="host0")
+    with _pytest.raises(ValueError, match=r"jax_blink.transform: algorithm= must be one of"):
+        jax_blink.transform(step, algorithm="fastest")
+    with _pytest.raises(TypeError, match=r"jax_blink.transform: fn must be a function"):
+        jax_blink.transform(3)
+    with _pytest.raises(ValueError, match=r"jax_blink.transform: max_trees"):
+        jax_blink.transform(step, max_trees=0)
+    assert callable(jax_blink.transform(step, topology="host8"))
