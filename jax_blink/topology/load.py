@@ -11,7 +11,7 @@ import re
 
 from ..errors import TopologyError
 from . import model
-from .model import HOW_TO_PASS, SUPPORTED_FORMATS, Topology
+from .model import HOW_TO_PASS, MAX_FILE_BYTES, SUPPORTED_FORMATS, Topology
 from .ncclxml import parse_nccl_xml
 from .nvml import detect
 from .nvsmi import parse_topo
@@ -63,6 +63,10 @@ def load_topology(source, **kw) -> Topology:
                             f"known presets: {', '.join(PRESETS)}, host<N>; 'detect' reads this machine's GPUs, "
                             "'probe' measures the job's devices; " + HOW_TO_PASS)
     try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:  # refused unread: a topology file of one machine is kilobytes
+            raise TopologyError(f"{str(path)!r} is {size:,} bytes; at most {MAX_FILE_BYTES:,} are read "
+                                "(jax_blink.topology.model.MAX_FILE_BYTES, docs/limits.md)")
         text = path.read_text(errors="replace")
     except OSError as err:
         raise TopologyError(f"cannot read {str(path)!r}: {err}") from None

@@ -32,6 +32,34 @@ from ..errors import TopologyError
 
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "host", "net")
 MAX_HOST_DEVICES = 4096
+# Limits on what a topology file may hold (docs/limits.md, "Topology files"); each keeps a hostile
+# or garbled file from costing unbounded time or memory before it is refused.
+#: GPUs in a JSON topology: the ``host<N>`` cap. Planning is polynomial in the GPU count (LPs over
+#: every GPU pair's paths); 4,096 plans in minutes, 10,000 exhausted memory.
+MAX_TOPOLOGY_GPUS = MAX_HOST_DEVICES
+#: GPUs in one `nvidia-smi topo -m` matrix or NCCL XML file: each describes one machine, and the
+#: largest machines have 16 (DGX-2); a matrix holds n^2 cells and the PCIe tree inference is cubic in
+#: n, so 64 keeps a load in milliseconds (1,000 took 41 s).
+MAX_MACHINE_GPUS = 64
+#: Nodes (GPUs, switches, CPUs, NICs) and directed links in a JSON topology (a 4,096-GPU cluster of
+#: DGX-1V nodes has about 6,000 nodes and 36,000 links).
+MAX_TOPOLOGY_NODES = 4 * MAX_TOPOLOGY_GPUS
+MAX_TOPOLOGY_LINKS = 64 * MAX_TOPOLOGY_GPUS
+#: Bytes read from a topology file (a 4,096-GPU JSON topology is about 4 MB); larger files are refused
+#: unread.
+MAX_FILE_BYTES = 32 << 20
+#: Largest GPU id (jax and XLA number devices with 32-bit ints).
+MAX_GPU_ID = 2 ** 31 - 1
+#: Physical links on one edge (GPUs have at most 18 NVLinks; NVSwitch ports aggregate as many).
+MAX_LINKS = 1024
+#: NVLinks between two GPUs in a `topo -m` cell (``NV<n>``) or an NCCL XML ``<nvlink count>``: real
+#: GPUs have at most 18 in all.
+MAX_NVLINKS = 64
+#: Achieved GB/s of one link, per direction: 1 MB/s to 1 PB/s. Outside that a number is a typo or
+#: garbage, and the planner's LPs lose precision (a 1e-320 GB/s link planned a rate of 0.0).
+MIN_GBPS, MAX_GBPS = 1e-3, 1e6
+#: Characters of a switch id, kind or name (the value shown in an error is cut to 80).
+MAX_NAME_CHARS = 256
 NODE_KINDS = ("gpu", "nvswitch", "pcie-switch", "cpu", "nic", "host", "network")
 _GPU_ITEM = re.compile(r"(\d+)(?:-(\d+))?")
 SUPPORTED_FORMATS = ("a preset name (e.g. 'dgx1v', 'dgx-a100', 'host8')",
@@ -84,6 +112,80 @@ def _source(name: str) -> Callable[..., Topology]:
         return _SOURCES[name]
     except KeyError:
         raise TopologyError(f"topology source {name!r} is not registered: import jax_blink.topology") from None
+
+
+def show(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages about hostile input (a 10 MB
+    string or a huge int must not become a 10 MB message)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"  # (str() refuses > 4300)
+    try:
+        r = repr(value) if not isinstance(value, (list, dict, tuple)) or len(value) < 64 else \
+            f"a {type(value).__name__} of {len(value)} items"
+    except (RecursionError, ValueError):  # a deeply nested value; an int too long for str()
+        r = f"a {type(value).__name__}"
+    return r if len(r) <= limit else r[:limit - 5] + " ...'"
+
+
+def check_number(value, what: str, kind: str, lo=None, hi=None):
+    """``value`` checked as a count (``kind="count"``: an int, returned as int) or a rate
+    (``kind="rate"``: a finite real number, returned as float) in ``[lo, hi]``.
+
+    The one number check of every topology loader (JSON fields, `topo -m` cells, NCCL XML attributes,
+    rate keywords). Defaults: counts 1..:data:`MAX_LINKS`, rates :data:`MIN_GBPS`..:data:`MAX_GBPS`.
+    ``what`` names the field (e.g. ``"links[3].bandwidth_gbps"``); the TopologyError raised names it
+    and the value. Refused: booleans (``true`` is no count or rate), non-numbers (strings included:
+    parse them first), NaN and infinities, fractions where a count is meant (2.0 is 2, 2.5 is refused),
+    values out of range.
+    """
+    if kind not in ("count", "rate"):
+        raise ValueError(f"check_number: kind must be 'count' or 'rate', got {kind!r}")
+    count = kind == "count"
+    lo = (1 if count else MIN_GBPS) if lo is None else lo
+    hi = (MAX_LINKS if count else MAX_GBPS) if hi is None else hi
+    want = f"an integer from {lo} to {hi}" if count else f"a finite number > 0 of GB/s, from {lo:g} to {hi:g}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TopologyError(f"{what} must be {want}, got {show(value)} ({type(value).__name__})")
+    if isinstance(value, numbers.Integral):
+        v = int(value)
+    else:
+        v = float(value)
+        if not math.isfinite(v):
+            raise TopologyError(f"{what} must be {want}, got {show(value)}")
+        if count:
+            if v != int(v):
+                raise TopologyError(f"{what} must be {want}, got {show(value)} (a fraction)")
+            v = int(v)
+    if not lo <= v <= hi:
+        raise TopologyError(f"{what} must be {want}, got {show(value)}")
+    return v if count else float(v)
+
+
+def check_rates(**rates) -> None:
+    """Check rate keywords (``nvlink_gbps=``, ``pcie_gbps=``, ...: achieved GB/s per direction) with
+    :func:`check_number`; None (from the source) passes. Raises TopologyError naming the keyword."""
+    for label, v in rates.items():
+        if v is not None:
+            check_number(v, label, "rate")
+
+
+def source_text(text, what: str) -> str:
+    """The text of a topology source (str, or UTF-8 bytes) checked before parsing: a string, no NUL
+    bytes, at most :data:`MAX_FILE_BYTES` characters. ``what`` names the format for the message.
+    Raises TopologyError."""
+    if isinstance(text, (bytes, bytearray)):
+        if len(text) > MAX_FILE_BYTES:
+            raise TopologyError(f"{what} input is {len(text):,} bytes; at most {MAX_FILE_BYTES:,} "
+                                f"(jax_blink.topology.model.MAX_FILE_BYTES) are read")
+        text = bytes(text).decode("utf-8", errors="replace")
+    if not isinstance(text, str):
+        raise TopologyError(f"{what} input must be text, got {type(text).__name__}")
+    if len(text) > MAX_FILE_BYTES:
+        raise TopologyError(f"{what} input is {len(text):,} characters; at most {MAX_FILE_BYTES:,} "
+                            f"(jax_blink.topology.model.MAX_FILE_BYTES) are read")
+    if "\x00" in text:
+        raise TopologyError(f"input is binary data (it holds NUL bytes), not {what}")
+    return text
 
 
 def parse_gpu_ids(text: str, option: str = "devices") -> list[int]:
@@ -197,16 +299,18 @@ class Topology:
     # ----------------------------------------------------------------- building
     def add_gpu(self, index: int, **attrs) -> None:
         """Add GPU ``index`` (a non-negative int). Raises TopologyError on a bad index."""
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise TopologyError(f"GPU ids are non-negative ints, got {index!r}")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= MAX_GPU_ID:
+            raise TopologyError(f"GPU ids are ints from 0 to {MAX_GPU_ID}, got {show(index)}")
         self.graph.add_node(index, kind="gpu", **attrs)
 
     def add_switch(self, node_id: str, kind: str, **attrs) -> None:
         """Add a shared resource node (string id, kind in NODE_KINDS minus 'gpu')."""
-        if not isinstance(node_id, str) or not node_id:
-            raise TopologyError(f"switch/host node ids are non-empty strings, got {node_id!r}")
-        if kind not in NODE_KINDS or kind == "gpu":
-            raise TopologyError(f"unknown node kind {kind!r}; expected one of {NODE_KINDS[1:]}")
+        if not isinstance(kind, str) or kind not in NODE_KINDS or kind == "gpu":
+            raise TopologyError(f"unknown node kind {show(kind)} of node {show(node_id)}; expected one of "
+                                f"{NODE_KINDS[1:]} (or 'gpu' for an int id)")
+        if not isinstance(node_id, str) or not 0 < len(node_id) <= MAX_NAME_CHARS:
+            raise TopologyError(f"a {kind} node's id must be a string of 1 to {MAX_NAME_CHARS} characters "
+                                f"(GPUs have int ids), got {show(node_id)}")
         self.graph.add_node(node_id, kind=kind, **attrs)
 
     def add_link(self, u, v, per_link_gbps: float, kind: str, links: int = 1,
@@ -214,19 +318,23 @@ class Topology:
         """Add ``links`` links of ``per_link_gbps`` GB/s (per direction) between u and v.
 
         Adding to an existing edge adds links and bandwidth (parallel links aggregate).
-        Both endpoints must already exist. Raises TopologyError on unknown nodes, a self loop,
-        a non-positive bandwidth or count, or an unknown kind.
+        Both endpoints must already exist. Raises TopologyError on unknown nodes, a self loop, an
+        unknown kind, a bandwidth outside :data:`MIN_GBPS`..:data:`MAX_GBPS` or not a finite number,
+        or a count of links that is not an int from 1 to :data:`MAX_LINKS` (:func:`check_number`).
         """
-        for n in (u, v):
-            if n not in self.graph:
-                raise TopologyError(f"link {u!r}-{v!r}: node {n!r} is not in the topology; add it first")
+        try:
+            for n in (u, v):
+                if n not in self.graph:
+                    raise TopologyError(f"link {show(u)}-{show(v)}: node {show(n)} is not in the topology; "
+                                        "add it first")
+        except TypeError:  # an unhashable id (a list from a JSON file)
+            raise TopologyError(f"link {show(u)}-{show(v)}: node ids are ints (GPUs) or strings") from None
         if u == v:
             raise TopologyError(f"link {u!r}-{v!r}: self loops are not links")
-        if kind not in LINK_KINDS:
-            raise TopologyError(f"link {u!r}-{v!r}: unknown kind {kind!r}; expected one of {LINK_KINDS}")
-        if not (0 < per_link_gbps < math.inf) or int(links) != links or links < 1:
-            raise TopologyError(f"link {u!r}-{v!r}: bandwidth must be a finite number > 0 and links >= 1, "
-                                f"got {per_link_gbps!r} GB/s x {links!r}")
+        if not isinstance(kind, str) or kind not in LINK_KINDS:
+            raise TopologyError(f"link {u!r}-{v!r}: unknown kind {show(kind)}; expected one of {LINK_KINDS}")
+        per_link_gbps = check_number(per_link_gbps, f"link {u!r}-{v!r}: bandwidth", "rate")
+        links = check_number(links, f"link {u!r}-{v!r}: links", "count")
         pairs = [(u, v), (v, u)] if bidirectional else [(u, v)]
         for a, b in pairs:
             if self.graph.has_edge(a, b):
@@ -364,47 +472,94 @@ class Topology:
 
     @classmethod
     def from_dict(cls, data: dict) -> Topology:
-        """Inverse of :meth:`to_dict`. Raises TopologyError naming the bad entry."""
+        """Inverse of :meth:`to_dict`. Raises TopologyError naming the bad entry and its value.
+
+        Checked: ``name`` a string of at most :data:`MAX_NAME_CHARS`; ``notes`` strings; at most
+        :data:`MAX_TOPOLOGY_NODES` nodes, :data:`MAX_TOPOLOGY_GPUS` of them GPUs, and
+        :data:`MAX_TOPOLOGY_LINKS` links; each node's ``kind`` (named when unknown) and ``id`` (an int
+        for a GPU, a string otherwise); each link's ``bandwidth_gbps`` (a rate) and ``links`` (a count,
+        :func:`check_number`). Fields the format does not have are ignored and named in ``notes``.
+        """
         if not isinstance(data, dict) or "nodes" not in data or "links" not in data:
-            raise TopologyError("topology JSON must be an object with 'nodes' and 'links'")
-        t = cls(str(data.get("name", "custom")))
+            got = f"an object with keys {show(sorted(map(str, data)))}" if isinstance(data, dict) else \
+                f"a JSON {type(data).__name__}"
+            raise TopologyError(f"topology JSON must be an object with 'nodes' and 'links', got {got}")
+        name = data.get("name", "custom")
+        if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+            raise TopologyError(f"'name' must be a string of at most {MAX_NAME_CHARS} characters, got {show(name)}")
+        t = cls(name)
         notes = data.get("notes", [])
         if not isinstance(notes, list) or not all(isinstance(x, str) for x in notes):
-            raise TopologyError(f"'notes' must be a list of strings, got {notes!r}")
+            raise TopologyError(f"'notes' must be a list of strings, got {show(notes)}")
         t.notes = list(notes)
-        for i, n in enumerate(data["nodes"]):
+        ignored = [f"{k!r}" for k in data if k not in ("name", "nodes", "links", "notes")]
+        nodes, links = data["nodes"], data["links"]
+        for key, items, most in (("nodes", nodes, MAX_TOPOLOGY_NODES), ("links", links, MAX_TOPOLOGY_LINKS)):
+            if not isinstance(items, list):
+                raise TopologyError(f"'{key}' must be a list, got {show(items)}")
+            if len(items) > most:
+                raise TopologyError(f"'{key}' has {len(items):,} entries; at most {most:,} are read "
+                                    f"(jax_blink.topology.model.MAX_TOPOLOGY_{key.upper()}, docs/limits.md)")
+        n_gpus = sum(1 for n in nodes if isinstance(n, dict) and n.get("kind") == "gpu")
+        if n_gpus > MAX_TOPOLOGY_GPUS:
+            raise TopologyError(f"'nodes' holds {n_gpus:,} GPUs; at most {MAX_TOPOLOGY_GPUS:,} "
+                                f"(MAX_TOPOLOGY_GPUS, the host<N> cap: planning time and memory grow "
+                                f"polynomially with the GPU count; docs/limits.md)")
+        for i, n in enumerate(nodes):
+            if not isinstance(n, dict) or "id" not in n or "kind" not in n:
+                raise TopologyError(f"nodes[{i}]: expected {{'id': ..., 'kind': ...}}, got {show(n)}")
+            nid, kind = n["id"], n["kind"]
+            ignored += [f"nodes[{i}].{k}" for k in n if k not in ("id", "kind", "no_p2p")]
             try:
-                nid, kind = n["id"], n["kind"]
-            except (TypeError, KeyError):
-                raise TopologyError(f"nodes[{i}]: expected {{'id': ..., 'kind': ...}}, got {n!r}") from None
-            if nid in t.graph:
+                if kind == "gpu":
+                    t.add_gpu(nid)  # checks the id before the lookup below (a list id is unhashable)
+                    if n.get("no_p2p"):
+                        t.graph.nodes[nid]["no_p2p"] = _gpu_list(n["no_p2p"], "no_p2p")
+                else:
+                    if isinstance(nid, str) and nid in t.graph:
+                        raise TopologyError(f"duplicate node id {nid!r}")
+                    t.add_switch(nid, kind)
+            except TopologyError as err:
+                raise TopologyError(f"nodes[{i}]: {err}") from None
+            if t.graph.number_of_nodes() != i + 1:
                 raise TopologyError(f"nodes[{i}]: duplicate node id {nid!r}")
-            if kind == "gpu":
-                t.add_gpu(nid, **({"no_p2p": tuple(n["no_p2p"])} if n.get("no_p2p") else {}))
-            else:
-                t.add_switch(nid, kind)
-        for i, e in enumerate(data["links"]):
+        for i, e in enumerate(links):
+            if not isinstance(e, dict) or not {"src", "dst", "bandwidth_gbps", "kind"} <= e.keys():
+                raise TopologyError(f"links[{i}]: expected src, dst, bandwidth_gbps, kind (and links); "
+                                    f"got {show(e)}")
+            ignored += [f"links[{i}].{k}" for k in e if k not in ("src", "dst", "bandwidth_gbps", "kind", "links")]
+            u, v = e["src"], e["dst"]
             try:
-                u, v, bw, k, c = e["src"], e["dst"], e["bandwidth_gbps"], e["kind"], e.get("links", 1)
-            except (TypeError, KeyError):
-                raise TopologyError(f"links[{i}]: expected src, dst, bandwidth_gbps, kind; got {e!r}") from None
-            if t.graph.has_edge(u, v):
-                raise TopologyError(f"links[{i}]: duplicate link {u!r}->{v!r}")
-            try:
-                t.add_link(u, v, float(bw) / int(c), k, links=int(c), bidirectional=False)
-            except (TypeError, ValueError) as err:
-                if isinstance(err, TopologyError):
-                    raise TopologyError(f"links[{i}]: {err}") from None
-                raise TopologyError(f"links[{i}]: bad numbers in {e!r}") from None
+                bw = check_number(e["bandwidth_gbps"], "bandwidth_gbps", "rate", hi=MAX_GBPS * MAX_LINKS)
+                c = check_number(e.get("links", 1), "links", "count")
+                for x in (u, v):
+                    if isinstance(x, bool) or not isinstance(x, (int, str)):
+                        raise TopologyError(f"src and dst are node ids (ints or strings), got {show(x)}")
+                if t.graph.has_edge(u, v):
+                    raise TopologyError(f"duplicate link {u!r}->{v!r}")
+                t.add_link(u, v, bw / c, e["kind"], links=c, bidirectional=False)
+            except TopologyError as err:
+                raise TopologyError(f"links[{i}]: {err}") from None
+        if ignored:
+            t.notes.append(f"ignored {len(ignored)} field(s) the topology JSON format does not have: "
+                           f"{', '.join(ignored[:6])}{' ...' if len(ignored) > 6 else ''}")
         return t
 
     @classmethod
     def from_json(cls, text: str) -> Topology:
-        """Parse :meth:`to_json` output. Raises TopologyError on malformed JSON."""
+        """Parse :meth:`to_json` output (str or UTF-8 bytes, at most :data:`MAX_FILE_BYTES`). Raises
+        TopologyError on malformed JSON (with its line and column), JSON nested deeper than the
+        interpreter's recursion limit (the format needs 3 levels), or a bad entry (:meth:`from_dict`)."""
+        text = source_text(text, "a topology JSON")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise TopologyError(f"not valid JSON: {err}") from None
+        except RecursionError:
+            raise TopologyError("the JSON is nested too deeply to read (thousands of levels; the topology "
+                                "format has 3)") from None
+        except ValueError as err:  # e.g. an integer literal of more digits than Python converts
+            raise TopologyError(f"not a usable JSON value: {show(str(err), 200)}") from None
         return cls.from_dict(data)
 
     def fingerprint(self) -> str:
@@ -492,6 +647,16 @@ class Topology:
         """A Topology from a preset name, a ``topo -m`` text file, a JSON file, or a Topology;
         see :func:`jax_blink.topology.load.load_topology`."""
         return _source("load")(source, **kw)
+
+
+def _gpu_list(value, what: str) -> tuple:
+    """A JSON list of GPU ids (``no_p2p``) as a sorted tuple; TopologyError naming ``what`` otherwise."""
+    if not isinstance(value, list) or len(value) > MAX_TOPOLOGY_GPUS:
+        raise TopologyError(f"{what} must be a list of at most {MAX_TOPOLOGY_GPUS} GPU ids, got {show(value)}")
+    bad = [x for x in value if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_GPU_ID]
+    if bad:
+        raise TopologyError(f"{what} must hold GPU ids (ints from 0 to {MAX_GPU_ID}), got {show(bad[0])}")
+    return tuple(sorted(set(value)))
 
 
 def _key(n):

@@ -46,19 +46,26 @@ The model built (node and link kinds as in :mod:`jax_blink.topology.model`):
   ``presets.NET_EFFICIENCY``) GB/s (every rate achieved, see :mod:`jax_blink.topology.presets`).
 - Other PCI devices (NVMe drives, NVSwitch management functions, ...) are skipped.
 
-Every problem raises :class:`TopologyError` naming the element (by bus id where it has one) and
-what was expected; everything the parser had to assume is in ``Topology.notes``.
+Every problem raises :class:`TopologyError` naming the element (by bus id where it has one), the
+attribute and its value, and what was expected; everything the parser had to assume is in
+``Topology.notes``, and so is everything it ignored: elements and attributes NCCL's format does not
+have (a misspelt ``<nvlnk>`` is named, not silently read as a machine without NVLink), and known
+elements in places the format does not put them.
+
+Limits (docs/limits.md, "Topology files"): at most :data:`jax_blink.topology.model.MAX_MACHINE_GPUS`
+(64) GPUs (the file describes one machine), ``<pci>`` nested at most 64 deep, ``<nvlink count>`` at most
+:data:`jax_blink.topology.model.MAX_NVLINKS`, :data:`jax_blink.topology.model.MAX_FILE_BYTES` of text,
+no ``<!DOCTYPE>`` (no entity expansion).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import re
 import xml.etree.ElementTree as ET
 
 from ..errors import TopologyError
-from .model import Topology
+from .model import MAX_MACHINE_GPUS, MAX_NVLINKS, Topology, check_number, check_rates, show, source_text
 from .presets import INTER_SOCKET_GBPS, NET_EFFICIENCY, NVLINK_EFFICIENCY, PCIE_GEN3_GBPS, pcie_link_gbps
 from .presets import nvlink_gbps as _nvlink_rate
 
@@ -81,9 +88,18 @@ NVLINK_GBPS_BY_SM = ((60, _nvlink_rate(1)), (70, _nvlink_rate(2)), (80, _nvlink_
                      (86, 112.5 / 8 * NVLINK_EFFICIENCY[3]), (90, _nvlink_rate(4)), (100, _nvlink_rate(5)))
 
 _SPEED_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*GT/s(?:\s+PCIe)?\s*", re.IGNORECASE)
-_INT_RE = re.compile(r"0[xX]([0-9a-fA-F]+)|([0-9]+)")
+_INT_RE = re.compile(r"0[xX]([0-9a-fA-F]{1,16})|([0-9]{1,18})")  # (no int() of a 10^4-digit string)
 _MAX_DEPTH = 64           # nested <pci> levels; real machines have fewer than 8
-_MAX_NVLINK_COUNT = 64    # links in one <nvlink> element; real GPUs have at most 18
+# Where each element of NCCL's format may appear (parent tag -> child tags), and its attributes (xml.cc
+# writes them; those the model does not use are known and ignored silently).
+_CHILDREN = {None: {"system", "cpu"}, "system": {"cpu"}, "cpu": {"pci", "nic"}, "pci": {"pci", "gpu", "nic"},
+             "gpu": {"nvlink"}, "nic": {"net"}, "nvlink": set(), "net": set()}
+_ATTRS = {"system": {"version"},
+          "cpu": {"numaid", "affinity", "arch", "vendor", "familyid", "modelid", "host_hash"},
+          "pci": {"busid", "class", "vendor", "device", "subsystem_vendor", "subsystem_device", "link_speed",
+                  "link_width"},
+          "gpu": {"dev", "sm", "rank", "gdr"}, "nvlink": {"target", "count", "tclass"}, "nic": set(),
+          "net": {"name", "dev", "speed", "port", "latency", "guid", "maxconn", "gdr", "coll", "keep"}}
 
 
 def nvlink_gbps_for_sm(sm: int) -> float | None:
@@ -124,13 +140,9 @@ def parse_nccl_xml(text, *, nvlink_gbps: float | None = None, pcie_gbps: float |
     Returns a Topology with ``notes`` listing what the parser assumed or ignored. Raises
     TopologyError for text that is not XML, is not NCCL's topology format, or has bad attributes.
     """
-    for label, v in (("nvlink_gbps", nvlink_gbps), ("pcie_gbps", pcie_gbps),
-                     ("inter_socket_gbps", inter_socket_gbps)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                              or not v > 0):
-            raise TopologyError(f"{label} must be a finite number > 0 (GB/s per direction), got {v!r}")
+    check_rates(nvlink_gbps=nvlink_gbps, pcie_gbps=pcie_gbps, inter_socket_gbps=inter_socket_gbps)
     root = _parse_xml(text)
-    notes: list[str] = []
+    notes: list[str] = _unknown_parts(root)
     if root.tag == "system":
         cpus = [c for c in root if c.tag == "cpu"]
         if not cpus:
@@ -161,6 +173,9 @@ def parse_nccl_xml(text, *, nvlink_gbps: float | None = None, pcie_gbps: float |
     if not gpus:
         raise TopologyError("the file has no GPUs: expected <pci class=\"0x03...\"> elements (with a "
                             "<gpu dev=... sm=...> inside) under <cpu>")
+    if len(gpus) > MAX_MACHINE_GPUS:
+        raise TopologyError(f"the file has {len(gpus)} GPUs; at most {MAX_MACHINE_GPUS} (NCCL's topology XML "
+                            f"describes one machine: MAX_MACHINE_GPUS, docs/limits.md)")
     if unknown_speed:
         notes.append(f"{len(unknown_speed)} PCIe link(s) without a usable link_speed/link_width (bus "
                      f"{', '.join(unknown_speed[:4])}{' ...' if len(unknown_speed) > 4 else ''}): assumed "
@@ -195,12 +210,7 @@ def parse_nccl_xml(text, *, nvlink_gbps: float | None = None, pcie_gbps: float |
 
 
 def _parse_xml(text) -> ET.Element:
-    if isinstance(text, (bytes, bytearray)):
-        text = bytes(text).decode("utf-8", errors="replace")
-    if not isinstance(text, str):
-        raise TopologyError(f"NCCL topology XML must be text, got {type(text).__name__}")
-    if "\x00" in text:
-        raise TopologyError("input is binary data (it holds NUL bytes), not NCCL's topology XML")
+    text = source_text(text, "NCCL's topology XML")
     if not text.strip():
         raise TopologyError("empty input: expected NCCL's topology XML (<system><cpu>...</cpu></system>)")
     if "<!DOCTYPE" in text or "<!ENTITY" in text:
@@ -218,9 +228,36 @@ def _parse_xml(text) -> ET.Element:
         raise TopologyError(f"cannot parse the XML: {err}") from None
 
 
+def _unknown_parts(root: ET.Element) -> list[str]:
+    """Notes naming the elements and attributes of ``root`` that NCCL's format does not have or does not
+    put there (:data:`_CHILDREN`, :data:`_ATTRS`), each with a count and its first place."""
+    bad_tags: dict[tuple, list] = {}
+    bad_attrs: dict[tuple, list] = {}
+    stack = [(root, None, "the root")]
+    while stack:  # (iterative: deep garbage cannot exhaust the stack)
+        el, parent, where = stack.pop()
+        if el.tag not in _CHILDREN.get(parent, ()):
+            bad_tags.setdefault((el.tag, parent), [0, where])[0] += 1
+            continue  # its subtree is ignored with it
+        for a in el.attrib:
+            if a not in _ATTRS[el.tag]:
+                bad_attrs.setdefault((el.tag, a), [0, _where(el)])[0] += 1
+        here = _where(el)
+        stack.extend((c, el.tag, here) for c in reversed(el))
+    notes = []
+    for (tag, parent), (n, where) in bad_tags.items():
+        what = "not in NCCL's topology format" if tag not in _CHILDREN else f"not a child NCCL puts in <{parent}>"
+        notes.append(f"ignored {n} <{show(tag, 40)[1:-1]}> element(s) ({what}; first in {where}) and what they hold")
+    for (tag, a), (n, where) in bad_attrs.items():
+        notes.append(f"ignored attribute {show(a, 40)} of {n} <{tag}> element(s) (not in NCCL's topology "
+                     f"format; first {where})")
+    return notes[:20] + ([f"... and {len(notes) - 20} more ignored kinds of element or attribute"]
+                         if len(notes) > 20 else [])
+
+
 def _where(el: ET.Element) -> str:
     b = el.get("busid")
-    return f"<{el.tag} busid={b!r}>" if b else f"<{el.tag}>"
+    return f"<{el.tag} busid={show(b, 40)}>" if b else f"<{el.tag}>"
 
 
 def _busid(el: ET.Element) -> str:
@@ -250,10 +287,8 @@ def _int_attr(el: ET.Element, attr: str, lo: int, hi: int, where: str | None = N
     if raw is None:
         return None
     m = _INT_RE.fullmatch(raw.strip())
-    v = None if m is None else int(m.group(1), 16) if m.group(1) else int(m.group(2))
-    if v is None or not lo <= v <= hi:
-        raise TopologyError(f"{where or _where(el)}: {attr}={raw!r}; expected an integer from {lo} to {hi}")
-    return v
+    v = raw if m is None else int(m.group(1), 16) if m.group(1) else int(m.group(2))
+    return check_number(v, f"{where or _where(el)}: {attr}={show(raw)}", "count", lo, hi)
 
 
 def _link_gbps(el: ET.Element, override: float | None, unknown: list) -> float:
@@ -311,12 +346,12 @@ def _gpu_info(gpu_el: ET.Element | None, busid: str) -> dict:
     where = f"<gpu> of bus {busid}"
     info = {"dev": _int_attr(gpu_el, "dev", 0, 1 << 16, where), "sm": _int_attr(gpu_el, "sm", 0, 10000, where),
             "nvlinks": [], "bare": False}
-    for nv in gpu_el.iter("nvlink"):
+    for nv in gpu_el.findall("nvlink"):
         target = nv.get("target")
         if target is None:
             raise TopologyError(f"an <nvlink> of the GPU at bus {busid} has no target; expected "
                                 f"target=\"<bus id>\" count=\"<links>\" tclass=\"0x...\"")
-        count = _int_attr(nv, "count", 1, _MAX_NVLINK_COUNT, f"<nvlink target={target!r}> of the GPU at bus {busid}")
+        count = _int_attr(nv, "count", 1, MAX_NVLINKS, f"<nvlink target={target!r}> of the GPU at bus {busid}")
         tclass = (nv.get("tclass") or "").strip().lower()
         info["nvlinks"].append((normalise_busid(target, f"<nvlink> of the GPU at bus {busid}: target"),
                                 1 if count is None else count, tclass))
@@ -325,7 +360,7 @@ def _gpu_info(gpu_el: ET.Element | None, busid: str) -> dict:
 
 def _nets(nic_el: ET.Element, where: str) -> list[tuple[str, int | None]]:
     out = []
-    for net in nic_el.iter("net"):
+    for net in nic_el.findall("net"):
         speed = _int_attr(net, "speed", 0, 10 ** 9, f"<net name={net.get('name')!r}> in {where}")
         out.append((net.get("name") or f"net{len(out)}", speed or None))
     return out

@@ -35,12 +35,21 @@ The model built (:func:`build_topology`, shared with NVML discovery):
   those transfers two copies through host memory. Matrices for modes
   ``n`` (NVLink) and ``a`` (atomics) are checked but do not change the model.
 
-Errors are :class:`TopologyError` naming the line and cell and what was expected.
+Errors are :class:`TopologyError` naming the line and cell, the value and what was expected.
+
+Limits (docs/limits.md, "Topology files"): at most :data:`jax_blink.topology.model.MAX_MACHINE_GPUS`
+(64) GPUs, as many NIC columns, and :data:`jax_blink.topology.model.MAX_FILE_BYTES` of text: a matrix
+is one machine (the largest have 16 GPUs) and holds n^2 cells. ``NV<n>`` has n from 1 to
+:data:`jax_blink.topology.model.MAX_NVLINKS`. ``CPU Affinity`` / ``NUMA Affinity`` values are CPU lists
+(``0-11,24-35``) and ``GPU NUMA ID`` a number, or ``N/A``; anything else is refused (a garbled value
+would silently add a CPU socket). Columns after the affinity ones that the parser does not know are
+ignored and named in ``Topology.notes``.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -48,7 +57,7 @@ import networkx as nx
 
 from ..errors import TopologyError
 from . import model
-from .model import Topology
+from .model import MAX_MACHINE_GPUS, MAX_NVLINKS, Topology, check_number, check_rates, show, source_text
 from .presets import gpu_model, pcie_gen_gbps
 from .presets import nvlink_gbps as _nvlink_rate
 
@@ -57,7 +66,12 @@ _ALIASES = {"SOC": "SYS"}
 P2P_CODES = ("OK", "NS", "GNS", "CNS", "TNS", "U")
 _NV_RE = re.compile(r"NV(\d+)")
 _GPU_RE = re.compile(r"GPU(\d+)")
-_NIC_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.:-]*")
+_NIC_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.:-]{0,63}")
+# affinity values: a CPU (or NUMA node) list "0-11,24-35" (numbers of at most 7 digits), or one number
+_CPU_LIST_RE = re.compile(r"\d{1,7}(?:-\d{1,7})?(?:,\d{1,7}(?:-\d{1,7})?)*")
+_AFFINITY_FORMS = {"CPU Affinity": (_CPU_LIST_RE, "a CPU list like 0-11,24-35"),
+                   "NUMA Affinity": (_CPU_LIST_RE, "a NUMA node number like 0 (or a list like 0-1)"),
+                   "GPU NUMA ID": (re.compile(r"\d{1,7}"), "a NUMA node number like 0")}
 _AFFINITY_WORDS = {"CPU", "NUMA", "Affinity", "ID", "GPU"}
 _AFFINITY_PHRASES = (("GPU", "NUMA", "ID"), ("CPU", "Affinity"), ("NUMA", "Affinity"))
 _RESERVED_PREFIXES = ("cpu", "pcie-", "nvswitch", "gpu", "host", "network")
@@ -100,14 +114,7 @@ def parse_topo(text: str, *, nvlink_gbps: float | None = None, pcie_gbps: float 
     module docstring. Raises TopologyError on empty input, no matrix, a malformed or non-square
     matrix, an unknown code, asymmetric cells, duplicate or missing GPUs, naming line and cell.
     """
-    if isinstance(text, (bytes, bytearray)):
-        text = bytes(text).decode("utf-8", errors="replace")
-    if not isinstance(text, str):
-        raise TopologyError(f"nvidia-smi topo -m input must be text, got {type(text).__name__}")
-    if "\x00" in text:
-        raise TopologyError("input is binary data (it holds NUL bytes), not the text output of "
-                            "`nvidia-smi topo -m`")
-    text = _ANSI_RE.sub("", text)
+    text = _ANSI_RE.sub("", source_text(text, "the text output of `nvidia-smi topo -m`"))
     if not text.strip():
         raise TopologyError("empty input: expected the output of `nvidia-smi topo -m` "
                             "(a header line starting with GPU0, then one row per GPU)")
@@ -162,9 +169,16 @@ def parse_topo(text: str, *, nvlink_gbps: float | None = None, pcie_gbps: float 
         else:
             pcie[key] = _ALIASES.get(code, code)
 
-    affinity = {}
-    for r, (_ln, _cells, extra) in m.rows.items():
+    affinity, notes = {}, []
+    unknown_cols = [c for c in m.extra_columns if c not in _AFFINITY_FORMS]
+    if unknown_cols:
+        notes.append(f"ignored column(s) {', '.join(map(show, unknown_cols[:6]))} of the header on line "
+                     f"{m.header_line} (known after the link columns: {', '.join(_AFFINITY_FORMS)})")
+    for r, (ln, _cells, extra) in m.rows.items():
         vals = dict(zip(m.extra_columns, extra))
+        for col, v in vals.items():
+            if col in _AFFINITY_FORMS:
+                _check_affinity(v, col, r, ln)
         for col in ("NUMA Affinity", "CPU Affinity"):
             v = vals.get(col)
             if v and v.upper() != "N/A":
@@ -190,10 +204,24 @@ def parse_topo(text: str, *, nvlink_gbps: float | None = None, pcie_gbps: float 
                     no_p2p.add(frozenset((dev[r], dev[c])))
 
     nic_attrs = {nic_id[c]: {"device": nic_legend[c]} for c in nic_cols if c in nic_legend}
-    return build_topology(n, list(nic_id.values()), pcie, nvlinks, no_p2p=no_p2p, affinity=affinity,
-                          nic_attrs=nic_attrs, nvlink_gbps=nvlink_gbps, pcie_gbps=pcie_gbps,
-                          inter_socket_gbps=inter_socket_gbps, max_nvlinks_per_gpu=max_nvlinks_per_gpu,
-                          nvswitch=nvswitch, gpu=gpu, name=name)
+    t = build_topology(n, list(nic_id.values()), pcie, nvlinks, no_p2p=no_p2p, affinity=affinity,
+                       nic_attrs=nic_attrs, nvlink_gbps=nvlink_gbps, pcie_gbps=pcie_gbps,
+                       inter_socket_gbps=inter_socket_gbps, max_nvlinks_per_gpu=max_nvlinks_per_gpu,
+                       nvswitch=nvswitch, gpu=gpu, name=name)
+    t.notes.extend(notes)
+    return t
+
+
+def _check_affinity(value: str, col: str, row: str, ln: int) -> None:
+    """Refuse an affinity cell that is neither ``N/A`` nor the column's form (a CPU list, a number)."""
+    pattern, want = _AFFINITY_FORMS[col]
+    if value.upper() == "N/A":
+        return
+    if pattern.fullmatch(value):
+        ranges = [tuple(map(int, item.split("-"))) for item in value.split(",") if "-" in item]
+        if all(a <= b for a, b in ranges):
+            return
+    raise TopologyError(f"line {ln}, row {row}, column {col!r}: got {show(value)}; expected {want}, or N/A")
 
 
 # ----------------------------------------------------------------------------- scanning
@@ -245,6 +273,10 @@ def _header(toks: list[str], ln: int, mode: str | None) -> _Matrix:
     while k < len(toks) and toks[k] not in _AFFINITY_WORDS:
         k += 1
     cols, rest = toks[:k], toks[k:]
+    if len(cols) > 2 * MAX_MACHINE_GPUS:
+        raise TopologyError(f"line {ln}: the header has {len(cols):,} columns; at most {MAX_MACHINE_GPUS} "
+                            f"GPUs and {MAX_MACHINE_GPUS} NICs (a `topo -m` matrix is one machine: "
+                            f"MAX_MACHINE_GPUS, docs/limits.md)")
     seen = set()
     for c in cols:
         if c in seen:
@@ -287,15 +319,26 @@ def _classify(mat: _Matrix) -> None:
     mat.kind = "topo"
     for ln, r, c, code in cells:
         nv = _NV_RE.fullmatch(code)
-        if nv and int(nv.group(1)) < 1:
-            raise TopologyError(f"line {ln}, row {r}, column {c}: {code!r} has no links; expected NV<n>, n >= 1")
+        if nv:
+            digits = nv.group(1)
+            check_number(int(digits) if len(digits) <= 9 else math.inf, f"line {ln}, row {r}, column {c}: "
+                         f"{show(code)}: the NVLink count of NV<n>", "count", hi=MAX_NVLINKS)
         if not (code == "X" or code in PCIE_LEVELS or code in _ALIASES or nv):
             raise TopologyError(f"line {ln}, row {r}, column {c}: unknown link code {code!r}; "
                                 f"expected {_EXPECTED_TOPO}")
 
 
 def _gpu_columns(m: _Matrix) -> list[int]:
-    ids = [int(_GPU_RE.fullmatch(c).group(1)) for c in m.columns if _GPU_RE.fullmatch(c)]
+    ids = []
+    for c in m.columns:
+        g = _GPU_RE.fullmatch(c)
+        if g is None:
+            continue
+        if len(g.group(1)) > 6 or int(g.group(1)) >= MAX_MACHINE_GPUS:  # (no int() of 10^4 digits)
+            raise TopologyError(f"line {m.header_line}: column {show(c)}: GPU ids of one `topo -m` matrix "
+                                f"are 0 to {MAX_MACHINE_GPUS - 1} (at most {MAX_MACHINE_GPUS} GPUs per "
+                                f"machine: MAX_MACHINE_GPUS, docs/limits.md)")
+        ids.append(int(g.group(1)))
     if not ids:
         raise TopologyError(f"line {m.header_line}: the header names no GPU columns; expected GPU0, GPU1, ...")
     if len(set(ids)) != len(ids):
@@ -371,14 +414,13 @@ def build_topology(n_gpus: int, nics: list[str], pcie: dict, nvlinks: dict, *, n
       nvlink_gbps, pcie_gbps, inter_socket_gbps, max_nvlinks_per_gpu, nvswitch, gpu, name: as in
         :func:`parse_topo`.
 
-    Raises TopologyError on non-positive bandwidths.
+    Raises TopologyError on bandwidths that are not finite numbers in range
+    (:func:`jax_blink.topology.model.check_number`) or more than
+    :data:`jax_blink.topology.model.MAX_MACHINE_GPUS` GPUs.
     """
-    for label, v in (("nvlink_gbps", nvlink_gbps), ("pcie_gbps", pcie_gbps),
-                     ("inter_socket_gbps", inter_socket_gbps)):
-        if v is None and label != "inter_socket_gbps":
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise TopologyError(f"{label} must be a number > 0 (GB/s per direction), got {v!r}")
+    check_rates(nvlink_gbps=nvlink_gbps, pcie_gbps=pcie_gbps, inter_socket_gbps=inter_socket_gbps)
+    check_number(n_gpus, "n_gpus", "count", hi=MAX_MACHINE_GPUS)
+    check_number(max_nvlinks_per_gpu, "max_nvlinks_per_gpu", "count", hi=MAX_NVLINKS * MAX_MACHINE_GPUS)
     affinity = affinity or {}
     no_p2p = set(no_p2p)
     t = Topology(name)

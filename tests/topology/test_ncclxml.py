@@ -225,9 +225,9 @@ def test_missing_link_speed_assumes_gen3_x16_with_a_note():
     ('<system><cpu><pci class="0x030200"/></cpu></system>', r"<pci> element has no busid"),
     ('<system><cpu><pci busid="zz:00.0" class="0x030200"/></cpu></system>', r"'zz:00.0' is not a PCI bus id"),
     ('<system><cpu><pci busid="0000:06:00.0" class="0x030200" link_width="x"/></cpu></system>',
-     r"link_width='x'; expected an integer from 0 to 32"),
+     r"link_width='x' must be an integer from 0 to 32, got 'x'"),
     ('<system><cpu>' + gpu_pci("0000:06:00.0", 0, 70, nvl("0000:07:00.0", 0)) + '</cpu></system>',
-     r"count='0'; expected an integer from 1 to 64"),
+     r"count='0' must be an integer from 1 to 64, got 0"),
     ('<system><cpu>' + gpu_pci("0000:06:00.0", 0, 70, nvl("0000:07:00.0", 1))
      + gpu_pci("0000:07:00.0", 1, 70, nvl("0000:06:00.0", 2)) + '</cpu></system>',
      r"asymmetric NVLink counts: GPU 0 \(bus 0000:06:00.0\) lists 1 link\(s\) to GPU 1"),

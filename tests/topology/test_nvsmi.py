@@ -207,7 +207,7 @@ GPU2    SYS     SYS      X      8-15
     (GOOD + "GPU1    NV1      X      SYS     0-7\n", r"line 5: duplicate row GPU1"),
     (GOOD.replace("GPU0     X ", "GPU0    SYS"), r"line 2, row GPU0, column GPU0: got 'SYS'; expected X"),
     (GOOD.replace("GPU1    NV1      X", "GPU1    X        X"), r"row GPU1, column GPU0: got .X.; expected a link code"),
-    (GOOD.replace("NV1", "NV0"), r"'NV0' has no links"),
+    (GOOD.replace("NV1", "NV0"), r"'NV0': the NVLink count of NV<n> must be an integer from 1 to 64, got 0"),
     (GOOD.replace("0-7\n", "0-7  1  2\n", 1), r"row GPU0 has 6 cells; expected 3 link cells plus at most 1"),
     (GOOD + "GPU7    SYS     SYS      X      8-15\n", r"row GPU7 is not a column"),
     (GOOD + GOOD, r"two `nvidia-smi topo -m` matrices"),
@@ -225,7 +225,7 @@ def test_non_text_input():
     with pytest.raises(TopologyError, match="must be text"):
         parse_topo(None)
     assert parse_topo(GOOD.encode()).gpus == [0, 1, 2]
-    with pytest.raises(TopologyError, match="pcie_gbps must be a number > 0"):
+    with pytest.raises(TopologyError, match="pcie_gbps must be a finite number > 0 of GB/s, from 0.001 to 1e.06"):
         parse_topo(GOOD, pcie_gbps=0)
 
 
