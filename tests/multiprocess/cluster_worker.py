@@ -73,7 +73,9 @@ mesh = Mesh(devs, ("i",))
 
 
 def emit(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
+    # one write per line: print's separate write of "\n" lets the launcher interleave two ranks' lines
+    sys.stdout.write("RESULT " + json.dumps(kw) + "\n")
+    sys.stdout.flush()
 
 
 emit(case="joined", source=source, process=me, processes=nproc, topology=cluster.topology.name,

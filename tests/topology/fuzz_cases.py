@@ -113,8 +113,21 @@ def main(per_source: int) -> dict:
                     signal.setitimer(signal.ITIMER_REAL, 0)
                 out["slowest_s"] = max(out["slowest_s"], time.perf_counter() - t0)
                 out["cases"] += 1
-    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["peak_rss_mib"] = _peak_rss_mib()
     return out
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident memory in MiB: /proc's VmHWM, which belongs to the address space exec
+    made. (getrusage's ru_maxrss carries the high-water mark of the process that forked and exec'd us, so
+    under a 2.7 GiB pytest it reads 2.7 GiB.)"""
+    try:
+        for ln in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if ln.startswith("VmHWM:"):
+                return int(ln.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 if __name__ == "__main__":
