@@ -164,6 +164,47 @@ bool Conflicts(const Step& g, const Operand& src, int32_t dst) {
     if (r.rank == dst) return true;
   return false;
 }
+
+// The second pass of FuseOps: a reduce step into dst joins the next step that touches out[dst] when
+// that step is a reduce into dst reading out[dst] first and no step in between writes what the first
+// reads (a rank's input and output count as one buffer, as in Conflicts). The first pass only joins an
+// op to an earlier step, so a parent whose children finish at different times keeps several reduce
+// steps, each a pass over the chunk; merged, they are one step at the last of them. The adds into dst
+// keep their order and every source is read where its value is the same.
+void MergeReduces(std::vector<Step>* steps_io) {
+  std::vector<Step>& steps = *steps_io;
+  auto touches_out = [](const Step& st, int32_t r) {
+    for (auto& o : st.reads) if (o.rank == r && !o.input) return true;
+    for (int32_t w : st.writes) if (w == r) return true;
+    return false;
+  };
+  bool changed = true;
+  while (changed) {
+    changed = false;
+    for (size_t i = 0; i < steps.size() && !changed; ++i) {
+      if (steps[i].kind != 0) continue;
+      const int32_t dst = steps[i].writes[0];
+      for (size_t j = i + 1; j < steps.size(); ++j) {
+        if (!touches_out(steps[j], dst)) {
+          bool clobbers = false;  // does step j write something step i reads?
+          for (int32_t w : steps[j].writes)
+            for (auto& o : steps[i].reads)
+              if (o.rank == w) clobbers = true;
+          if (clobbers) break;
+          continue;
+        }
+        if (steps[j].kind == 0 && steps[j].writes[0] == dst && steps[j].reads[0].rank == dst && !steps[j].reads[0].input) {
+          std::vector<Operand> reads = steps[i].reads;
+          reads.insert(reads.end(), steps[j].reads.begin() + 1, steps[j].reads.end());
+          steps[j].reads = std::move(reads);
+          steps.erase(steps.begin() + static_cast<std::ptrdiff_t>(i));
+          changed = true;
+        }
+        break;
+      }
+    }
+  }
+}
 }  // namespace
 
 std::vector<Step> FuseOps(const std::vector<Op>& ops) {
@@ -195,6 +236,7 @@ std::vector<Step> FuseOps(const std::vector<Op>& ops) {
     st.writes.push_back(op.dst);
     steps.push_back(std::move(st));
   }
+  MergeReduces(&steps);
   return steps;
 }
 

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "dtype.h"
+
 namespace jax_blink {
 
 constexpr int64_t kScheduleMagic = 0x424C4E4B;  // "BLNK"
@@ -32,10 +34,7 @@ struct CollectiveRow {
 // The row of wire id `id`, or nullptr for an unknown id.
 const CollectiveRow* CollectiveRowOf(int64_t id);
 
-// Element types the executors add. Complex types add as pairs of reals.
-enum class Dtype : int {
-  kF16, kBF16, kF32, kF64, kS8, kS16, kS32, kS64, kU8, kU16, kU32, kU64, kC64, kC128,
-};
+// Element types: dtype.h (Dtype, and ScalarOf: how each one adds).
 size_t DtypeSize(Dtype t);
 const char* DtypeName(Dtype t);
 // The Dtype whose DtypeName (numpy's name) is `name`, or nullopt.
@@ -105,10 +104,13 @@ struct ExecPlan {
 };
 std::string BuildExecPlan(const Schedule& s, ExecPlan* out);
 
-// Fuses a chunk's ops: each op joins the latest earlier step of its kind with the same destination
-// (reduce) or the same source (copy) when no step in between touches what it reads or writes; else it
-// starts a new step. Moving an op only past independent steps keeps every value and the order of the
-// adds into each destination, so the results are those of the ops in row order, bit for bit.
+// Fuses a chunk's ops into steps, the one fusion pass every executor runs (the CPU executor's tiles,
+// the device interpreter's tasks). First each op joins the latest earlier step of its kind with the
+// same destination (reduce) or the same source (copy) when no step in between touches what it reads
+// or writes, else it starts a new step; then a reduce step joins a later reduce into the same
+// destination that continues from it, when nothing in between touches that destination or writes what
+// it reads. Moving an op only past independent steps keeps every value and the order of the adds into
+// each destination, so the results are those of the ops in row order, bit for bit.
 std::vector<Step> FuseOps(const std::vector<Op>& ops);
 
 // Device table: rows (device_id, group, rank).

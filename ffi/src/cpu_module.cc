@@ -19,7 +19,7 @@
 #include "cuda_compat.h"
 #include "nb_arrays.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_dtype.h"
+#include "ffi_handler.h"
 
 namespace ffi = xla::ffi;
 namespace nb = nanobind;
@@ -177,10 +177,7 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args
   a.where = std::string(where);
   a.done = [promise](const std::string& msg) mutable {
     if (msg.empty()) promise.SetAvailable();
-    else promise.SetError(ffi::Error(ErrorClassOf(msg) == 2   ? ffi::ErrorCode::kDeadlineExceeded
-                                     : ErrorClassOf(msg) == 1 ? ffi::ErrorCode::kInternal
-                                                              : ffi::ErrorCode::kInvalidArgument,
-                                     msg));
+    else promise.SetError(ffi::Error(ErrorCodeOf(msg), msg));
   };
   MeetingKey key{run.run_id, call_site, e->group, generation};
   auto meeting = Arrive(key, info, std::move(a), EffectiveTimeoutMs(timeout_ms));
@@ -191,15 +188,7 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlinkCpu, BlinkCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("schedule")
-                                  .Attr<ffi::Span<const int64_t>>("device_table")
-                                  .Attr<int64_t>("call_site")
-                                  .Attr<int64_t>("timeout_ms")
+                              BindCollective(ffi::Ffi::Bind().Ctx<ffi::RunId>().Ctx<ffi::DeviceOrdinal>())
                                   .Attr<ffi::Span<const int64_t>>("block_order")
                                   .Attr<std::string_view>("where"));
 

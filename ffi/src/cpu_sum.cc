@@ -10,40 +10,14 @@
 #ifndef JAX_BLINK_SUM_NS
 #define JAX_BLINK_SUM_NS sum_baseline
 #endif
+// The adds (element_add.h) in this build's namespace, fp16 through the compiler's _Float16.
+#define JAX_BLINK_ARITH_NS JAX_BLINK_SUM_NS
+#define JAX_BLINK_ARITH_HW_HALF 1
+#include "element_add.h"
 
 namespace jax_blink {
 namespace JAX_BLINK_SUM_NS {
 namespace {
-
-// Element adds. Integers add as unsigned (wrapping, bitwise what XLA's signed add gives); fp16/bf16
-// add in fp32 and round after every add (as the CUDA kernels do).
-template <typename T>
-struct PlainAdd {
-  using V = T;
-  static V Add(V a, V b) { return static_cast<V>(a + b); }
-};
-struct F16Add {
-#if defined(__FLT16_MAX__)
-  using V = _Float16;
-  static V Add(V a, V b) { return static_cast<V>(static_cast<float>(a) + static_cast<float>(b)); }
-#else
-#error "jax_blink needs a compiler with _Float16 (GCC >= 12 or Clang >= 15 on x86-64/aarch64)"
-#endif
-};
-struct BF16Add {
-  using V = uint16_t;
-  static V Add(V a, V b) {  // round to nearest even, NaN stays NaN
-    uint32_t ua = static_cast<uint32_t>(a) << 16, ub = static_cast<uint32_t>(b) << 16, u;
-    float fa, fb;
-    __builtin_memcpy(&fa, &ua, 4);
-    __builtin_memcpy(&fb, &ub, 4);
-    const float f = fa + fb;
-    __builtin_memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<V>((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<V>(u >> 16);
-  }
-};
 
 // K sources in one pass: the partial sum stays in a register, so the destination is written once.
 // Each source is prefetched 2 KiB ahead: K+1 concurrent read streams outrun the hardware prefetcher
@@ -99,20 +73,12 @@ void Sum(void* out, const void* first, const void* const* s, int k, int64_t n) {
 }  // namespace
 
 // The exported kernels (cpu_sum.h): thin named entries, the only external symbols of this build.
-void SumF16(void* o, const void* f, const void* const* s, int k, int64_t n) { Sum<F16Add>(o, f, s, k, n); }
-void SumBF16(void* o, const void* f, const void* const* s, int k, int64_t n) { Sum<BF16Add>(o, f, s, k, n); }
-void SumF32(void* o, const void* f, const void* const* s, int k, int64_t n) { Sum<PlainAdd<float>>(o, f, s, k, n); }
-void SumF64(void* o, const void* f, const void* const* s, int k, int64_t n) { Sum<PlainAdd<double>>(o, f, s, k, n); }
-void SumU8(void* o, const void* f, const void* const* s, int k, int64_t n) { Sum<PlainAdd<uint8_t>>(o, f, s, k, n); }
-void SumU16(void* o, const void* f, const void* const* s, int k, int64_t n) {
-  Sum<PlainAdd<uint16_t>>(o, f, s, k, n);
-}
-void SumU32(void* o, const void* f, const void* const* s, int k, int64_t n) {
-  Sum<PlainAdd<uint32_t>>(o, f, s, k, n);
-}
-void SumU64(void* o, const void* f, const void* const* s, int k, int64_t n) {
-  Sum<PlainAdd<uint64_t>>(o, f, s, k, n);
-}
+#define JAX_BLINK_SUM_DEFINE(kind)                                                     \
+  void Sum##kind(void* o, const void* f, const void* const* s, int k, int64_t n) { \
+    Sum<ScalarAdd<Scalar::k##kind>>(o, f, s, k, n);                                \
+  }
+JAX_BLINK_SCALARS(JAX_BLINK_SUM_DEFINE)
+#undef JAX_BLINK_SUM_DEFINE
 
 }  // namespace JAX_BLINK_SUM_NS
 }  // namespace jax_blink

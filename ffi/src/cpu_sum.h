@@ -1,5 +1,5 @@
 // The CPU executor's sum kernels: out = first + s[0] + ... + s[k-1], element by element, added left to
-// right. cpu_sum.cc is compiled once per instruction set (baseline, AVX2, AVX-512 on x86-64; CMake
+// right with element_add.h's adds. cpu_sum.cc is compiled once per instruction set (baseline, AVX2, AVX-512 on x86-64; CMake
 // object libraries) into its own namespace, and AdderFor picks the widest one this CPU runs, once.
 // The vector width changes only how many elements one instruction adds, never the order of the adds
 // in an element, so every kernel gives the same bits.
@@ -7,20 +7,14 @@
 
 #include <cstdint>
 
-namespace jax_blink {
+#include "dtype.h"
 
-enum class Dtype : int;
+namespace jax_blink {
 
 // out[i] = first[i] + s[0][i] + ... + s[k-1][i] over n scalars; `out` may alias `first`, not the s[j].
 using SumFn = void (*)(void* out, const void* first, const void* const* s, int k, int64_t n);
 
-// Scalar kinds with a kernel; complex dtypes add their real and imaginary parts as two scalars.
-#define JAX_BLINK_SUM_KINDS(X) X(F16) X(BF16) X(F32) X(F64) X(U8) X(U16) X(U32) X(U64)
-#define JAX_BLINK_SUM_ENUM(kind) k##kind,
-enum class SumKind : int { JAX_BLINK_SUM_KINDS(JAX_BLINK_SUM_ENUM) kCount };
-#undef JAX_BLINK_SUM_ENUM
-
-// A dtype's kernel and how many scalars one element holds (2 for complex).
+// A dtype's kernel (one per Scalar, dtype.h) and how many scalars one element holds (2 for complex).
 struct Adder {
   SumFn fn = nullptr;
   int64_t lanes = 0;
@@ -44,14 +38,14 @@ bool SumIsaUsable(SumIsa isa);
 Adder AdderFor(Dtype t);
 Adder AdderFor(Dtype t, SumIsa isa);
 
-// The kernels, one plain function per SumKind and instruction set (cpu_sum.cc, compiled once per
+// The kernels, one plain function per Scalar and instruction set (cpu_sum.cc, compiled once per
 // instruction set into namespace sum_<isa>). Only these functions hold that set's instructions: the
 // dispatcher (cpu_sum_dispatch.cc, baseline flags) takes their addresses into constant tables, so no
 // code built for an instruction set runs before the CPU check (ActiveSumIsa / SumIsaUsable).
 #define JAX_BLINK_SUM_DECLARE(kind) void Sum##kind(void* out, const void* first, const void* const* s, int k, int64_t n);
-namespace sum_baseline { JAX_BLINK_SUM_KINDS(JAX_BLINK_SUM_DECLARE) }
-namespace sum_avx2 { JAX_BLINK_SUM_KINDS(JAX_BLINK_SUM_DECLARE) }
-namespace sum_avx512 { JAX_BLINK_SUM_KINDS(JAX_BLINK_SUM_DECLARE) }
+namespace sum_baseline { JAX_BLINK_SCALARS(JAX_BLINK_SUM_DECLARE) }
+namespace sum_avx2 { JAX_BLINK_SCALARS(JAX_BLINK_SUM_DECLARE) }
+namespace sum_avx512 { JAX_BLINK_SCALARS(JAX_BLINK_SUM_DECLARE) }
 #undef JAX_BLINK_SUM_DECLARE
 
 }  // namespace jax_blink

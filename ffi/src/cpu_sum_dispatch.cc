@@ -28,11 +28,11 @@ bool CpuRuns(SumIsa isa) {
 
 // Constant tables of the kernels' addresses, one row per SumIsa (a null row where that build is not
 // linked in): data filled by the loader, so picking a kernel runs no code of any instruction set.
-#define JAX_BLINK_SUM_ROW(ns) {JAX_BLINK_SUM_KINDS(JAX_BLINK_SUM_ENTRY_##ns)}
+#define JAX_BLINK_SUM_ROW(ns) {JAX_BLINK_SCALARS(JAX_BLINK_SUM_ENTRY_##ns)}
 #define JAX_BLINK_SUM_ENTRY_sum_baseline(kind) &sum_baseline::Sum##kind,
 #define JAX_BLINK_SUM_ENTRY_sum_avx2(kind) &sum_avx2::Sum##kind,
 #define JAX_BLINK_SUM_ENTRY_sum_avx512(kind) &sum_avx512::Sum##kind,
-constexpr SumFn kTables[][static_cast<int>(SumKind::kCount)] = {
+constexpr SumFn kTables[][static_cast<int>(Scalar::kCount)] = {
     JAX_BLINK_SUM_ROW(sum_baseline),
 #if defined(JAX_BLINK_SUM_AVX2)
     JAX_BLINK_SUM_ROW(sum_avx2),
@@ -89,21 +89,9 @@ SumIsa ActiveSumIsa() {
 }
 
 Adder AdderFor(Dtype t, SumIsa isa) {
-  const SumFn* fn = kTables[static_cast<int>(isa)];
-  auto of = [fn](SumKind k, int64_t lanes) { return Adder{fn[static_cast<int>(k)], lanes}; };
-  switch (t) {
-    case Dtype::kF16: return of(SumKind::kF16, 1);
-    case Dtype::kBF16: return of(SumKind::kBF16, 1);
-    case Dtype::kF32: return of(SumKind::kF32, 1);
-    case Dtype::kF64: return of(SumKind::kF64, 1);
-    case Dtype::kC64: return of(SumKind::kF32, 2);
-    case Dtype::kC128: return of(SumKind::kF64, 2);
-    case Dtype::kS8: case Dtype::kU8: return of(SumKind::kU8, 1);
-    case Dtype::kS16: case Dtype::kU16: return of(SumKind::kU16, 1);
-    case Dtype::kS32: case Dtype::kU32: return of(SumKind::kU32, 1);
-    case Dtype::kS64: case Dtype::kU64: return of(SumKind::kU64, 1);
-  }
-  return {};
+  const ScalarLayout l = ScalarOf(t);
+  if (l.scalar == Scalar::kCount) return {};
+  return Adder{kTables[static_cast<int>(isa)][static_cast<int>(l.scalar)], l.lanes};
 }
 
 Adder AdderFor(Dtype t) { return AdderFor(t, ActiveSumIsa()); }

@@ -1,4 +1,5 @@
-// CUDA backend: XLA FFI handler "jax_blink_cuda": one launch of the device interpreter per rank.
+// CUDA executor: one launch of the device interpreter per rank (the XLA FFI handler that calls it:
+// cuda_handler.cc).
 //
 // Every ordering decision is in the interpreter program (interp_plan.cc: tasks per thread block,
 // flag dependencies, staging) and the interpreter itself (device_interp.h), both plain C++ that CI runs
@@ -12,20 +13,13 @@
 //     records one completion event per rank: no per-op CUDA calls, no cross-device events;
 //  3. turns the kernels' error records (a bounded wait gave up: JAX_BLINK_TIMEOUT_S, default 5 s,
 //     below PjRt's 10 s abort) into an error naming the rank that never arrived.
-// The handler meets its peers on the host only to exchange buffer pointers (blocking: XLA:GPU runs each
-// device on its own thread); the last to arrive launches for everyone. A device that cannot join fails
-// the whole call at once (FailCall). Not marked command-buffer compatible: the host meeting cannot be
-// replayed in a graph. The fused reduce kernel (LaunchReduce) stays for the harness's bandwidth figures.
 #include <cuda.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cuda/atomic>
 
 #include <algorithm>
 #include <cstring>
 #include <cstdlib>
-#include <future>
 #include <list>
 #include <map>
 #include <memory>
@@ -38,8 +32,6 @@
 #include "device_interp.h"
 #include "interp_plan.h"
 #include "program_cache.h"
-#include "xla/ffi/api/ffi.h"
-#include "xla_dtype.h"
 
 #ifndef JAX_BLINK_CUDA_ARCHS
 #define JAX_BLINK_CUDA_ARCHS "unknown"
@@ -47,6 +39,10 @@
 
 namespace jax_blink {
 namespace {
+
+// Default bound of the device-side waits: below PjRt's 10 s abort window even with the half timeout
+// of grace an arrived peer gets (device_interp.h), so a missing rank fails the call, not the process.
+constexpr int64_t kDefaultGpuTimeoutMs = 5000;
 
 std::string CudaErr(const char* what, cudaError_t e) {
   return std::string("jax_blink CUDA error at ") + what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
@@ -58,117 +54,12 @@ std::string CudaErr(const char* what, cudaError_t e) {
     if (_e != cudaSuccess) return CudaErr(#expr, _e);    \
   } while (0)
 
-// ------------------------------------------------------------------------------ fused reduce kernel
-template <typename T> struct Add {
-  __device__ static T apply(T a, T b) { return static_cast<T>(a + b); }
-};
-template <> struct Add<__half> {  // fp32 add, one rounding per add (as the CPU executor)
-  __device__ static __half apply(__half a, __half b) { return __float2half_rn(__half2float(a) + __half2float(b)); }
-};
-template <> struct Add<__nv_bfloat16> {
-  __device__ static __nv_bfloat16 apply(__nv_bfloat16 a, __nv_bfloat16 b) {
-    return __float2bfloat16_rn(__bfloat162float(a) + __bfloat162float(b));
-  }
-};
-
-constexpr int kMaxSources = 8;  // sources per launch; more are chained (out becomes the first operand)
-template <typename T> struct Sources { const T* p[kMaxSources]; };
-template <typename T> struct alignas(16) Vec { T v[16 / sizeof(T)]; };
-
-// out = first + s[0] + ... + s[k-1]. Elements [head, head + nvec * V) use 16-byte vectors (all pointers
-// aligned there); the head and the tail are scalar.
-template <typename T>
-__global__ void ReduceKernel(T* out, const T* first, Sources<T> s, int k, int64_t head, int64_t nvec, int64_t n) {
-  constexpr int V = 16 / sizeof(T);
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = tid; i < nvec; i += stride) {
-    const int64_t e = head + i * V;
-    Vec<T> a = *reinterpret_cast<const Vec<T>*>(first + e);
-    for (int j = 0; j < k; ++j) {
-      const Vec<T> b = *reinterpret_cast<const Vec<T>*>(s.p[j] + e);
-#pragma unroll
-      for (int v = 0; v < V; ++v) a.v[v] = Add<T>::apply(a.v[v], b.v[v]);
-    }
-    *reinterpret_cast<Vec<T>*>(out + e) = a;
-  }
-  const int64_t tail0 = head + nvec * V;
-  const int64_t scalars = head + (n - tail0);
-  for (int64_t i = tid; i < scalars; i += stride) {
-    const int64_t e = i < head ? i : tail0 + (i - head);
-    T a = first[e];
-    for (int j = 0; j < k; ++j) a = Add<T>::apply(a, s.p[j][e]);
-    out[e] = a;
-  }
-}
-
-template <typename T>
-std::string LaunchT(void* out, const void* first, const void* const* srcs, int k, int64_t n, cudaStream_t st) {
-  if (n <= 0) return "";
-  constexpr int V = 16 / sizeof(T);
-  const void* cur_first = first;
-  int done = 0;
-  do {
-    const int m = std::min(k - done, kMaxSources);
-    Sources<T> s{};
-    uintptr_t mis = reinterpret_cast<uintptr_t>(out) & 15;
-    bool same = (reinterpret_cast<uintptr_t>(cur_first) & 15) == mis;
-    for (int j = 0; j < m; ++j) {
-      s.p[j] = static_cast<const T*>(srcs[done + j]);
-      same = same && (reinterpret_cast<uintptr_t>(srcs[done + j]) & 15) == mis;
-    }
-    int64_t head = n, nvec = 0;
-    if (same && mis % sizeof(T) == 0) {
-      head = std::min<int64_t>(n, static_cast<int64_t>(((16 - mis) & 15) / sizeof(T)));
-      nvec = (n - head) / V;
-    }
-    const int64_t work = std::max<int64_t>(nvec, head + (n - head - nvec * V));
-    const int threads = 256;
-    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((work + threads - 1) / threads, 4096));
-    ReduceKernel<T><<<static_cast<unsigned>(blocks), threads, 0, st>>>(
-        static_cast<T*>(out), static_cast<const T*>(cur_first), s, m, head, nvec, n);
-    BLINK_CUDA(cudaGetLastError());
-    done += m;
-    cur_first = out;
-  } while (done < k);
-  return "";
-}
-
-template <typename T>
-std::string KernelImage() {
-  cudaFuncAttributes a;
-  BLINK_CUDA(cudaFuncGetAttributes(&a, ReduceKernel<T>));
-  return "";
-}
-
-// dtype -> (kernel element type, scalars per element). Signed integers add as unsigned (wrapping,
-// bitwise what XLA gives); complex numbers add their real and imaginary parts.
-template <typename F>
-std::string Dispatch(Dtype t, int64_t* lanes, F&& f) {
-  *lanes = (t == Dtype::kC64 || t == Dtype::kC128) ? 2 : 1;
-  switch (t) {
-    case Dtype::kF16: return f(__half{});
-    case Dtype::kBF16: return f(__nv_bfloat16{});
-    case Dtype::kF32: case Dtype::kC64: return f(float{});
-    case Dtype::kF64: case Dtype::kC128: return f(double{});
-    case Dtype::kS8: case Dtype::kU8: return f(uint8_t{});
-    case Dtype::kS16: case Dtype::kU16: return f(uint16_t{});
-    case Dtype::kS32: case Dtype::kU32: return f(uint32_t{});
-    case Dtype::kS64: case Dtype::kU64: return f(uint64_t{});
-  }
-  return "jax_blink: unsupported dtype";
-}
-
 }  // namespace
 
-std::string LaunchReduce(Dtype dtype, void* out, const void* first, const void* const* srcs, int k, int64_t n,
-                         void* stream) {
-  int64_t lanes = 1;
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
-  return Dispatch(dtype, &lanes, [&](auto tag) {
-    using T = decltype(tag);
-    return LaunchT<T>(out, first, srcs, k, n * lanes, st);
-  });
+int64_t CudaTimeoutMs(int64_t attr_ms) {
+  const char* v = std::getenv("JAX_BLINK_TIMEOUT_S");
+  if (v && *v) return EffectiveTimeoutMs(0);
+  return attr_ms > 0 ? std::min(attr_ms, kDefaultGpuTimeoutMs) : kDefaultGpuTimeoutMs;
 }
 
 int DeviceOfPointer(const void* ptr) {
@@ -380,18 +271,8 @@ std::string PollLocked() {
   return first;
 }
 
-CudaGraphStats g_stats;
+CudaStats g_stats;
 
-// Default bound of the device-side waits: below PjRt's 10 s abort window even with the half timeout
-// of grace an arrived peer gets (device_interp.h), so a missing rank fails the call, not the process.
-constexpr int64_t kDefaultGpuTimeoutMs = 5000;
-// JAX_BLINK_TIMEOUT_S when set, else the lowering's attribute capped at the GPU default (a longer
-// wait only ends in PjRt's abort), else the GPU default.
-int64_t GpuTimeoutMs(int64_t attr_ms) {
-  const char* v = std::getenv("JAX_BLINK_TIMEOUT_S");
-  if (v && *v) return EffectiveTimeoutMs(0);
-  return attr_ms > 0 ? std::min(attr_ms, kDefaultGpuTimeoutMs) : kDefaultGpuTimeoutMs;
-}
 
 // Copies the plan's arrays to each rank's device, allocates flags, records and staging. The blocks
 // of all ranks on one device must be resident at once (they wait on each other): if they do not fit
@@ -618,7 +499,7 @@ CudaStatus EnqueueLocked(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
     return Fail(2, e);
   }
   // ---- the call: one launch and one completion record per rank
-  const int64_t timeout_ms = GpuTimeoutMs(0);
+  const int64_t timeout_ms = CudaTimeoutMs(0);
   const uint64_t timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
   std::string err;
   for (int32_t r = 0; r < n && err.empty(); ++r) {
@@ -664,7 +545,7 @@ std::string PollCudaErrors() {
   return PollLocked();
 }
 
-CudaGraphStats GetCudaGraphStats() {
+CudaStats GetCudaStats() {
   std::lock_guard<std::mutex> lock(g_mu);
   return g_stats;
 }
@@ -678,129 +559,5 @@ CudaStatus EnqueueOnCuda(const ExecPlan& plan, Dtype dt, const std::vector<CudaR
   if (saved >= 0) cudaSetDevice(saved);
   return st;
 }
-
-// ------------------------------------------------------------------------------ XLA FFI handler
-namespace ffi = xla::ffi;
-
-namespace {
-
-// Error codes: timeouts kDeadlineExceeded, CUDA failures kInternal, everything else (bad attributes,
-// mismatched participants, a peer that could not join) kInvalidArgument.
-ffi::ErrorCode CodeFor(const std::string& msg) {
-  switch (ErrorClassOf(msg)) {
-    case 2: return ffi::ErrorCode::kDeadlineExceeded;
-    case 1: return ffi::ErrorCode::kInternal;
-    default: return ffi::ErrorCode::kInvalidArgument;
-  }
-}
-
-// XLA:GPU runs each device's program on its own host thread, so the host meeting may block (bounded by
-// the timeout, enforced by the shared watchdog). Identity: the device table of the CUDA lowering is
-// keyed by each device's local hardware id (its CUDA ordinal in this process, jax's
-// Device.local_hardware_id); the handler finds its own from its first non-empty operand's pointer,
-// falling back to the FFI device ordinal only when the pointer query fails. Operands: a bucket of
-// leaves, as the CPU handler takes (the schedule runs over their concatenation; interp_plan.h).
-ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, ffi::RemainingArgs args,
-                         ffi::RemainingRets rets, ffi::Span<const int64_t> schedule,
-                         ffi::Span<const int64_t> device_table, int64_t call_site, int64_t timeout_ms) {
-  // The bucket: operand i -> result i, one dtype, equal element counts (XLA may alias result i to
-  // operand i); zero-size leaves take no part (the same shapes on every device).
-  CudaRank me{-1, stream, {}, {}};
-  std::vector<Leaf> leaves;
-  std::optional<Dtype> dt;
-  // A malformed call: reported to the peers below, once the generation is known.
-  std::string bad = BucketArityError(args.size(), rets.size());
-  int64_t nelems = 0;
-  const void* any_ptr = nullptr;  // identifies the device
-  for (size_t i = 0; bad.empty() && i < args.size(); ++i) {
-    BucketOperand op;
-    bad = ReadBucketOperand(args, rets, i, &dt, &op);
-    if (!bad.empty()) break;
-    const int64_t n = op.in_count;
-    if (op.out_count != n) {
-      bad = "operand " + std::to_string(i) + " has " + std::to_string(n) + " elements and its result " +
-            std::to_string(op.out_count) + " (the CUDA target takes full buffers, not shards)";
-      break;
-    }
-    if (n == 0) continue;
-    if (!any_ptr) any_ptr = op.in;
-    leaves.push_back(Leaf{op.in, op.out, n});
-    me.in.push_back(op.in);
-    me.out.push_back(op.out);
-    nelems += n;
-  }
-  if (bad.empty() && nelems == 0) return ffi::Error::Success();
-  // the CUDA ordinal of this executor: asked once per FFI ordinal (no per-call pointer queries)
-  static std::mutex hw_mu;
-  static std::map<int32_t, int> hw_of;
-  int hw = -1;
-  {
-    std::lock_guard<std::mutex> lock(hw_mu);
-    auto it = hw_of.find(ordinal);
-    if (it != hw_of.end()) {
-      hw = it->second;
-    } else if (any_ptr) {
-      hw = DeviceOfPointer(any_ptr);
-      if (hw >= 0) hw_of[ordinal] = hw;
-    }
-  }
-  if (hw < 0) hw = ordinal;
-  me.device = hw;
-  if (IsTestAbsentDevice(hw)) return ffi::Error::Success();
-  const int64_t generation = NextGeneration(run.run_id, call_site, hw);
-  auto cannot_join = [&](ffi::ErrorCode code, const std::string& why) {
-    std::string msg = "jax_blink: device " + std::to_string(hw) + " cannot join the collective: " + why;
-    FailCall(run.run_id, call_site, generation, msg);
-    return ffi::Error(code, msg);
-  };
-  if (!bad.empty()) return cannot_join(ffi::ErrorCode::kInvalidArgument, bad);
-  std::shared_ptr<const CallSiteInfo> info;
-  std::string err = GetCallSiteInfo(call_site, schedule.begin(), schedule.size(), device_table.begin(),
-                                    device_table.size(), &info);
-  if (!err.empty()) return cannot_join(ffi::ErrorCode::kInvalidArgument, err);
-  const DeviceTable::Entry* e = info->table.Find(hw);
-  if (!e)
-    return cannot_join(ffi::ErrorCode::kInvalidArgument,
-                       "CUDA device " + std::to_string(hw) + " is not in the device table (keyed by local hardware id)");
-  auto result = std::make_shared<std::promise<std::string>>();
-  std::future<std::string> fut = result->get_future();
-  Arrival a;
-  a.device = hw;
-  a.rank = e->rank;
-  a.dtype = *dt;
-  a.nelems = nelems;
-  a.leaves = std::move(leaves);
-  a.backend = &me;  // valid: this thread waits below until the meeting finished
-  a.done = [result](const std::string& msg) { result->set_value(msg); };
-  MeetingKey key{run.run_id, call_site, e->group, generation};
-  auto meeting = Arrive(key, info, std::move(a), GpuTimeoutMs(timeout_ms));
-  if (meeting) {
-    std::vector<CudaRank> ranks;
-    for (auto& arr : meeting->arrivals) ranks.push_back(*static_cast<CudaRank*>(arr.backend));
-    std::vector<int64_t> leaf_elems;  // Arrive checked that every participant brings these sizes
-    for (auto& l : meeting->arrivals[0].leaves) leaf_elems.push_back(l.nelems);
-    CudaStatus st = EnqueueOnCuda(*meeting->plan, *dt, ranks, call_site, e->group, leaf_elems);
-    meeting->Finish(st.message, e->rank);
-  }
-  std::string msg = fut.get();
-  if (!msg.empty()) return ffi::Error(CodeFor(msg), msg);
-  return ffi::Error::Success();
-}
-
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER(BlinkCuda, BlinkCudaImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::RunId>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .RemainingArgs()
-                           .RemainingRets()
-                           .Attr<ffi::Span<const int64_t>>("schedule")
-                           .Attr<ffi::Span<const int64_t>>("device_table")
-                           .Attr<int64_t>("call_site")
-                           .Attr<int64_t>("timeout_ms"));
-
-void* CudaHandlerAddress() { return reinterpret_cast<void*>(BlinkCuda); }
 
 }  // namespace jax_blink

@@ -1,4 +1,5 @@
-// CUDA executor for jax_blink schedules (see cuda_executor.cu). Host API, no CUDA headers needed.
+// CUDA executor for jax_blink schedules (see cuda_executor.cu; its XLA FFI handler: cuda_handler.cc).
+// Host API, no CUDA headers needed.
 //
 // One kernel launch per device per call runs the device interpreter (device_interp.h) over the program
 // of interp_plan.h (plain C++, run on the host under ThreadSanitizer in CI); the CUDA layer sets up peer
@@ -54,24 +55,19 @@ CudaStatus EnqueueOnCuda(const ExecPlan& plan, Dtype dtype, const std::vector<Cu
 // (the self-test after its last call, a user at the end of a job: jax_blink.lowering.ffi.cuda_errors).
 std::string PollCudaErrors();
 
-// Counters since the process started (the gpu_check harness prints them). The graph / op-by-op
-// fields of the retired issue paths stay zero (kept so older harness code still builds).
-struct CudaGraphStats {
+// Counters since the process started (the gpu_check harness checks and prints them).
+struct CudaStats {
   int64_t launches = 0;          // interpreter kernel launches (one per rank and call)
   int64_t table_uploads = 0;     // pointer-table uploads (a rank's buffers changed)
-  int64_t op_by_op = 0;
-  int64_t captures = 0, capture_failures = 0, instantiates = 0, updates = 0;
-  std::string last_fallback;
   int64_t evicted_sites = 0;     // call sites evicted from the program cache
   int64_t released_programs = 0; // evicted programs freed (after their work completed)
 };
-CudaGraphStats GetCudaGraphStats();
+CudaStats GetCudaStats();
 
-// Fused k-source reduce: out[i] = first[i] + srcs[0][i] + ... + srcs[k-1][i] (left to right, the
-// executors' arithmetic) for n elements on `stream`; 16-byte vector loads on the aligned middle
-// (head and tail peeled) when all pointers share their alignment mod 16. Returns "" or the error.
-std::string LaunchReduce(Dtype dtype, void* out, const void* first, const void* const* srcs, int k, int64_t n,
-                         void* stream);
+// The bound of a call's device-side waits, ms: JAX_BLINK_TIMEOUT_S when set, else the lowering's
+// attribute `attr_ms` (> 0) capped at the GPU default of 5 s (a longer wait would only end in PjRt's
+// 10 s abort), else that default.
+int64_t CudaTimeoutMs(int64_t attr_ms);
 
 // The CUDA device (ordinal in this process) that owns device memory at `ptr`, or -1.
 int DeviceOfPointer(const void* ptr);
@@ -84,7 +80,7 @@ std::string CheckCudaCompatibility();
 int BuiltCudaVersion();
 const char* BuiltCudaArchitectures();
 
-// Address of the XLA FFI handler (platform "CUDA").
+// Address of the XLA FFI handler (platform "CUDA"; cuda_handler.cc).
 void* CudaHandlerAddress();
 
 }  // namespace jax_blink

@@ -46,18 +46,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define BLINK_HD __host__ __device__
-#include <cuda_fp16.h>
-#else
-#define BLINK_HD
-#endif
+#include "element_add.h"  // the adds (and BLINK_HD)
 
 namespace jax_blink {
 namespace interp {
-
-// Scalar kinds of the interpreter's adds (complex dtypes: two scalars per element).
-enum class Scalar : int32_t { kF16 = 0, kBF16, kF32, kF64, kU8, kU16, kU32, kU64 };
 
 enum TaskKind : int32_t { kReduce = 0, kCopy = 1, kZero = 2, kStage = 3 };
 enum SrcWhere : int32_t { kOut = 0, kIn = 1, kStaging = 2 };
@@ -91,7 +83,7 @@ struct Task {
 // A program as the kernel sees it: flat arrays (host memory on the host, device memory on the GPU).
 struct View {
   int32_t nranks = 0, nleaves = 0, max_blocks = 0;
-  int32_t scalar = 0;             // Scalar
+  int32_t scalar = 0;             // Scalar (dtype.h)
   int64_t lanes = 1;              // scalars per element
   int64_t elem_size = 0;          // bytes per element
   const Task* tasks = nullptr;
@@ -122,81 +114,6 @@ struct Ptrs {
   uint64_t* const* flags = nullptr;  // [rank]: that rank's flag array (peer-visible)
   ErrorRecord* const* errors = nullptr;  // [rank]
   char* staging = nullptr;           // staging area (host-pinned on the GPU), staging slots
-};
-
-// ------------------------------------------------------------------------------ element adds
-BLINK_HD inline uint32_t FloatBits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
-}
-BLINK_HD inline float BitsFloat(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
-// IEEE half <-> float, round to nearest even (the CPU executor's _Float16 and CUDA's __float2half_rn).
-BLINK_HD inline float HalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
-  if (exp == 0x1f) return BitsFloat(sign | 0x7f800000u | (man << 13));
-  if (exp == 0) {
-    if (man == 0) return BitsFloat(sign);
-    int e = -1;
-    do { man <<= 1; ++e; } while ((man & 0x400u) == 0);
-    return BitsFloat(sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13));
-  }
-  return BitsFloat(sign | ((exp + 112) << 23) | (man << 13));
-}
-BLINK_HD inline uint16_t FloatToHalf(float f) {
-  const uint32_t u = FloatBits(f);
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
-  const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // NaN
-  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow (rounds to) inf
-  if (a < 0x38800000u) {  // subnormal half (or zero): round the value scaled by 2^24
-    const uint32_t exp = a >> 23;
-    if (exp < 102) return sign;  // below half the smallest subnormal
-    const uint32_t man = (a & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126 - exp;  // 14 + (113 - exp) - 1
-    uint32_t r = man >> shift;
-    const uint32_t rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (r & 1u))) ++r;
-    return static_cast<uint16_t>(sign | r);
-  }
-  uint32_t r = a - 0x38000000u;  // rebias exponent (127 - 15) << 23
-  const uint32_t rem = r & 0x1fffu;
-  r >>= 13;
-  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ++r;
-  return static_cast<uint16_t>(sign | r);
-}
-
-struct AddF16 {
-  using V = uint16_t;
-  BLINK_HD static V Add(V a, V b) { return FloatToHalf(HalfToFloat(a) + HalfToFloat(b)); }
-};
-struct AddBF16 {  // fp32 add, round to nearest even, NaN stays NaN (cpu_sum.cc's BF16Add)
-  using V = uint16_t;
-  BLINK_HD static V Add(V a, V b) {
-    const float f = BitsFloat(static_cast<uint32_t>(a) << 16) + BitsFloat(static_cast<uint32_t>(b) << 16);
-    uint32_t u = FloatBits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<V>((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<V>(u >> 16);
-  }
-};
-template <typename T>
-struct AddPlain {  // integers add as unsigned (wrapping: bitwise XLA's signed add)
-  using V = T;
-  BLINK_HD static V Add(V a, V b) { return static_cast<V>(a + b); }
 };
 
 // ------------------------------------------------------------------------------ 16-byte words
@@ -361,16 +278,7 @@ struct Interpreter {
   }
 
   BLINK_HD void RunData(const Task& t) {
-    switch (static_cast<Scalar>(v.scalar)) {
-      case Scalar::kF16: RunTyped<AddF16>(t); break;
-      case Scalar::kBF16: RunTyped<AddBF16>(t); break;
-      case Scalar::kF32: RunTyped<AddPlain<float>>(t); break;
-      case Scalar::kF64: RunTyped<AddPlain<double>>(t); break;
-      case Scalar::kU8: RunTyped<AddPlain<uint8_t>>(t); break;
-      case Scalar::kU16: RunTyped<AddPlain<uint16_t>>(t); break;
-      case Scalar::kU32: RunTyped<AddPlain<uint32_t>>(t); break;
-      case Scalar::kU64: RunTyped<AddPlain<uint64_t>>(t); break;
-    }
+    arith::WithAdd(static_cast<Scalar>(v.scalar), [&](auto add) { RunTyped<decltype(add)>(t); });
   }
 
   // Thread 0 waits for everything task t needs; the result is shared through `ok` by the caller.

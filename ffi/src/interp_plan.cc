@@ -12,21 +12,6 @@ using interp::FlagRef;
 using interp::Src;
 using interp::Task;
 
-void ScalarOf(Dtype t, interp::Scalar* s, int64_t* lanes) {
-  using interp::Scalar;
-  *lanes = (t == Dtype::kC64 || t == Dtype::kC128) ? 2 : 1;
-  switch (t) {
-    case Dtype::kF16: *s = Scalar::kF16; break;
-    case Dtype::kBF16: *s = Scalar::kBF16; break;
-    case Dtype::kF32: case Dtype::kC64: *s = Scalar::kF32; break;
-    case Dtype::kF64: case Dtype::kC128: *s = Scalar::kF64; break;
-    case Dtype::kS8: case Dtype::kU8: *s = Scalar::kU8; break;
-    case Dtype::kS16: case Dtype::kU16: *s = Scalar::kU16; break;
-    case Dtype::kS32: case Dtype::kU32: *s = Scalar::kU32; break;
-    case Dtype::kS64: case Dtype::kU64: *s = Scalar::kU64; break;
-  }
-}
-
 interp::View InterpPlan::view() const {
   interp::View v;
   v.nranks = nranks;
@@ -47,47 +32,6 @@ interp::View InterpPlan::view() const {
 }
 
 namespace {
-
-// Merges a chunk's reduce steps into one destination into one step at the LAST of them (FuseOps only
-// joins a step to an earlier one, so a parent whose children finish at different times gets several
-// steps, each a pass over the chunk). Step i joins the next step j that touches out[dst] when j is a
-// reduce into dst reading out[dst] first and no step in between writes what i reads: the adds into
-// dst keep their order and every source is read where its value is the same, so the bits are those
-// of the rows in order.
-std::vector<Step> MergeReduces(std::vector<Step> steps) {
-  auto touches_out = [](const Step& st, int32_t r) {
-    for (auto& o : st.reads) if (o.rank == r && !o.input) return true;
-    for (int32_t w : st.writes) if (w == r) return true;
-    return false;
-  };
-  bool changed = true;
-  while (changed) {
-    changed = false;
-    for (size_t i = 0; i < steps.size() && !changed; ++i) {
-      if (steps[i].kind != 0) continue;
-      const int32_t dst = steps[i].writes[0];
-      for (size_t j = i + 1; j < steps.size(); ++j) {
-        if (!touches_out(steps[j], dst)) {
-          bool clobbers = false;  // does step j write something step i reads?
-          for (int32_t w : steps[j].writes)
-            for (auto& o : steps[i].reads)
-              if (!o.input && o.rank == w) clobbers = true;
-          if (clobbers) break;
-          continue;
-        }
-        if (steps[j].kind == 0 && steps[j].writes[0] == dst && steps[j].reads[0].rank == dst && !steps[j].reads[0].input) {
-          std::vector<Operand> reads = steps[i].reads;
-          reads.insert(reads.end(), steps[j].reads.begin() + 1, steps[j].reads.end());
-          steps[j].reads = std::move(reads);
-          steps.erase(steps.begin() + static_cast<std::ptrdiff_t>(i));
-          changed = true;
-        }
-        break;
-      }
-    }
-  }
-  return steps;
-}
 
 // A task before placement: global id order, its queue, sources, region accesses, dependencies.
 struct Pending {
@@ -110,7 +54,8 @@ std::string BuildInterpPlan(const ExecPlan& plan, Dtype dtype, const InterpOptio
   InterpPlan p;
   p.nranks = n;
   p.elem_size = static_cast<int64_t>(DtypeSize(dtype));
-  ScalarOf(dtype, &p.scalar, &p.lanes);
+  p.scalar = ScalarOf(dtype).scalar;
+  p.lanes = ScalarOf(dtype).lanes;
   std::vector<int64_t> leaves = opt.leaf_elems.empty() ? std::vector<int64_t>{s.nelems} : opt.leaf_elems;
   p.nleaves = static_cast<int32_t>(leaves.size());
   p.leaf_start.assign(leaves.size() + 1, 0);
@@ -182,7 +127,7 @@ std::string BuildInterpPlan(const ExecPlan& plan, Dtype dtype, const InterpOptio
       return pd;
     };
     auto src_of = [](const Operand& o) { return Src{o.input ? interp::kIn : interp::kOut, o.rank, 0}; };
-    for (const Step& st : MergeReduces(cp.steps)) {
+    for (const Step& st : cp.steps) {
       if (st.kind == 0) {
         const int32_t dst = st.writes[0];
         Pending red = make(interp::kReduce, dst, queue_of(dst, cp.segment, 0));

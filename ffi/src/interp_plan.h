@@ -40,7 +40,7 @@ struct InterpOptions {
 
 struct InterpPlan {
   int32_t nranks = 0, nleaves = 0, max_blocks = 0;
-  interp::Scalar scalar = interp::Scalar::kF32;
+  Scalar scalar = Scalar::kF32;
   int64_t lanes = 1, elem_size = 0;
   std::vector<interp::Task> tasks;      // grouped by (rank, block), each block in run order
   std::vector<int32_t> block_begin;     // [nranks * max_blocks + 1]
@@ -61,9 +61,6 @@ struct InterpPlan {
   int64_t pipeline_ideal = 0;
   interp::View view() const;            // pointers into this plan's vectors
 };
-
-// The interpreter's scalar kind and scalars per element of a dtype.
-void ScalarOf(Dtype t, interp::Scalar* s, int64_t* lanes);
 
 // Returns "" or an error (bad options).
 std::string BuildInterpPlan(const ExecPlan& plan, Dtype dtype, const InterpOptions& opt, InterpPlan* out);

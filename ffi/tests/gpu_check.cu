@@ -9,6 +9,7 @@
 // setup or CUDA error, 3 without a GPU.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -19,8 +20,30 @@
 #include <vector>
 
 #include "cuda_executor.h"
+#include "element_add.h"
 
 using namespace jax_blink;
+
+// out = a + b with the executors' adds (element_add.h), one scalar per thread and step: the reference
+// rate for the interpreter's numbers (3 x bytes moved per call).
+template <class A>
+__global__ void AddKernel(typename A::V* out, const typename A::V* a, const typename A::V* b, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = A::Add(a[i], b[i]);
+}
+
+void LaunchAdd(Dtype dt, void* out, const void* a, const void* b, int64_t n, cudaStream_t st) {
+  const ScalarLayout l = ScalarOf(dt);
+  const int64_t scalars = n * l.lanes;
+  const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((scalars + 255) / 256, 4096)));
+  arith::WithAdd(l.scalar, [&](auto add) {
+    using A = decltype(add);
+    using V = typename A::V;
+    AddKernel<A><<<blocks, 256, 0, st>>>(static_cast<V*>(out), static_cast<const V*>(a), static_cast<const V*>(b),
+                                         scalars);
+  });
+}
 
 #define CHECK(expr)                                                                          \
   do {                                                                                       \
@@ -106,7 +129,7 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
   // The interpreter: one launch per rank and call, checked bitwise then timed (the same call
   // repeatedly, program cached; wall clock with all devices synchronised).
   {
-    const CudaGraphStats before = GetCudaGraphStats();
+    const CudaStats before = GetCudaStats();
     double first_us = 0;
     int rc = checked("interp", &first_us);
     if (rc) return rc;
@@ -125,7 +148,7 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
       const std::string rec = PollCudaErrors();
       if (!rec.empty()) { std::fprintf(stderr, "gpu_check: FAIL timed calls: %s\n", rec.c_str()); return 2; }
     }
-    const CudaGraphStats after = GetCudaGraphStats();
+    const CudaStats after = GetCudaStats();
     const int64_t launches = after.launches - before.launches, calls = iters + 1 + warm;
     if (launches != n * calls) {
       std::printf("gpu_check: FAIL %s %s %lld kernel launches for %lld calls of %lld ranks (want one per rank)\n", coll,
@@ -145,7 +168,7 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
   // first pointers: found among the cached tables (no upload).
   {
     std::vector<void*> first_out(n), alt(n, nullptr);
-    const CudaGraphStats before = GetCudaGraphStats();
+    const CudaStats before = GetCudaStats();
     for (int64_t r = 0; r < n; ++r) {
       CHECK(cudaSetDevice(ranks[r].device));
       CHECK(cudaMalloc(&alt[r], ne * sizeof(T) + 16));
@@ -153,13 +176,13 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
       ranks[r].out[0] = alt[r];
     }
     int rc = checked("new pointers", nullptr);
-    const CudaGraphStats mid = GetCudaGraphStats();
+    const CudaStats mid = GetCudaStats();
     for (int64_t r = 0; r < n; ++r) ranks[r].out[0] = first_out[r];
     if (!rc) rc = checked("first pointers again", nullptr);
     sync();
     for (int64_t r = 0; r < n; ++r) { cudaSetDevice(ranks[r].device); cudaFree(alt[r]); }
     if (rc) return rc;
-    const CudaGraphStats after = GetCudaGraphStats();
+    const CudaStats after = GetCudaStats();
     const long long up_new = mid.table_uploads - before.table_uploads, up_old = after.table_uploads - mid.table_uploads;
     if (up_new != n || up_old != 0) {
       std::printf("gpu_check: FAIL %s %s pointer change: %lld table uploads for new pointers (want %lld), %lld for "
@@ -186,8 +209,7 @@ int Run(const ExecPlan& plan, Dtype dt, const char* dname, int iters) {
       cudaEventElapsedTime(&ms, e0, e1);
       return ms / 1e3 / iters;
     };
-    const void* src1[1] = {ranks[1].in[0]};
-    double ta = timeit([&] { LaunchReduce(dt, ranks[0].out[0], ranks[0].in[0], src1, 1, ne, s0); });
+    double ta = timeit([&] { LaunchAdd(dt, ranks[0].out[0], ranks[0].in[0], ranks[1].in[0], ne, s0); });
     double tc = timeit([&] { cudaMemcpyAsync(ranks[0].out[0], ranks[0].in[0], ne * sizeof(T), cudaMemcpyDeviceToDevice, s0); });
     std::printf("gpu_check: kernel out=a+b %.1f GB/s (r+w), device copy %.1f GB/s (r+w)\n", 3 * bytes / ta / 1e9,
                 2 * bytes / tc / 1e9);

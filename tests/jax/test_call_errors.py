@@ -161,7 +161,8 @@ def test_load_topology_and_preset_errors(tmp_path):
 def test_host_preset_size_limit_is_fast():
     import time
     t0 = time.perf_counter()
-    with pytest.raises(TopologyError, match=r"preset .host100000.: host<N> takes N host CPU devices in 1..4096 \(e.g. host8\), got N=100000"):
+    msg = r"preset .host100000.: host<N> takes N host CPU devices in 1..4096 \(e.g. host8\), got N=100000"
+    with pytest.raises(TopologyError, match=msg):
         jax_blink.load_topology("host100000")
     with pytest.raises(TopologyError, match="at most 4096"):
         jax_blink.Topology.host(100000)

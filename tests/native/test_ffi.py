@@ -276,15 +276,16 @@ def _tree_digest(h, paths) -> None:
 
 @pytest.fixture(scope="module")
 def nvcc_objects():
-    """{name: (object path, nvcc stderr or "")}: the CUDA executor (.cu with the XLA FFI handler,
-    against this jax's FFI headers) and the GPU harness compiled by nvcc for sm_90, both at once (one
-    process each: the two cores), each kept in the temp dir under a hash of its command, nvcc's
-    version and every file of ffi/src (and, for the executor, of jax's FFI include directory), as
+    """{name: (object path, nvcc stderr or "")}: the CUDA executor (.cu), its XLA FFI handler (.cc,
+    against this jax's FFI headers) and the GPU harness compiled by nvcc for sm_90, all at once (one
+    process each), each kept in the temp dir under a hash of its command, nvcc's
+    version and every file of ffi/src (and, for the executor and the handler, of jax's FFI include directory), as
     the sanitizer builds are: unchanged inputs are not compiled again, any changed one is."""
     nvcc, src, inc = _nvcc(), ROOT / "ffi" / "src", pathlib.Path(jax.ffi.include_dir())
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     base = pathlib.Path(tempfile.gettempdir()) / f"jax_blink_nvcc_{os.getuid()}"
     jobs = {"cuda_executor": (src / "cuda_executor.cu", ["-I", str(src), "-I", str(inc)], [inc]),
+            "cuda_handler": (src / "cuda_handler.cc", ["-I", str(src), "-I", str(inc)], [inc]),
             "gpu_check": (ROOT / "ffi" / "tests" / "gpu_check.cu", ["-I", str(src)], [])}
     out, procs = {}, {}
     for name, (cu, flags, extra) in jobs.items():
@@ -309,16 +310,19 @@ def nvcc_objects():
 @pytest.mark.slow
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found: the CUDA module cannot be compiled here")
 def test_cuda_module_compiles(nvcc_objects):
-    """The CUDA executor (.cu, including the XLA FFI handler) compiles with nvcc (no GPU needed)."""
-    obj, err = nvcc_objects["cuda_executor"]
-    assert not err, err[-4000:]
-    assert obj.stat().st_size > 10_000
+    """The CUDA executor (.cu) and its XLA FFI handler (host code through nvcc's host compiler, with the
+    CUDA runtime's headers) compile with nvcc (no GPU needed)."""
+    for name in ("cuda_executor", "cuda_handler"):
+        obj, err = nvcc_objects[name]
+        assert not err, (name, err[-4000:])
+        assert obj.stat().st_size > 10_000, name
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found: the gpu_check harness cannot be compiled here")
 def test_gpu_check_harness_compiles(nvcc_objects):
-    """The GPU harness (both issue paths, graph stats) compiles against the executor's header."""
+    """The GPU harness (the interpreter's checks, launch and upload counters, its add kernel on the
+    shared arithmetic) compiles against the executor's header."""
     obj, err = nvcc_objects["gpu_check"]
     assert not err, err[-4000:]
     assert obj.stat().st_size > 0

@@ -1,10 +1,13 @@
-// The handler prologue shared by the CPU and CUDA handlers: XLA FFI element types mapped to
-// jax_blink's Dtype, and the checks of a call's bucket of leaves (operand i -> result i, one dtype).
+// What the CPU and CUDA XLA FFI handlers (cpu_module.cc, cuda_handler.cc) share: XLA FFI element
+// types mapped to jax_blink's Dtype, the checks of a call's bucket of leaves (operand i -> result i,
+// one dtype), the error code of an executor's message, and the binding of the bucket and the
+// attributes every lowering passes (jax_blink/lowering/ffi.py).
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "blink_core.h"
 #include "xla/ffi/api/ffi.h"
@@ -63,6 +66,32 @@ inline std::string ReadBucketOperand(const xla::ffi::RemainingArgs& args, const 
   *op = BucketOperand{x->untyped_data(), (*y)->untyped_data(), static_cast<int64_t>(x->element_count()),
                       static_cast<int64_t>((*y)->element_count())};
   return "";
+}
+
+// XLA's error code for an executor message (ErrorClassOf, blink_core.h): a timeout
+// kDeadlineExceeded, a failure inside the executor (a CUDA call) kInternal, everything else (bad
+// attributes, mismatched participants, a peer that could not join) kInvalidArgument.
+inline xla::ffi::ErrorCode ErrorCodeOf(const std::string& msg) {
+  switch (ErrorClassOf(msg)) {
+    case 2: return xla::ffi::ErrorCode::kDeadlineExceeded;
+    case 1: return xla::ffi::ErrorCode::kInternal;
+    default: return xla::ffi::ErrorCode::kInvalidArgument;
+  }
+}
+
+// The binding after a handler's context arguments: the bucket (RemainingArgs, RemainingRets) and the
+// attributes schedule (Schedule.to_array() words), device_table ((device, group, rank) rows),
+// call_site and timeout_ms. A handler adds its own attributes after these.
+template <typename Binding>
+auto BindCollective(Binding b) {
+  using Words = xla::ffi::Span<const int64_t>;
+  return std::move(b)
+      .RemainingArgs()
+      .RemainingRets()
+      .template Attr<Words>("schedule")
+      .template Attr<Words>("device_table")
+      .template Attr<int64_t>("call_site")
+      .template Attr<int64_t>("timeout_ms");
 }
 
 }  // namespace jax_blink
