@@ -168,17 +168,11 @@ ffi::Future BlinkCpuImpl(ffi::RunId run, int32_t device, ffi::RemainingArgs args
   if (!err.empty()) return cannot_join(err);
   ffi::Promise promise;
   ffi::Future future(promise);
-  Arrival a;
-  a.device = device;
-  a.rank = e->rank;
-  a.dtype = *dt;
-  a.nelems = nelems;
-  a.leaves = std::move(leaves);
-  a.where = std::string(where);
-  a.done = [promise](const std::string& msg) mutable {
-    if (msg.empty()) promise.SetAvailable();
-    else promise.SetError(ffi::Error(ErrorCodeOf(msg), msg));
-  };
+  Arrival a{device, e->rank, *dt, nelems, std::move(leaves), std::string(where), /*backend=*/nullptr,
+            [promise](const std::string& msg) mutable {
+              if (msg.empty()) promise.SetAvailable();
+              else promise.SetError(ffi::Error(ErrorCodeOf(msg), msg));
+            }};
   MeetingKey key{run.run_id, call_site, e->group, generation};
   auto meeting = Arrive(key, info, std::move(a), EffectiveTimeoutMs(timeout_ms));
   if (meeting) ExecuteOnCpu(std::move(meeting), e->rank);

@@ -96,14 +96,9 @@ ffi::Error BlinkCudaImpl(cudaStream_t stream, ffi::RunId run, int32_t ordinal, f
                        "CUDA device " + std::to_string(hw) + " is not in the device table (keyed by local hardware id)");
   auto result = std::make_shared<std::promise<std::string>>();
   std::future<std::string> fut = result->get_future();
-  Arrival a;
-  a.device = hw;
-  a.rank = e->rank;
-  a.dtype = *dt;
-  a.nelems = nelems;
-  a.leaves = std::move(leaves);
-  a.backend = &me;  // valid: this thread waits below until the meeting finished
-  a.done = [result](const std::string& msg) { result->set_value(msg); };
+  // backend = &me: valid, this thread waits below until the meeting finished
+  Arrival a{hw, e->rank, *dt, nelems, std::move(leaves), /*where=*/"", /*backend=*/&me,
+            [result](const std::string& msg) { result->set_value(msg); }};
   MeetingKey key{run.run_id, call_site, e->group, generation};
   auto meeting = Arrive(key, info, std::move(a), CudaTimeoutMs(timeout_ms));
   if (meeting) {
