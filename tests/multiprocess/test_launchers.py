@@ -10,12 +10,14 @@ and the launcher must end the job naming it.
 does not come up) then fails these tests; elsewhere they skip saying what to install.
 """
 
+import fcntl
 import json
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -52,6 +54,10 @@ def slurm(tmp_path_factory):
     if os.geteuid() != 0:
         _unavailable("the single-node SLURM's slurmd must run as root")
     state = tmp_path_factory.mktemp("slurm")
+    # one single-node SLURM on the machine at a time (.ci/run runs the two jax ends side by side: both
+    # slurmd would register the same node name)
+    lock = open(pathlib.Path(tempfile.gettempdir()) / f"jax_blink_slurm_{os.getuid()}.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
     try:
         out = subprocess.run([str(LOCAL_SLURM), "start", str(state)], capture_output=True, text=True, timeout=90)
         if out.returncode != 0:
@@ -60,6 +66,8 @@ def slurm(tmp_path_factory):
         yield conf
     finally:
         subprocess.run([str(LOCAL_SLURM), "stop", str(state)], capture_output=True, timeout=60)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
         for pid_file in ("slurmd.pid", "slurmctld.pid", "munge-dir"):
             assert not (state / pid_file).exists(), f"{pid_file} left behind"
 
