@@ -51,6 +51,7 @@ ENV_FAULTS = "JAX_BLINK_FAULTS"
 _PREFIX = "jax_blink/fault"
 #: how long one blocking key-value get of the listener lasts before it asks again (ms)
 _GET_CHUNK_MS = 60_000
+_JOIN_AT_EXIT_S = 5.0  # at exit, how long to wait for the threads (they end within a tick)
 #: how long a process stopped by a peer's failure waits before it exits (s)
 _LET_GO_FIRST_S = 0.5
 #: how long a probe waits for each peer's answer (s)
@@ -97,12 +98,15 @@ class _Watch:
         self.exit_code = None     # sys.exit's code when it is not 0 / None
         self.failed = False       # this process published a failure
         self.stopping = False     # atexit ran: no more verdicts
+        self.wake = threading.Event()  # the exit hook wakes the sampler
         self.main = threading.main_thread()
         self.stable_since = time.monotonic()
         self.stable_key = None
         self.reported_key = None
-        threading.Thread(target=self._listen, name="jax_blink-faults-listener", daemon=True).start()
-        threading.Thread(target=self._sample, name="jax_blink-faults-sampler", daemon=True).start()
+        self.threads = [threading.Thread(target=self._listen, name="jax_blink-faults-listener", daemon=True),
+                        threading.Thread(target=self._sample, name="jax_blink-faults-sampler", daemon=True)]
+        for t in self.threads:
+            t.start()
 
     # ------------------------------------------------------------------ events
     def post(self, event: dict) -> None:
@@ -196,7 +200,8 @@ class _Watch:
     def _sample(self) -> None:
         period = min(1.0, max(0.05, self.timeout_s / 8))
         while not self.stopping:
-            time.sleep(period)
+            if self.wake.wait(period):  # set by the exit hook: end now, not a period later
+                return
             frame = sys._current_frames().get(self.main.ident)
             if frame is None:
                 return
@@ -252,6 +257,7 @@ class _Watch:
     def on_exit(self) -> None:
         """atexit: publish this process's end; after ``sys.exit(code)``, exit now with that code."""
         self.stopping = True
+        self.wake.set()
         if self.exit_code is not None:
             self.failed = True
             print(f"SystemExit: process {self.me} of {self.n} exits with sys.exit({self.exit_code!r}) at "
@@ -261,6 +267,14 @@ class _Watch:
                        "where": self.exit_where or "unknown"})
             _die(None, self.exit_code if isinstance(self.exit_code, int) else 1)
         self.post({"kind": "exit", "what": "its program ended (or raised SystemExit)", "where": "exit"})
+        # Both threads end before the interpreter finalizes: the listener at our own exit event (just
+        # posted), the sampler at once (woken). A daemon thread that comes back from a blocking
+        # key-value get while Python finalizes is ended by pthread_exit, whose forced unwind jaxlib's
+        # binding catches: "FATAL: exception not rethrown", SIGABRT (2 of 15 four-process runs under
+        # load before this join).
+        for t in self.threads:
+            if t is not threading.current_thread():
+                t.join(timeout=_JOIN_AT_EXIT_S)
 
     exit_where = None
 
