@@ -95,8 +95,9 @@ def test_sigkill_ends_the_job_through_the_heartbeat(when):
     assert after <= 25, (after, str(err))
     survivor, victim = err.result.processes
     assert victim.returncode == -9
-    assert ("another task died" in survivor.stderr or "Connection reset by peer" in survivor.stderr
-            or "unhealthy" in survivor.stderr), survivor.stderr[-3000:]
+    # jax's service, or gloo seeing the socket go: "reset" or (jax 0.12 under load) "closed" by peer
+    assert any(m in survivor.stderr for m in ("another task died", "Connection reset by peer",
+                                              "Connection closed by peer", "unhealthy")), survivor.stderr[-3000:]
     assert re.search(r"process 1 of 2 failed first \(signal SIGKILL after [\d.]+ s\)", str(err)), str(err)
 
 
