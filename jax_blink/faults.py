@@ -97,8 +97,7 @@ class _Watch:
         self.exited: dict[int, dict] = {}   # peers that published a normal exit
         self.exit_code = None     # sys.exit's code when it is not 0 / None
         self.failed = False       # this process published a failure
-        self.stopping = False     # atexit ran: no more verdicts
-        self.wake = threading.Event()  # the exit hook wakes the sampler
+        self.wake = threading.Event()  # set by the exit hook: no more verdicts; wakes the sampler
         self.main = threading.main_thread()
         self.stable_since = time.monotonic()
         self.stable_key = None
@@ -107,6 +106,11 @@ class _Watch:
                         threading.Thread(target=self._sample, name="jax_blink-faults-sampler", daemon=True)]
         for t in self.threads:
             t.start()
+
+    @property
+    def stopping(self) -> bool:
+        """The exit hook ran: no more verdicts."""
+        return self.wake.is_set()
 
     # ------------------------------------------------------------------ events
     def post(self, event: dict) -> None:
@@ -256,7 +260,6 @@ class _Watch:
 
     def on_exit(self) -> None:
         """atexit: publish this process's end; after ``sys.exit(code)``, exit now with that code."""
-        self.stopping = True
         self.wake.set()
         if self.exit_code is not None:
             self.failed = True

@@ -54,8 +54,9 @@ std::string BuildInterpPlan(const ExecPlan& plan, Dtype dtype, const InterpOptio
   InterpPlan p;
   p.nranks = n;
   p.elem_size = static_cast<int64_t>(DtypeSize(dtype));
-  p.scalar = ScalarOf(dtype).scalar;
-  p.lanes = ScalarOf(dtype).lanes;
+  const ScalarLayout layout = ScalarOf(dtype);
+  p.scalar = layout.scalar;
+  p.lanes = layout.lanes;
   std::vector<int64_t> leaves = opt.leaf_elems.empty() ? std::vector<int64_t>{s.nelems} : opt.leaf_elems;
   p.nleaves = static_cast<int32_t>(leaves.size());
   p.leaf_start.assign(leaves.size() + 1, 0);
