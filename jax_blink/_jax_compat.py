@@ -184,6 +184,28 @@ def check_unreduced_sum(mat, name: str) -> None:
         _parallel.check_unreduced_kind(name, mat, _UNREDUCED_KIND.sum)
 
 
+def def_unreduced_lowering(prim, to_lo) -> None:
+    """Where jax types unreduced values as "high" avals (jax >= 0.12.1: an unreduced operand is an
+    ``UnreducedArray`` whose low form is a varying array, ``aval.lower_val`` / ``raise_val``), let
+    ``prim`` take them as lax's unreduced collectives do (``unreduced_psum_p.to_lojax``): it is high
+    when an operand is, and ``to_lo(lo_vals, hi_avals, **params)`` runs it on the low values and
+    returns the low results, which are raised to ``prim``'s abstract results. Elsewhere nothing."""
+    if not hasattr(core.Primitive, "to_lojax"):
+        return
+
+    def to_lojax(*hi_vals, **params):
+        hi_avals = [core.typeof(v) for v in hi_vals]
+        outs, _ = prim.abstract_eval(*hi_avals, **params)
+        lo_vals = [v for a, x in zip(hi_avals, hi_vals) for v in a.lower_val(x)]
+        lo_outs = to_lo(lo_vals, hi_avals, **params)
+        if not prim.multiple_results:
+            return outs.raise_val(lo_outs)
+        return [a.raise_val(v) for a, v in zip(outs, lo_outs)]
+
+    prim.is_high = lambda *avals, **_: any(getattr(a, "is_high", False) for a in avals)
+    prim.to_lojax = to_lojax
+
+
 def manual_axes(ctx) -> frozenset:
     """The manual mesh axes of a lowering context (shard_map); empty outside shard_map."""
     axis_ctx = ctx.module_context.axis_context

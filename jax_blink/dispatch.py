@@ -179,9 +179,9 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
                   schedules: bool = True) -> _lowering.LoweringRequest:
     """The LoweringRequest for one call site: groups, device table, one schedule per group.
 
-    ``by_process``: the groups are each group's members inside THIS process (a group spanning P
-    processes gives this process one local group, members in rank order; ``root`` is then a rank
-    of that local group), and the device table lists this process's devices only: the request of a
+    ``by_process``: the groups are each group's members inside each process (a group spanning P
+    processes gives P local groups, members in rank order, every process's listed so that all
+    processes lower one program; ``root`` is then a rank of a local group): the request of a
     native executor's intra-node phase (``lowering.hierarchical``, Blink section 5). Without a
     given topology, a local group on host CPU devices plans on ``Topology.host(len(group))``.
     ``schedules=False``: groups and device table only (no plan, ``schedules=()``), for a rule that
@@ -204,8 +204,10 @@ def build_request(collective: str, mesh, axes: tuple, axis_index_groups, root, k
     rep = _representatives(groups, tuple(mesh.devices.shape), tuple(mesh.axis_names), auto_axes)
     flat = list(mesh.devices.flat)
     if by_process:
-        me = _process_index()
-        groups = [split[me] for split in mapping.split_by_process(flat, groups) if me in split]
+        # Every process's part of every group, not only this process's: each process then lowers the
+        # same program (jaxlib 0.12.1's cross-process collectives hang when the processes' programs
+        # differ; scripts/repro_jaxlib_0121_gloo_hang.py). A process's calls meet its own devices only.
+        groups = [part for split in mapping.split_by_process(flat, groups) for part in split.values()]
         rep = list(range(len(groups)))  # each local group plans for itself
     table = mapping.device_table(flat, groups)
     if not schedules:
@@ -254,11 +256,6 @@ def concrete_mesh(collective, ctx):
         raise BlinkError(f"jax_blink.{collective} needs a concrete device mesh at lowering (jax.pmap or "
                          f"jax.shard_map with a jax.sharding.Mesh); got axis context {type(axis_ctx).__name__}")
     return axis_ctx.mesh
-
-
-def _process_index() -> int:
-    import jax
-    return int(jax.process_index())
 
 
 def site_lowering(ctx, mesh, impl, axes=None, axis_index_groups=None, collective=None, key=None, root=None,

@@ -49,6 +49,7 @@ from ._jax_compat import (
     check_unreduced_args,
     check_unreduced_sum,
     core,
+    def_unreduced_lowering,
     lax_const,
     lower_fun_plain,
     mlir,
@@ -418,6 +419,9 @@ blink_unreduced_psum_p = _define("blink_unreduced_psum", multiple_results=True,
                                  abstract_eval=_unreduced_psum_abstract, transpose=_unreduced_psum_transpose,
                                  batcher=_no_batching("unreduced_psum"),
                                  lowering=functools.partial(_lower, "allreduce"))
+# jax >= 0.12.1 passes unreduced operands as high values: the low form is varying over the axes, so
+# the sum is the invariant psum of the low values (lax's unreduced_psum_p.to_lojax).
+def_unreduced_lowering(blink_unreduced_psum_p, lambda lo, _hi, **params: blink_psum_invariant_p.bind(*lo, **params))
 
 
 # ================================================================================ broadcast
@@ -630,6 +634,15 @@ blink_unreduced_reduce_scatter_p = _define(
     "blink_unreduced_reduce_scatter", multiple_results=False, abstract_eval=_unreduced_reduce_scatter_abstract,
     transpose=_unreduced_reduce_scatter_transpose, batcher=_no_batching("unreduced_psum_scatter"),
     lowering=functools.partial(_lower_sharded, "reducescatter"))
+
+
+def _unreduced_reduce_scatter_lo(lo, hi, *, scatter_dimension, **params):
+    # the low form leads with one dimension per unreduced mesh axis of the sharding (as lax's rule)
+    dim = scatter_dimension + len(hi[0].sharding.spec.unreduced)
+    return blink_reduce_scatter_p.bind(*lo, scatter_dimension=dim, **params)
+
+
+def_unreduced_lowering(blink_unreduced_reduce_scatter_p, _unreduced_reduce_scatter_lo)
 
 
 # ================================================================================ roofline

@@ -149,17 +149,23 @@ def cuda_device_table(table, devices, process_index: int) -> np.ndarray:
       table: int64 rows (device_id, group, rank) (``LoweringRequest.device_table``).
       devices: the mesh's devices (objects with ``id``, ``process_index``, ``local_hardware_id``).
       process_index: this process's index (``jax.process_index()``).
-    Raises BlinkError when a device of the table is missing from ``devices``, belongs to another
-    process (the custom call meets its peers in process memory), has no local hardware id, or two
-    devices share one (the handler could not tell them apart).
+    Rows of groups with no device in this process are dropped (they meet in their own process).
+    Raises BlinkError when a device of the table is missing from ``devices``, a group mixes this
+    process's devices with another's (the custom call meets its peers in process memory), a device
+    has no local hardware id, or two devices share one (the handler could not tell them apart).
     """
     by_id = {int(d.id): d for d in devices}
     rows = np.asarray(table, np.int64).reshape(-1, 3).copy()
+    for row in rows:
+        if int(row[0]) not in by_id:
+            raise BlinkError(f"jax_blink ffi (CUDA): device id {int(row[0])} of the device table is not in the mesh")
+    # Groups wholly in other processes (a hierarchical local phase lists every process's groups so
+    # that all processes lower one program) meet there: their rows are dropped here.
+    local = {int(r[1]) for r in rows if int(getattr(by_id[int(r[0])], "process_index", 0)) == int(process_index)}
+    rows = rows[[int(r[1]) in local for r in rows]] if local else rows
     seen = {}
     for row in rows:
-        dev = by_id.get(int(row[0]))
-        if dev is None:
-            raise BlinkError(f"jax_blink ffi (CUDA): device id {int(row[0])} of the device table is not in the mesh")
+        dev = by_id[int(row[0])]
         if int(getattr(dev, "process_index", 0)) != int(process_index):
             raise BlinkError(f"jax_blink ffi (CUDA): device {dev.id} belongs to process {dev.process_index}, not "
                              f"this one ({process_index}); the native executor runs inside one process: use "

@@ -31,10 +31,13 @@ device per process) only XLA's collective runs; with ``P = 1`` only the native p
 Requirements (else :func:`fits` says why and ``impl="auto"`` keeps ``ppermute``): every group has
 the same number ``L`` of devices in each of its processes and spans the same number of processes.
 
-Device tables: each process's custom calls meet in its own memory, so the local phases' requests
-(``request_for(n, collective, by_process=True)``) list this process's devices only; device ids are
-global in multi-process jobs, and XLA:CPU's FFI device ordinal is the global ``Device.id``
-(checked on 2 processes x 4 devices: ids 0-3 and 2048-2051).
+Device tables: each process's custom calls meet in its own memory; the local phases' requests
+(``request_for(n, collective, by_process=True)``) list every process's part of every group, so that
+every process lowers the same program (jaxlib 0.12.1's cross-process collectives hang when the
+processes' programs differ: ``scripts/repro_jaxlib_0121_gloo_hang.py``), and a process's calls meet
+only the groups of its own devices. Device ids are global in multi-process jobs, and XLA:CPU's FFI
+device ordinal is the global ``Device.id`` (checked on 2 processes x 4 devices: ids 0-3 and
+2048-2051). The CUDA table keeps this process's groups' rows (``lowering.ffi.cuda_device_table``).
 
 Two gloo rules (XLA:CPU's cross-process collectives; the observations behind them:
 docs/benchmarks-notes.md, "gloo on XLA:CPU"): the CPU form runs the network reduce-scatter as an

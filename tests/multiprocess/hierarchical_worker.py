@@ -3,12 +3,14 @@
 Mode ``check``: every collective of jax_blink with impl="auto" against lax on meshes spanning all
 processes, many cases per compiled function (process starts and compiles are the cost on 2 cores).
 Prints one ``RESULT {json}`` line per case: max |jax_blink - lax|, exact equality, whether the
-devices of each group hold bitwise-identical results, and what the compiled HLO holds (native
-custom calls, XLA all-reduce / all-gather / reduce-scatter, collective-permutes).
+devices of each group hold bitwise-identical results, what the compiled HLO holds (native
+custom calls, XLA all-reduce / all-gather / reduce-scatter, collective-permutes) and a hash of the
+lowered program (the same in every process).
 Mode ``absent``: the last process never calls the collective; the others must fail, not hang.
 """
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -44,8 +46,11 @@ def emit(**kw):
 
 
 def hlo_counts(f, *args):
-    t = f.lower(*args).compile().as_text()
-    return {"custom_call": t.count("custom-call("), "all_reduce": t.count("all-reduce("),
+    lowered = f.lower(*args)
+    t = lowered.compile().as_text()
+    # every process must lower one program (jaxlib 0.12.1 hangs cross-process collectives otherwise)
+    sha = hashlib.sha256(lowered.as_text().encode()).hexdigest()[:16]
+    return {"program_sha": sha, "custom_call": t.count("custom-call("), "all_reduce": t.count("all-reduce("),
             "all_gather": t.count("all-gather("), "reduce_scatter": t.count("reduce-scatter("),
             "all_to_all": t.count("all-to-all("),
             "collective_permute": t.count("collective-permute(") + t.count("collective-permute-start("),

@@ -121,6 +121,8 @@ def test_every_collective_matches_lax_across_processes(nproc, local):
                 assert r["max_abs_vs_lax"] <= _tolerance(c, r["dtype"], r["magnitude"], n), (p, r)
         # impl="auto" ran the hierarchical lowering on the flat mesh: native calls + XLA collectives,
         # no collective_permute
+        for c in cases:  # one program in every process (the local phases list every process's groups)
+            assert recs[c]["program_sha"] == per[0][c]["program_sha"], (p, c)
         flat = recs["flat/psum_f32"]
         assert flat["custom_call"] > 0 and flat["all_reduce"] > 0 and flat["collective_permute"] == 0, flat
         assert flat["all_gather"] > 0, flat

@@ -89,6 +89,15 @@ def test_cuda_device_table_keyed_by_local_hardware_id():
     assert np.stack(outs).tobytes() == execute(s, np.stack(xs)).tobytes()
 
 
+def test_cuda_device_table_drops_groups_of_other_processes():
+    # A hierarchical local phase lists every process's groups (one program in every process): process
+    # 1 keeps its own group's rows (hardware ids), process 0's group is dropped; and the other way round.
+    devices = [_dev(0, 0), _dev(1, 1), _dev(2048, 0, proc=1), _dev(2049, 1, proc=1)]
+    table = np.array([(0, 0, 0), (1, 0, 1), (2048, 1, 0), (2049, 1, 1)], np.int64).reshape(-1)
+    assert ffi_lowering.cuda_device_table(table, devices, 1).reshape(-1, 3).tolist() == [[0, 1, 0], [1, 1, 1]]
+    assert ffi_lowering.cuda_device_table(table, devices, 0).reshape(-1, 3).tolist() == [[0, 0, 0], [1, 0, 1]]
+
+
 @pytest.mark.parametrize("devices,match", [
     ([_dev(10, 0), _dev(11, 1, proc=1)], "belongs to process 1"),
     ([_dev(10, 0), _dev(11, 0)], "share local hardware id 0"),
