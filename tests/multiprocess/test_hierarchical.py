@@ -105,7 +105,8 @@ def _tolerance(case, dtype_name, magnitude, n):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,local", [(2, 4), (4, 2), (3, 2), (2, 3)])
 def test_every_collective_matches_lax_across_processes(nproc, local):
-    res = launch.launch([WORKER, "check"], nproc, local, timeout_s=300, env=_env())
+    # a correctness run: a heartbeat timeout a loaded 2-core CI (both jax ends at once) cannot reach
+    res = launch.launch([WORKER, "check", "--heartbeat", "60"], nproc, local, timeout_s=300, env=_env())
     per = _records(res)
     n = nproc * local
     for p, recs in enumerate(per):

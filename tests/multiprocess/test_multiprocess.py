@@ -176,7 +176,9 @@ def test_initialize_needs_a_coordinator(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,local", [(2, 4), (4, 2)])
 def test_psum_across_processes_matches_lax(nproc, local):
-    res = launch.launch([WORKER, "check", "--pmap-digits"], nproc, local, timeout_s=240, env=_env())
+    # a correctness run: a heartbeat timeout a loaded 2-core CI (both jax ends at once) cannot reach
+    res = launch.launch([WORKER, "check", "--pmap-digits", "--heartbeat", "60"], nproc, local, timeout_s=240,
+                        env=_env())
     per = _results(res)
     assert len(per) == nproc
     fps = {r["plan"]["fingerprint"] for r in per}
